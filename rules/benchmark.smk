@@ -1,0 +1,18 @@
+rule benchmark:
+    input:
+        verifier=VERIFIER_DIR,
+        draft=results("draft"),
+        prompts=results("prompts/eval.jsonl"),
+    output:
+        report=results("benchmark/report.json"),
+    params:
+        server=config["server"],
+        benchmark=config["benchmark"],
+        code=code("benchmark.run"),
+    log:
+        logs("benchmark"),
+    benchmark:
+        benchmarks("benchmark")
+    threads: workflow.cores
+    script:
+        "../workflow_scripts/entry/benchmark.py"

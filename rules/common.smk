@@ -1,0 +1,53 @@
+# Helpers shared by every rule: config validation, paths, code fingerprints.
+from pathlib import Path
+
+from workflow_scripts.common.config import validate_config
+from workflow_scripts.common.fingerprint import code_fingerprint, value_fingerprint
+
+
+validate_config(config)
+
+RUN = config["run"]
+SCRIPTS_DIR = Path(workflow.basedir) / "workflow_scripts"
+VERIFIER_DIR = f"resources/verifier/{config['verifier']['name']}"
+
+
+wildcard_constraints:
+    shard=r"\d{5}",
+
+
+def results(path):
+    """Path of a run output: results/<run>/<path>."""
+    return f"results/{RUN}/{path}"
+
+
+def logs(name):
+    return f"results/{RUN}/logs/{name}.log"
+
+
+def benchmarks(name):
+    return f"results/{RUN}/benchmarks/{name}.tsv"
+
+
+def code(module):
+    """Fingerprint of a stage's code (its module and every workflow_scripts module it imports).
+
+    Passed as a param: Snakemake only tracks the `script:` file itself, so without this an
+    edit to the stage module would not restale the rule. Comments and docstrings do not count.
+    """
+    return code_fingerprint(f"workflow_scripts.{module}", SCRIPTS_DIR)
+
+
+def shard_paths():
+    n = config["hidden_states"]["num_shards"]
+    return [results(f"hidden_states/shard-{i:05d}.safetensors") for i in range(n)]
+
+
+def serve_verifier_path():
+    """The verifier path the exported draft names: where it will be served from."""
+    return config["verifier"].get("serve_path") or str(Path(VERIFIER_DIR).resolve())
+
+
+def verifier_identity():
+    """What identifies the verifier for synth's resume cache (its config, not its mtime)."""
+    return {"name": config["verifier"]["name"], "source": config["verifier"]["source"], "path": config["verifier"].get("path")}

@@ -1,0 +1,16 @@
+rule dataset:
+    input:
+        responses=results("synth/responses.parquet"),
+        quality=results("synth/quality.json"),
+    output:
+        train=results("dataset/train.parquet"),
+        eval=results("dataset/eval.parquet"),
+    params:
+        dataset=config["dataset"],
+        code=code("dataset"),
+    log:
+        logs("dataset"),
+    benchmark:
+        benchmarks("dataset")
+    script:
+        "../workflow_scripts/entry/dataset.py"

@@ -1,0 +1,32 @@
+rule hidden_states:
+    input:
+        verifier=VERIFIER_DIR,
+        train=results("dataset/train.parquet"),
+        eval=results("dataset/eval.parquet"),
+    output:
+        results("hidden_states/shard-{shard}.safetensors"),
+    params:
+        hidden_states=config["hidden_states"],
+        trust_remote_code=config["verifier"].get("trust_remote_code", False),
+        code=code("hidden_states"),
+    log:
+        logs("hidden_states.shard-{shard}"),
+    benchmark:
+        benchmarks("hidden_states.shard-{shard}")
+    threads: 1
+    script:
+        "../workflow_scripts/entry/hidden_states.py"
+
+
+rule hidden_states_index:
+    input:
+        verifier=VERIFIER_DIR,
+        shards=shard_paths(),
+    output:
+        results("hidden_states/index.json"),
+    params:
+        code=code("hidden_states"),
+    log:
+        logs("hidden_states_index"),
+    script:
+        "../workflow_scripts/entry/hidden_states_index.py"

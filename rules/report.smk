@@ -1,0 +1,16 @@
+rule report:
+    input:
+        report=results("benchmark/report.json"),
+        metrics=results("train/metrics.jsonl"),
+        quality=results("synth/quality.json"),
+        vocab_stats=results("vocab/stats.json"),
+    output:
+        md=results("benchmark/report.md"),
+        acceptance_png=results("benchmark/acceptance_per_position.png"),
+        training_png=results("benchmark/training_curves.png"),
+    params:
+        code=code("report"),
+    log:
+        logs("report"),
+    script:
+        "../workflow_scripts/entry/report.py"

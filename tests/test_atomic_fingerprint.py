@@ -1,0 +1,55 @@
+import shutil
+
+import pytest
+
+from workflow_scripts.common.atomic import atomic_path, write_json
+from workflow_scripts.common.fingerprint import ROOT, code_fingerprint
+
+
+def test_failed_write_leaves_the_old_file_and_no_temporaries(tmp_path):
+    target = tmp_path / "out.json"
+    write_json(target, {"v": 1})
+    with pytest.raises(RuntimeError):
+        with atomic_path(target) as tmp:
+            tmp.write_text("half")
+            raise RuntimeError("killed")
+    assert target.read_text().strip().endswith("}") and '"v": 1' in target.read_text()
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
+
+
+def test_directory_outputs_are_replaced_whole(tmp_path):
+    target = tmp_path / "draft"
+    for version in ("a", "b"):
+        with atomic_path(target) as tmp:
+            tmp.mkdir()
+            (tmp / version).write_text(version)
+    assert [p.name for p in target.iterdir()] == ["b"]
+
+
+@pytest.fixture
+def scripts(tmp_path):
+    root = tmp_path / "workflow_scripts"
+    shutil.copytree(ROOT, root, ignore=shutil.ignore_patterns("__pycache__"))
+    return root
+
+
+def test_fingerprint_ignores_comments_and_docstrings(scripts):
+    before = code_fingerprint("workflow_scripts.vocab", scripts)
+    path = scripts / "vocab.py"
+    path.write_text(path.read_text().replace('"""vocab:', '# a new comment\n"""vocab: reworded.', 1))
+    code_fingerprint.cache_clear()
+    assert code_fingerprint("workflow_scripts.vocab", scripts) == before
+
+
+def test_fingerprint_follows_imports_transitively(scripts):
+    before = code_fingerprint("workflow_scripts.vocab", scripts)
+    other = code_fingerprint("workflow_scripts.prompts", scripts)
+    atomic = scripts / "common" / "atomic.py"  # imported by vocab
+    atomic.write_text(atomic.read_text().replace("os.fsync(fh.fileno())", "pass"))
+    code_fingerprint.cache_clear()
+    assert code_fingerprint("workflow_scripts.vocab", scripts) != before
+    # prompts imports atomic too
+    assert code_fingerprint("workflow_scripts.prompts", scripts) != other
+    unrelated = code_fingerprint("workflow_scripts.benchmark.metrics", scripts)  # imports no atomic
+    code_fingerprint.cache_clear()
+    assert code_fingerprint("workflow_scripts.benchmark.metrics", scripts) == unrelated

@@ -1,0 +1,111 @@
+"""The whole DAG on a small config, with a real vLLM, checked against the data contracts."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from tests.conftest import REPO, copy_workflow, vllm_available
+
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")]
+
+SNAKEMAKE = [sys.executable, "-m", "snakemake"]
+
+
+def vllm_processes(marker: str) -> list[str]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "vllm" in cmd and marker in cmd:
+            found.append(cmd)
+    return found
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    wf = copy_workflow(tmp_path_factory.mktemp("wf"))
+    cmd = SNAKEMAKE + ["--cores", "2", "--configfile", str(REPO / "tests/config/small.yaml")]
+    proc = subprocess.run(cmd, cwd=wf, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        logs = "\n".join(f"--- {p}\n{p.read_text()[-2500:]}" for p in sorted((wf / "results/small/logs").glob("*.log")))
+        pytest.fail(f"snakemake failed ({proc.returncode}):\n{proc.stderr[-4000:]}\n{logs}")
+    return wf
+
+
+def test_every_stage_output_meets_its_contract(finished_run):
+    r = finished_run / "results/small"
+    responses = pq.read_table(r / "synth/responses.parquet").to_pylist()
+    assert len(responses) >= 24  # every train prompt, plus extra turns of multi-turn prompts
+    for s in responses:
+        assert s["prompt_token_ids"] and s["completion_token_ids"]
+        assert len(s["completion_token_ids"]) == s["completion_tokens"]
+        assert s["finish_reason"] in ("stop", "length")
+    assert len({s["id"] for s in responses}) == len(responses)
+    quality = json.loads((r / "synth/quality.json").read_text())
+    assert quality["num_samples"] == len(responses) and quality["request_errors"] == 0
+
+    train = pq.read_table(r / "dataset/train.parquet").to_pylist()
+    evals = pq.read_table(r / "dataset/eval.parquet").to_pylist()
+    assert train and evals
+    by_id = {s["id"]: s for s in responses}
+    for row in train + evals:
+        s = by_id[row["id"]]
+        assert row["input_ids"] == s["prompt_token_ids"] + s["completion_token_ids"]
+        assert row["loss_mask"] == [0] * len(s["prompt_token_ids"]) + [1] * len(s["completion_token_ids"])
+
+    vocab = load_file(r / "vocab/vocab_map.safetensors")
+    assert vocab["d2t"].shape == (1024,) and vocab["d2t"].dtype == torch.int64
+    assert vocab["t2d"].shape == (49152,) and vocab["t2d"].dtype == torch.bool and vocab["t2d"].sum() == 1024
+    chosen = torch.arange(1024) + vocab["d2t"]
+    assert torch.equal(torch.nonzero(vocab["t2d"]).flatten(), chosen)
+    assert json.loads((r / "vocab/stats.json").read_text())["coverage_train"] > 0.9
+
+    index = json.loads((r / "hidden_states/index.json").read_text())
+    assert index["aux_layer_ids"] == [2, 15, 27] and len(index["shards"]) == 2
+    assert index["num_tokens"] == sum(len(x["input_ids"]) for x in train + evals)
+    with safe_open(str(r / "hidden_states/shard-00000.safetensors"), framework="pt") as f:
+        assert f.get_slice("hidden_states").get_shape()[1] == 3 * 576
+
+    metrics = [json.loads(line) for line in (r / "train/metrics.jsonl").read_text().splitlines()]
+    assert any(m["split"] == "train" for m in metrics) and any(m["split"] == "eval" for m in metrics)
+    assert {"step", "loss", "lr", "tokens_per_s", "full_acc_0", "full_acc_2"} <= set(metrics[0])
+
+    draft_config = json.loads((r / "draft/config.json").read_text())
+    assert draft_config["speculators_model_type"] == "eagle3"
+    assert draft_config["draft_vocab_size"] == 1024
+    assert draft_config["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+    assert (r / "draft/model.safetensors").is_file()
+
+    report = json.loads((r / "benchmark/report.json").read_text())
+    for key in ("output_tokens_per_s",):
+        assert report["baseline"][key] > 0 and report["speculative"][key] > 0
+    spec = report["speculative"]
+    assert spec["num_drafts"] > 0
+    assert spec["mean_acceptance_length"] >= 1.0
+    assert len(spec["per_position_acceptance"]) == report["num_speculative_tokens"] == 3
+    assert 0.0 <= spec["acceptance_rate"] <= 1.0
+    assert report["speedup"] == pytest.approx(spec["output_tokens_per_s"] / report["baseline"]["output_tokens_per_s"])
+    assert 0.0 <= report["outputs_identical_fraction"] <= 1.0
+    md = (r / "benchmark/report.md").read_text()
+    assert "mean acceptance length" in md and "speedup" in md
+    assert (r / "benchmark/acceptance_per_position.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_no_vllm_process_outlives_the_run(finished_run):
+    assert vllm_processes(str(finished_run)) == []
+
+
+def test_dry_run_after_a_full_run_has_nothing_to_do(finished_run):
+    cmd = SNAKEMAKE + ["-n", "--configfile", str(REPO / "tests/config/small.yaml")]
+    out = subprocess.run(cmd, cwd=finished_run, capture_output=True, text=True, check=True)
+    assert "Nothing to be done" in out.stdout + out.stderr

@@ -1,0 +1,119 @@
+"""The server lifecycle: healthy start, clear errors, and no process left behind."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from tests.conftest import vllm_available
+from workflow_scripts.common.server import ServerError, ServerSpec, VllmServer, group_alive
+
+# A stand-in for vLLM's process tree: a parent serving /health, plus a forked worker that
+# ignores SIGTERM (as a wedged engine worker does), so the SIGKILL path is exercised too.
+FAKE_SERVER = textwrap.dedent(
+    """
+    import http.server, os, signal, sys, time
+    port, delay, die = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3] == "die"
+    if os.fork() == 0:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        while True:
+            time.sleep(1)
+    print("fake server starting", flush=True)
+    time.sleep(delay)
+    if die:
+        print("CUDA out of memory (simulated)", flush=True)
+        sys.exit(3)
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404); self.end_headers()
+        def log_message(self, *a): pass
+    http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+    """
+)
+
+
+class FakeSpec(ServerSpec):
+    def command(self, port):
+        return [sys.executable, "-c", FAKE_SERVER, str(port), str(self.env.get("DELAY", "0.5")), self.env.get("MODE", "ok")]
+
+
+def test_server_group_is_killed_including_workers_that_ignore_sigterm(tmp_path):
+    spec = FakeSpec(model="fake", startup_timeout_s=30)
+    with VllmServer(spec, tmp_path / "server.log") as srv:
+        pgid = srv.proc.pid
+        assert group_alive(pgid)
+    assert not group_alive(pgid)
+
+
+def test_server_that_dies_raises_with_log_tail(tmp_path):
+    spec = FakeSpec(model="fake", env={"MODE": "die", "DELAY": "0.2"}, startup_timeout_s=30)
+    with pytest.raises(ServerError) as exc:
+        with VllmServer(spec, tmp_path / "server.log"):
+            pass
+    assert "exited with code 3" in str(exc.value)
+    assert "CUDA out of memory (simulated)" in str(exc.value)
+
+
+def test_server_that_never_gets_healthy_times_out_and_is_killed(tmp_path):
+    spec = FakeSpec(model="fake", env={"DELAY": "60"}, startup_timeout_s=2)
+    server = VllmServer(spec, tmp_path / "server.log")
+    with pytest.raises(ServerError, match="did not answer .*within 2 s"):
+        with server:
+            pass
+    assert server.proc is None
+
+
+def test_command_binds_loopback_and_uses_python_m():
+    cmd = ServerSpec(model="m", dtype="float32", enforce_eager=True, speculative_config={"method": "eagle3", "model": "d", "num_speculative_tokens": 3}).command(8000)
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
+    assert "--enforce-eager" in cmd
+    assert '"method": "eagle3"' in cmd[cmd.index("--speculative-config") + 1]
+
+
+JOB = textwrap.dedent(
+    """
+    import sys, time
+    from workflow_scripts.common.server import ServerSpec, VllmServer, terminate_on_sigterm
+    terminate_on_sigterm()
+    spec = ServerSpec(model=sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=512,
+                      env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "1"})
+    with VllmServer(spec, sys.argv[2]) as srv:
+        print("READY", srv.proc.pid, flush=True)
+        time.sleep(3600)
+    """
+)
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
+def test_sigterm_to_the_job_kills_every_vllm_process(tiny_llama_dir, tmp_path):
+    """A job holding a real vLLM gets SIGTERM (as Snakemake or SLURM send it): no vLLM
+    process (API server, engine core, workers) may outlive it."""
+    job = subprocess.Popen([sys.executable, "-c", JOB, str(tiny_llama_dir), str(tmp_path / "vllm.log")], stdout=subprocess.PIPE, text=True)
+    try:
+        line = job.stdout.readline()
+        assert line.startswith("READY"), f"vLLM did not start: {line!r}\n{(tmp_path / 'vllm.log').read_text()[-3000:]}"
+        pgid = int(line.split()[1])
+        members = [p for p in os.listdir("/proc") if p.isdigit() and _pgid(int(p)) == pgid]
+        assert len(members) >= 2, "expected the API server and its engine process"
+        job.send_signal(signal.SIGTERM)
+        assert job.wait(timeout=60) != 0
+        deadline = time.monotonic() + 10
+        while group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not group_alive(pgid), "vLLM processes outlived the job"
+    finally:
+        if job.poll() is None:
+            job.kill()
+
+
+def _pgid(pid):
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None

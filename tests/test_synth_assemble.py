@@ -1,0 +1,63 @@
+import pytest
+
+from workflow_scripts.synth.assemble import parse_completion, reasoning_of, sequence_of
+
+
+def body(message, token_ids=(5, 6, 2), prompt_ids=(1, 2, 3), finish="stop", usage=True):
+    b = {"model": "verifier", "choices": [{"message": message, "finish_reason": finish, "token_ids": list(token_ids) if token_ids is not None else None}]}
+    if prompt_ids is not None:
+        b["prompt_token_ids"] = list(prompt_ids)
+    if usage:
+        b["usage"] = {"prompt_tokens": len(prompt_ids or ()), "completion_tokens": len(token_ids or ())}
+    return b
+
+
+@pytest.mark.parametrize(
+    "message, expected",
+    [
+        ({"content": "a", "reasoning": "think"}, "think"),
+        ({"content": "a", "reasoning_content": "old"}, "old"),
+        ({"content": "a", "reasoning": None, "reasoning_content": "old"}, "old"),
+        ({"content": "a"}, None),
+    ],
+)
+def test_reasoning_read_from_either_field(message, expected):
+    assert reasoning_of(message) == expected
+
+
+def test_clean_sample_has_no_defects():
+    c = parse_completion(body({"content": "hello"}), expect_reasoning=False)
+    assert c.defects == []
+    assert c.prompt_token_ids == [1, 2, 3]
+    assert c.completion_token_ids == [5, 6, 2]
+
+
+def test_reasoning_expected_but_missing():
+    c = parse_completion(body({"content": "hello"}), expect_reasoning=True)
+    assert c.defects == ["empty_reasoning"]
+
+
+def test_reasoning_without_content_is_unterminated_unless_truncated():
+    c = parse_completion(body({"content": None, "reasoning": "hmm"}), expect_reasoning=True)
+    assert "unterminated_reasoning" in c.defects and "empty_content" in c.defects
+    t = parse_completion(body({"content": None, "reasoning": "hmm"}, finish="length"), expect_reasoning=True)
+    assert "unterminated_reasoning" not in t.defects and "truncated" in t.defects
+
+
+def test_missing_token_ids_is_a_defect():
+    c = parse_completion(body({"content": "x"}, token_ids=None, usage=False), expect_reasoning=False)
+    assert c.defects == ["missing_token_ids"]
+
+
+def test_token_count_mismatch():
+    b = body({"content": "x"})
+    b["usage"]["completion_tokens"] = 7
+    assert "token_count_mismatch" in parse_completion(b, expect_reasoning=False).defects
+
+
+def test_sequence_masks_only_generated_tokens():
+    ids, mask = sequence_of([1, 2, 3], [7, 8])
+    assert ids == [1, 2, 3, 7, 8]
+    assert mask == [0, 0, 0, 1, 1]
+    ids, mask = sequence_of([1, 2, 3], [7, 8], max_len=4)
+    assert ids == [1, 2, 3, 7] and mask == [0, 0, 0, 1]

@@ -1,0 +1,56 @@
+import math
+
+import torch
+
+from workflow_scripts.train.data import Sample, collate, pack, shift
+from workflow_scripts.train.loop import lr_at, summarise
+
+
+def test_shift_pairs_next_token_with_current_state():
+    ids = torch.arange(10, 15)  # x0..x4
+    g = torch.arange(5).float().unsqueeze(1) + 100  # g0..g4
+    y = torch.arange(5).float().unsqueeze(1) + 200
+    mask = torch.tensor([0, 0, 1, 1, 1]).bool()
+    s = shift(ids, g, y, mask)
+    assert s.input_ids.tolist() == [11, 12, 13, 14]
+    assert s.hidden_states[:, 0].tolist() == [100, 101, 102, 103]
+    assert s.verifier_last_hidden_states[:, 0].tolist() == [201, 202, 203, 204]
+    assert s.loss_mask.tolist() == [False, True, True, True]
+
+
+def mk(n):
+    return Sample(torch.arange(n), torch.zeros(n, 6), torch.zeros(n, 2), torch.ones(n, dtype=torch.bool))
+
+
+def test_pack_respects_budget_and_keeps_every_sample():
+    samples = [mk(n) for n in (5, 3, 8, 2, 7, 1)]
+    batches = pack(samples, 10, shuffle_seed=3)
+    assert sorted(i for b in batches for i in b) == list(range(6))
+    assert all(sum(len(samples[i]) for i in b) <= 10 for b in batches)
+    assert pack(samples, 10, shuffle_seed=3) == batches
+
+
+def test_collate_restarts_positions_and_numbers_documents():
+    batch = collate([mk(3), mk(2)], batch_tokens=100)
+    assert batch["position_ids"].tolist() == [[1, 2, 3, 1, 2]]
+    assert batch["document_ids"].tolist() == [[0, 0, 0, 1, 1]]
+    assert batch["hidden_states"].shape == (1, 5, 6)
+
+
+def test_lr_warmup_then_cosine_to_floor():
+    assert lr_at(0, 100, 1.0, 10) == 0.1
+    assert lr_at(9, 100, 1.0, 10) == 1.0
+    assert lr_at(10, 100, 1.0, 10) == 1.0
+    assert math.isclose(lr_at(100, 100, 1.0, 10), 0.1)
+    assert lr_at(50, 100, 1.0, 10) < lr_at(30, 100, 1.0, 10)
+
+
+def test_summarise_estimates_acceptance_length():
+    t = torch.tensor
+    m = {"loss_sum": t(1.0)}
+    for k, (full, cond) in enumerate([(8, 8), (4, 4), (2, 2)]):
+        m |= {f"loss_{k}_sum": t(0.5), f"loss_{k}_total": t(1.0), f"full_acc_{k}_sum": t(float(full)), f"full_acc_{k}_total": t(10.0),
+              f"cond_acc_{k}_sum": t(float(cond)), f"cond_acc_{k}_total": t(float(full) if k == 0 else 8.0)}  # fmt: skip
+    out = summarise([m], 3)
+    assert out["full_acc_0"] == 0.8 and out["full_acc_2"] == 0.2
+    assert math.isclose(out["estimated_acceptance_length"], 1 + 0.8 + 0.4 + 0.2)

@@ -1,0 +1,1 @@
+"""benchmark: the verifier served by vLLM with and without the draft, measured side by side."""

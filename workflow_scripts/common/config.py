@@ -1,0 +1,71 @@
+"""Config validation with messages that name the key, what was expected and what was found.
+
+The Snakefile calls `validate_config` right after loading the config, so a misspelled key
+or a wrong type stops `snakemake -n` before any job starts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from jsonschema import Draft202012Validator
+
+SCHEMA_PATH = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _key_path(error) -> str:
+    return ".".join(str(p) for p in error.absolute_path) or "<top level>"
+
+
+def _describe(error) -> str:
+    where = _key_path(error)
+    if error.validator == "additionalProperties":
+        allowed = sorted(error.schema.get("properties", {}))
+        extra = sorted(set(error.instance) - set(allowed))
+        prefix = f"{where}." if error.absolute_path else ""
+        return f"unknown key {', '.join(prefix + e for e in extra)} (allowed here: {', '.join(allowed)})"
+    if error.validator == "required":
+        return f"{where}: {error.message}"
+    if error.validator in ("type", "enum", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "pattern", "minItems"):
+        return f"{where}: expected {_expected(error)}, got {error.instance!r}"
+    return f"{where}: {error.message}"
+
+
+def _expected(error) -> str:
+    v, val = error.validator, error.validator_value
+    return {
+        "type": f"type {val}",
+        "enum": f"one of {val}",
+        "minimum": f">= {val}",
+        "maximum": f"<= {val}",
+        "exclusiveMinimum": f"> {val}",
+        "exclusiveMaximum": f"< {val}",
+        "pattern": f"a string matching {val}",
+        "minItems": f"at least {val} item(s)",
+    }[v]
+
+
+def validate_config(config: dict[str, Any], schema_path: Path = SCHEMA_PATH) -> None:
+    """Raise ConfigError listing every problem in `config`, one line each."""
+    schema = yaml.safe_load(schema_path.read_text())
+    errors = sorted(Draft202012Validator(schema).iter_errors(config), key=lambda e: list(map(str, e.absolute_path)))
+    if errors:
+        lines = "\n  ".join(_describe(e) for e in errors)
+        raise ConfigError(f"invalid eagleflow config ({len(errors)} problem{'s' if len(errors) > 1 else ''}):\n  {lines}")
+    if config["verifier"]["source"] == "path" and not config["verifier"].get("path"):
+        raise ConfigError("verifier.path: required when verifier.source is 'path'")
+    aux = config["hidden_states"].get("aux_layer_ids")
+    if aux and len(set(aux)) != len(aux):
+        raise ConfigError(f"hidden_states.aux_layer_ids: layer ids must be distinct, got {aux}")
+
+
+def load_config(path: str | Path) -> dict[str, Any]:
+    config = yaml.safe_load(Path(path).read_text())
+    validate_config(config)
+    return config

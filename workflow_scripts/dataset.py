@@ -1,0 +1,82 @@
+"""dataset: turn synth samples into training sequences, after the quality gate.
+
+Each sample becomes `input_ids` (the verifier's exact prompt + completion token stream) and
+`loss_mask` (1 on verifier-generated tokens). The gate refuses the whole data set when a
+defect class exceeds its configured fraction: nothing downstream is built from bad data.
+Samples are split into train and eval by a hash of their conversation, so every turn of a
+conversation lands on the same side.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from workflow_scripts.common.atomic import write_parquet
+from workflow_scripts.synth.assemble import sequence_of
+from workflow_scripts.synth.quality import EXCLUDING, gate_failures
+
+log = logging.getLogger(__name__)
+
+SCHEMA = pa.schema([
+    ("id", pa.string()),
+    ("input_ids", pa.list_(pa.int32())),
+    ("loss_mask", pa.list_(pa.int8())),
+    ("length", pa.int32()),
+    ("num_loss_tokens", pa.int32()),
+])  # fmt: skip
+
+
+class QualityGateError(RuntimeError):
+    pass
+
+
+def build_rows(samples: list[dict[str, Any]], max_seq_len: int, excluded_defects: frozenset[str]) -> list[dict[str, Any]]:
+    """Training rows from synth samples, skipping samples with an excluding defect. Pure."""
+    rows = []
+    for s in samples:
+        if excluded_defects.intersection(s["defects"]):
+            continue
+        input_ids, loss_mask = sequence_of(s["prompt_token_ids"], s["completion_token_ids"], max_seq_len)
+        if sum(loss_mask) == 0:
+            continue
+        rows.append({"id": s["id"], "prompt_id": s["prompt_id"], "input_ids": input_ids, "loss_mask": loss_mask,
+                     "length": len(input_ids), "num_loss_tokens": sum(loss_mask)})  # fmt: skip
+    return rows
+
+
+def is_eval(prompt_id: str, eval_fraction: float, seed: int) -> bool:
+    h = int(hashlib.sha256(f"{seed}:{prompt_id}".encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+    return h < eval_fraction
+
+
+def run_dataset(
+    responses: str, quality: str, train_out: str, eval_out: str, *,
+    max_seq_len: int, eval_fraction: float, seed: int, max_defect_fraction: dict[str, float],
+    exclude_defects: list[str],
+) -> None:  # fmt: skip
+    report = json.loads(open(quality).read())
+    failures = gate_failures(report, max_defect_fraction)
+    if failures:
+        raise QualityGateError(
+            f"quality gate refused {responses} ({quality}):\n  " + "\n  ".join(failures)
+            + "\nFix the generator or the server and rerun synth; or raise the limit in config if the defect is expected."
+        )
+    samples = pq.read_table(responses).to_pylist()
+    excluded = EXCLUDING | frozenset(exclude_defects)
+    rows = build_rows(samples, max_seq_len, excluded)
+    train = [r for r in rows if not is_eval(r["prompt_id"], eval_fraction, seed)]
+    evals = [r for r in rows if is_eval(r["prompt_id"], eval_fraction, seed)]
+    if not train or not evals:
+        raise ValueError(f"{responses}: {len(rows)} usable samples split into {len(train)} train / {len(evals)} eval; need both non-empty")
+    for out, part in ((train_out, train), (eval_out, evals)):
+        write_parquet(out, pa.Table.from_pylist([{k: r[k] for k in SCHEMA.names} for r in part], schema=SCHEMA))
+    log.info(
+        "dataset: %d samples -> %d train (%d loss tokens), %d eval; %d excluded",
+        len(samples), len(train), sum(r["num_loss_tokens"] for r in train), len(evals), len(samples) - len(rows),
+    )  # fmt: skip

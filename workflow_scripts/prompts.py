@@ -1,0 +1,110 @@
+"""prompts: load a prompt set, normalise it, and split it into train and held-out eval prompts.
+
+A prompt is a conversation skeleton: an optional system message and one or more user turns.
+The verifier writes every assistant turn itself (synth). Accepted input rows (JSONL or
+Parquet) carry `id` (optional), and either `turns` (list of user messages), `prompt`
+(one user message) or `messages` (OpenAI format; assistant messages are dropped because
+the verifier regenerates them). The split is a pure function of the conversation text, so
+it is stable across runs and machines, and train and eval never share a conversation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from workflow_scripts.common.atomic import write_jsonl
+
+log = logging.getLogger(__name__)
+
+
+def normalise(row: dict[str, Any], where: str) -> dict[str, Any]:
+    """One prompt row in the canonical form {id, category, system, turns}."""
+    system = row.get("system")
+    if "turns" in row:
+        turns = row["turns"]
+    elif "prompt" in row:
+        turns = [row["prompt"]]
+    elif "messages" in row:
+        msgs = row["messages"]
+        if isinstance(msgs, str):
+            msgs = json.loads(msgs)
+        turns = [m["content"] for m in msgs if m.get("role") == "user"]
+        system = next((m["content"] for m in msgs if m.get("role") == "system"), system)
+    else:
+        raise ValueError(f"{where}: a prompt needs `turns`, `prompt` or `messages`; got keys {sorted(row)}")
+    if isinstance(turns, str) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+        raise ValueError(f"{where}: `turns` must be a non-empty list of non-empty strings")
+    key = conversation_key(system, turns)
+    return {
+        "id": str(row.get("id") or f"p-{key[:12]}"),
+        "category": row.get("category") or "unknown",
+        "system": system,
+        "turns": list(turns),
+    }
+
+
+def conversation_key(system: str | None, turns: list[str]) -> str:
+    text = json.dumps({"system": system, "turns": [t.strip() for t in turns]}, ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def load_prompts(path: str | os.PathLike) -> list[dict[str, Any]]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompts.source {path} does not exist")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(path).to_pylist()
+    else:
+        rows = []
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
+    return [normalise(r, f"{path} row {i}") for i, r in enumerate(rows, 1)]
+
+
+def split_prompts(prompts: list[dict[str, Any]], eval_fraction: float, seed: int = 0) -> tuple[list[dict], list[dict]]:
+    """Deduplicate by conversation text and split by a hash of it. Pure."""
+    seen_keys: set[str] = set()
+    seen_ids: set[str] = set()
+    train, evals = [], []
+    for p in prompts:
+        key = conversation_key(p["system"], p["turns"])
+        if key in seen_keys:
+            continue
+        if p["id"] in seen_ids:
+            raise ValueError(f"prompt id {p['id']!r} is used by two different conversations")
+        seen_keys.add(key)
+        seen_ids.add(p["id"])
+        bucket = int(hashlib.sha256(f"{seed}:{key}".encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+        (evals if bucket < eval_fraction else train).append(p)
+    return train, evals
+
+
+def run_prompts(
+    source: str, train_out: str, eval_out: str, *, eval_fraction: float, seed: int,
+    max_train: int | None = None, max_eval: int | None = None,
+) -> None:  # fmt: skip
+    prompts = load_prompts(source)
+    train, evals = split_prompts(prompts, eval_fraction, seed)
+    if max_train is not None:
+        train = train[:max_train]
+    if max_eval is not None:
+        evals = evals[:max_eval]
+    if not train or not evals:
+        raise ValueError(
+            f"{source}: split gave {len(train)} train and {len(evals)} eval prompts; both must be "
+            f"non-empty (prompts.eval_fraction is {eval_fraction})"
+        )
+    write_jsonl(train_out, train)
+    write_jsonl(eval_out, evals)
+    log.info("%d prompts -> %d train, %d eval (%s)", len(prompts), len(train), len(evals), source)

@@ -1,0 +1,170 @@
+"""The synth stage's I/O shell: bounded-concurrency generation, a durable per-sample cache,
+then responses.parquet, errors.jsonl and quality.json.
+
+Every finished sample is appended (and fsynced) to a JSONL cache keyed by a fingerprint of
+everything that shapes a sample: generator code, verifier, sampling parameters. A restarted
+job reloads the cache and generates only what is missing; a cache with another fingerprint
+is discarded, so a fixed generator never reuses samples from the broken one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from workflow_scripts.common.atomic import read_jsonl, write_json, write_jsonl, write_parquet
+from workflow_scripts.common.client import ChatClient, RequestFailed, RetryPolicy
+from workflow_scripts.common.fingerprint import code_fingerprint, value_fingerprint
+from workflow_scripts.synth.assemble import parse_completion
+from workflow_scripts.synth.quality import quality_report
+
+log = logging.getLogger(__name__)
+
+
+class SampleCache:
+    """Append-only JSONL of finished samples and errors, one file per fingerprint."""
+
+    def __init__(self, directory: Path, fingerprint: str):
+        directory.mkdir(parents=True, exist_ok=True)
+        for stale in directory.glob("*.jsonl"):
+            if stale.stem != fingerprint:
+                log.warning("discarding synth cache %s: made with fingerprint %s, now %s", stale, stale.stem, fingerprint)
+                stale.unlink()
+        self.path = directory / f"{fingerprint}.jsonl"
+        self.records: dict[str, dict[str, Any]] = {}
+        if self.path.exists():
+            self._load()
+        self._fh = open(self.path, "a")
+
+    def _load(self) -> None:
+        good = 0
+        with open(self.path) as fh:
+            for line in fh:
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    break  # a torn last line from a killed job: everything after it is unknown
+                self.records[rec["conversation_id"]] = rec
+                good += len(line)
+        os.truncate(self.path, good)
+        log.info("resuming: %d conversations already in %s", len(self.records), self.path)
+
+    def add(self, rec: dict[str, Any]) -> None:
+        self._fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        self.records[rec["conversation_id"]] = rec
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+async def generate_conversation(client: ChatClient, prompt: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """Generate every assistant turn of one conversation in order.
+
+    The history carries the verifier's own earlier replies (content only: the chat
+    template decides what an earlier turn looks like). Each turn is one sample.
+    """
+    messages: list[dict[str, str]] = []
+    if prompt.get("system"):
+        messages.append({"role": "system", "content": prompt["system"]})
+    samples = []
+    for turn, user_text in enumerate(prompt["turns"]):
+        messages.append({"role": "user", "content": user_text})
+        payload = {"model": params["served_model_name"], "messages": messages, **params["sampling"], "return_token_ids": True}
+        try:
+            body = await client.chat(payload)
+        except RequestFailed as exc:
+            return {"conversation_id": prompt["id"], "samples": samples, "error": {"turn": turn, "reason": exc.reason, "attempts": exc.attempts}}
+        c = parse_completion(body, expect_reasoning=params["expect_reasoning"])
+        samples.append({
+            "id": f"{prompt['id']}#t{turn}",
+            "prompt_id": prompt["id"],
+            "turn": turn,
+            "category": prompt.get("category"),
+            "messages": json.dumps(messages, ensure_ascii=False),
+            "reasoning": c.reasoning,
+            "content": c.content,
+            "finish_reason": c.finish_reason,
+            "prompt_token_ids": c.prompt_token_ids,
+            "completion_token_ids": c.completion_token_ids,
+            "prompt_tokens": c.prompt_tokens,
+            "completion_tokens": c.completion_tokens,
+            "server_model": c.server_model,
+            "system_fingerprint": c.system_fingerprint,
+            "defects": c.defects,
+        })  # fmt: skip
+        messages = messages + [{"role": "assistant", "content": c.content or ""}]
+    return {"conversation_id": prompt["id"], "samples": samples, "error": None}
+
+
+async def _generate_all(base_url: str, prompts: list[dict], cache: SampleCache, cfg: dict[str, Any]) -> None:
+    todo = [p for p in prompts if p["id"] not in cache.records]
+    bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="synth", unit="conv", mininterval=2.0)
+    tokens = errors = 0
+    started = time.monotonic()
+    sem = asyncio.Semaphore(cfg["concurrency"])
+    retry = RetryPolicy(max_attempts=cfg["max_attempts"])
+    async with ChatClient(base_url, concurrency=cfg["concurrency"], request_timeout_s=cfg["request_timeout_s"], retry=retry, api_key_env=cfg.get("api_key_env")) as client:
+
+        async def one(prompt):
+            nonlocal tokens, errors
+            async with sem:
+                rec = await generate_conversation(client, prompt, cfg)
+            cache.add(rec)
+            tokens += sum(s["completion_tokens"] or 0 for s in rec["samples"])
+            errors += rec["error"] is not None
+            bar.set_postfix(tok_s=f"{tokens / (time.monotonic() - started):.0f}", errors=errors, refresh=False)
+            bar.update()
+
+        await asyncio.gather(*(one(p) for p in todo))
+    bar.close()
+
+
+def run_synth(
+    prompts_path: str, base_url: str, cache_dir: str, responses_out: str, errors_out: str, quality_out: str, cfg: dict[str, Any],
+) -> None:  # fmt: skip
+    """cfg: served_model_name, sampling{...}, expect_reasoning, concurrency, request_timeout_s,
+    max_attempts, api_key_env, verifier (identity for the fingerprint)."""
+    prompts = read_jsonl(prompts_path)
+    fingerprint = value_fingerprint({
+        "code": code_fingerprint(__name__),
+        "verifier": cfg["verifier"],
+        "sampling": cfg["sampling"],
+        "expect_reasoning": cfg["expect_reasoning"],
+    })  # fmt: skip
+    cache = SampleCache(Path(cache_dir), fingerprint)
+    try:
+        asyncio.run(_generate_all(base_url, prompts, cache, cfg))
+    finally:
+        cache.close()
+    records = [cache.records[p["id"]] for p in prompts if p["id"] in cache.records]
+    samples = [s for r in records for s in r["samples"]]
+    errors = [{"conversation_id": r["conversation_id"], **r["error"]} for r in records if r["error"]]
+    write_parquet(responses_out, _samples_table(samples))
+    write_jsonl(errors_out, errors)
+    report = quality_report(samples, errors, num_prompts=len(prompts))
+    report["fingerprint"] = fingerprint
+    write_json(quality_out, report)
+    log.info("synth: %d samples, %d failed conversations; defects %s", len(samples), len(errors), report["counts"])
+
+
+def _samples_table(samples: list[dict[str, Any]]):
+    import pyarrow as pa
+
+    schema = pa.schema([
+        ("id", pa.string()), ("prompt_id", pa.string()), ("turn", pa.int32()), ("category", pa.string()),
+        ("messages", pa.string()), ("reasoning", pa.string()), ("content", pa.string()),
+        ("finish_reason", pa.string()), ("prompt_token_ids", pa.list_(pa.int32())),
+        ("completion_token_ids", pa.list_(pa.int32())), ("prompt_tokens", pa.int32()),
+        ("completion_tokens", pa.int32()), ("server_model", pa.string()),
+        ("system_fingerprint", pa.string()), ("defects", pa.list_(pa.string())),
+    ])  # fmt: skip
+    return pa.Table.from_pylist(samples, schema=schema)

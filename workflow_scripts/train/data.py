@@ -1,0 +1,86 @@
+"""Training data: hidden-state shards, shifted into EAGLE-3 alignment and packed to a token budget.
+
+Alignment (as speculators' shift_batch): at position t the draft sees the verifier state
+g_t and the embedding of token x_{t+1}, and learns the verifier's distribution at t+1,
+i.e. (x_{t+1}, g_t, y_{t+1}, loss_mask_{t+1}). Packed samples get their own document id,
+and positions restart (at 1) for each sample.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+
+
+@dataclass
+class Sample:
+    input_ids: torch.Tensor  # [n] int64
+    hidden_states: torch.Tensor  # [n, num_aux * hidden]
+    verifier_last_hidden_states: torch.Tensor  # [n, hidden]
+    loss_mask: torch.Tensor  # [n] bool
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def load_shards(paths: list[str], dtype: torch.dtype = torch.float32) -> tuple[list[Sample], list[Sample], list[int]]:
+    """(train samples, eval samples, aux layer ids) from hidden-state shards, already shifted."""
+    train, evals, layer_ids = [], [], None
+    for path in paths:
+        with safe_open(path, framework="pt") as f:
+            ids = json.loads(f.metadata()["aux_layer_ids"])
+            if layer_ids is not None and ids != layer_ids:
+                raise ValueError(f"{path}: aux_layer_ids {ids} differ from other shards ({layer_ids})")
+            layer_ids = ids
+            t = {k: f.get_tensor(k) for k in f.keys()}
+        offsets = t["offsets"].tolist()
+        for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:], strict=True)):
+            if b - a < 2:
+                continue
+            s = shift(
+                t["input_ids"][a:b].long(), t["hidden_states"][a:b].to(dtype),
+                t["verifier_last_hidden_states"][a:b].to(dtype), t["loss_mask"][a:b].bool(),
+            )  # fmt: skip
+            (evals if t["is_eval"][i] else train).append(s)
+    return train, evals, layer_ids
+
+
+def shift(input_ids, hidden_states, last_hidden_states, loss_mask) -> Sample:
+    """Drop x_0, g_{n-1}, y_0, l_0 so that position t pairs (x_{t+1}, g_t, y_{t+1}, l_{t+1}). Pure."""
+    return Sample(input_ids[1:], hidden_states[:-1], last_hidden_states[1:], loss_mask[1:])
+
+
+def pack(samples: list[Sample], batch_tokens: int, shuffle_seed: int | None) -> list[list[int]]:
+    """Greedy first-fit packing of sample indices into batches of at most `batch_tokens`. Pure."""
+    order = list(range(len(samples)))
+    if shuffle_seed is not None:
+        random.Random(shuffle_seed).shuffle(order)
+    batches, current, used = [], [], 0
+    for i in order:
+        n = min(len(samples[i]), batch_tokens)
+        if current and used + n > batch_tokens:
+            batches.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += n
+    if current:
+        batches.append(current)
+    return batches
+
+
+def collate(samples: list[Sample], batch_tokens: int) -> dict[str, torch.Tensor]:
+    """One packed [1, T] batch in the layout Eagle3DraftModel.forward takes."""
+    parts = [s for s in samples]
+    cut = [min(len(s), batch_tokens) for s in parts]
+    return {
+        "input_ids": torch.cat([s.input_ids[:n] for s, n in zip(parts, cut)]).unsqueeze(0),
+        "hidden_states": torch.cat([s.hidden_states[:n] for s, n in zip(parts, cut)]).unsqueeze(0),
+        "verifier_last_hidden_states": torch.cat([s.verifier_last_hidden_states[:n] for s, n in zip(parts, cut)]).unsqueeze(0),
+        "loss_mask": torch.cat([s.loss_mask[:n] for s, n in zip(parts, cut)]).unsqueeze(0),
+        "document_ids": torch.cat([torch.full((n,), d, dtype=torch.long) for d, n in enumerate(cut)]).unsqueeze(0),
+        "position_ids": torch.cat([torch.arange(1, n + 1, dtype=torch.long) for n in cut]).unsqueeze(0),
+    }

@@ -1,0 +1,64 @@
+"""vocab: the draft vocabulary, from the frequencies of loss-masked tokens.
+
+The draft predicts over the `draft_vocab_size` most frequent verifier-generated tokens.
+The mapping follows speculators/vLLM: draft index i stands for verifier token
+`i + d2t[i]` (d2t holds offsets), draft indices are in ascending verifier-id order, and
+`t2d[v]` is True for verifier tokens the draft can propose.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from workflow_scripts.common.atomic import write_json, write_safetensors
+
+log = logging.getLogger(__name__)
+
+
+def token_counts(input_ids: list[list[int]], loss_masks: list[list[int]], vocab_size: int) -> np.ndarray:
+    """How often each verifier token appears where the loss mask is 1. Pure."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for ids, mask in zip(input_ids, loss_masks, strict=True):
+        ids = np.asarray(ids, dtype=np.int64)
+        np.add.at(counts, ids[np.asarray(mask, dtype=bool)], 1)
+    return counts
+
+
+def build_vocab_map(counts: np.ndarray, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) for the `draft_vocab_size` most frequent tokens. Ties break to the lower id. Pure."""
+    vocab_size = len(counts)
+    if not 0 < draft_vocab_size <= vocab_size:
+        raise ValueError(f"vocab.draft_vocab_size must be in 1..{vocab_size} (the verifier's vocab), got {draft_vocab_size}")
+    order = np.lexsort((np.arange(vocab_size), -counts))  # by count desc, then id asc
+    chosen = np.sort(order[:draft_vocab_size])
+    d2t = torch.from_numpy(chosen - np.arange(draft_vocab_size)).to(torch.int64)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[torch.from_numpy(chosen)] = True
+    return d2t, t2d
+
+
+def coverage(counts: np.ndarray, t2d: torch.Tensor) -> float:
+    total = counts.sum()
+    return float(counts[t2d.numpy()].sum() / total) if total else 0.0
+
+
+def run_vocab(train: str, eval_: str, verifier_vocab_size: int, draft_vocab_size: int, map_out: str, stats_out: str) -> None:
+    tables = {name: pq.read_table(path, columns=["input_ids", "loss_mask"]) for name, path in (("train", train), ("eval", eval_))}
+    counts = {n: token_counts(t["input_ids"].to_pylist(), t["loss_mask"].to_pylist(), verifier_vocab_size) for n, t in tables.items()}
+    d2t, t2d = build_vocab_map(counts["train"], draft_vocab_size)
+    write_safetensors(map_out, {"d2t": d2t, "t2d": t2d})
+    stats = {
+        "verifier_vocab_size": verifier_vocab_size,
+        "draft_vocab_size": draft_vocab_size,
+        "distinct_loss_tokens_train": int((counts["train"] > 0).sum()),
+        "loss_tokens_train": int(counts["train"].sum()),
+        "coverage_train": coverage(counts["train"], t2d),
+        "coverage_eval": coverage(counts["eval"], t2d),
+    }
+    write_json(stats_out, stats)
+    log.info("vocab: %d of %d distinct tokens kept; coverage train %.4f eval %.4f", draft_vocab_size,
+             stats["distinct_loss_tokens_train"], stats["coverage_train"], stats["coverage_eval"])  # fmt: skip
