@@ -44,13 +44,15 @@ class SampleCache:
         self._fh = open(self.path, "a")
 
     def _load(self) -> None:
-        good = 0
-        with open(self.path) as fh:
+        good = 0  # bytes of complete records
+        with open(self.path, "rb") as fh:
             for line in fh:
                 try:
                     rec = json.loads(line)
                 except json.JSONDecodeError:
                     break  # a torn last line from a killed job: everything after it is unknown
+                if not line.endswith(b"\n"):
+                    break
                 self.records[rec["conversation_id"]] = rec
                 good += len(line)
         os.truncate(self.path, good)

@@ -84,8 +84,10 @@ def run_train(
     }
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg["lr"], betas=(0.9, 0.95), weight_decay=cfg["weight_decay"])
-    steps_per_epoch = len(pack(train, cfg["batch_tokens"], shuffle_seed=0))
-    total_steps = steps_per_epoch * cfg["epochs"]
+    # The packing of every epoch is fixed up front (a pure function of the seed), so the
+    # schedule knows the exact number of steps.
+    epochs = [pack(train, cfg["batch_tokens"], shuffle_seed=cfg["seed"] * 1000 + e) for e in range(cfg["epochs"])]
+    total_steps = sum(map(len, epochs))
     log.info(
         "draft: %.2fM trainable params; %d train / %d eval samples (%d / %d tokens); %d steps",
         sum(p.numel() for p in params) / 1e6, len(train), len(evals),
@@ -112,8 +114,8 @@ def run_train(
         model.train()
         bar = tqdm(total=total_steps, desc="train", unit="step", mininterval=2.0)
         window, window_tokens, window_start = [], 0, time.monotonic()
-        for epoch in range(cfg["epochs"]):
-            for batch_ids in pack(train, cfg["batch_tokens"], shuffle_seed=cfg["seed"] * 1000 + epoch):
+        for epoch, batches in enumerate(epochs):
+            for batch_ids in batches:
                 lr = lr_at(step, total_steps, cfg["lr"], cfg["warmup_steps"])
                 for group in optimizer.param_groups:
                     group["lr"] = lr
