@@ -74,13 +74,16 @@ def pack(samples: list[Sample], batch_tokens: int, shuffle_seed: int | None) -> 
 
 def collate(samples: list[Sample], batch_tokens: int) -> dict[str, torch.Tensor]:
     """One packed [1, T] batch in the layout Eagle3DraftModel.forward takes."""
-    parts = [s for s in samples]
-    cut = [min(len(s), batch_tokens) for s in parts]
+    cut = [min(len(s), batch_tokens) for s in samples]
+
+    def cat(field: str) -> torch.Tensor:
+        return torch.cat([getattr(s, field)[:n] for s, n in zip(samples, cut, strict=True)]).unsqueeze(0)
+
     return {
-        "input_ids": torch.cat([s.input_ids[:n] for s, n in zip(parts, cut)]).unsqueeze(0),
-        "hidden_states": torch.cat([s.hidden_states[:n] for s, n in zip(parts, cut)]).unsqueeze(0),
-        "verifier_last_hidden_states": torch.cat([s.verifier_last_hidden_states[:n] for s, n in zip(parts, cut)]).unsqueeze(0),
-        "loss_mask": torch.cat([s.loss_mask[:n] for s, n in zip(parts, cut)]).unsqueeze(0),
+        "input_ids": cat("input_ids"),
+        "hidden_states": cat("hidden_states"),
+        "verifier_last_hidden_states": cat("verifier_last_hidden_states"),
+        "loss_mask": cat("loss_mask"),
         "document_ids": torch.cat([torch.full((n,), d, dtype=torch.long) for d, n in enumerate(cut)]).unsqueeze(0),
         "position_ids": torch.cat([torch.arange(1, n + 1, dtype=torch.long) for n in cut]).unsqueeze(0),
     }
