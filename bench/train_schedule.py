@@ -1,0 +1,48 @@
+"""Train drafts with different schedules on one finished run's data; compare on the eval split.
+
+    python bench/train_schedule.py results/demo \
+        '{"epochs": 4, "batch_tokens": 2048, "lr": 0.0006}' \
+        '{"epochs": 8, "batch_tokens": 1024, "lr": 0.0008}'
+
+Each JSON object overrides `train` in config/config.yaml. The runs go one after the other
+(never in parallel: they would share the 2 cores) and write under /tmp. Prints one Markdown
+row per schedule: steps, wall time, best eval loss, estimated acceptance length.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from workflow_scripts.train.loop import run_train
+
+
+def main(run_dir: str, schedules: list[str]) -> None:
+    run = Path(run_dir)
+    base = yaml.safe_load(Path("config/config.yaml").read_text())
+    verifier = f"resources/verifier/{base['verifier']['name']}"
+    shards = sorted(str(p) for p in (run / "hidden_states").glob("shard-*.safetensors"))
+    print("| schedule | steps | train wall s | best eval loss | estimated acceptance |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for spec in schedules:
+        cfg = {**base["train"], **json.loads(spec)}
+        out = Path(tempfile.mkdtemp(prefix="eagleflow-schedule-"))
+        started = time.perf_counter()
+        run_train(shards, str(run / "vocab/vocab_map.safetensors"), verifier, str(out / "draft"), str(out / "metrics.jsonl"),
+                  serve_verifier_path=verifier, cfg=cfg, threads=2)  # fmt: skip
+        wall = time.perf_counter() - started
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        best = min((r for r in rows if r["split"] == "eval"), key=lambda r: r["loss"])
+        steps = max(r["step"] for r in rows)
+        print(f"| {spec} | {steps} | {wall:.0f} | {best['loss']:.3f} | {best['estimated_acceptance_length']:.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 3:
+        sys.exit(__doc__)
+    main(sys.argv[1], sys.argv[2:])
