@@ -10,6 +10,7 @@ rule synth:
         server=config["server"],
         synth=config["synth"],
         verifier_identity=verifier_identity(),
+        trust_remote_code=config["verifier"].get("trust_remote_code", False),
         cache_dir=results("synth/cache"),
         code=code("synth.generate"),
     log:

@@ -61,3 +61,46 @@ def test_sequence_masks_only_generated_tokens():
     assert mask == [0, 0, 0, 1, 1]
     ids, mask = sequence_of([1, 2, 3], [7, 8], max_len=4)
     assert ids == [1, 2, 3, 7] and mask == [0, 0, 0, 1]
+
+
+from workflow_scripts.synth.assemble import Completion, StreamTokens, rebuild_completion_ids, verify_stream  # noqa: E402
+
+THINK = StreamTokens(eos_id=2, think_start_id=3, think_end_id=4)
+
+
+def encode(text):
+    return [ord(ch) for ch in text]
+
+
+@pytest.mark.parametrize(
+    "prompt_tail, reasoning, content, finish, expected",
+    [
+        ([3], "ab", "cd", "stop", [97, 98, 4, 99, 100, 2]),  # template opened <think>
+        ([9], "ab", "cd", "stop", [3, 97, 98, 4, 99, 100, 2]),  # the model opened it
+        ([3], "ab", None, "length", [97, 98]),  # truncated while thinking
+        ([3], "ab", None, "stop", [97, 98, 4, 2]),  # closed, then stopped with no answer
+        ([3], None, "cd", "stop", [4, 99, 100, 2]),  # an empty think block
+        ([9], None, "cd", "length", [99, 100]),  # no thinking at all
+    ],
+)
+def test_rebuild_places_think_markers_as_single_tokens(prompt_tail, reasoning, content, finish, expected):
+    assert rebuild_completion_ids(encode, [1, *prompt_tail], reasoning, content, finish, THINK) == expected
+
+
+def test_rebuild_without_think_markers():
+    plain = StreamTokens(eos_id=2)
+    assert rebuild_completion_ids(encode, [1], None, "hi", "stop", plain) == [104, 105, 2]
+
+
+def completion(prompt, comp):
+    return Completion(None, "x", "stop", prompt, comp, None, None, None, None, defects=["missing_token_ids"] if comp is None else [])
+
+
+def test_verify_fills_missing_ids_from_the_rebuild():
+    c = verify_stream(completion(None, None), [1, 2], [5, 2])
+    assert (c.prompt_token_ids, c.completion_token_ids, c.token_source, c.defects) == ([1, 2], [5, 2], "rebuilt", [])
+
+
+def test_verify_flags_a_rebuild_that_differs_from_the_server():
+    assert verify_stream(completion([1, 2], [5, 2]), [1, 2], [5, 2]).defects == []
+    assert verify_stream(completion([1, 2], [5, 6, 2]), [1, 2], [5, 2]).defects == ["token_mismatch"]

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,9 +44,15 @@ class RetryPolicy:
 
 
 class ChatClient:
+    """Chat completions against one server or several data-parallel replicas.
+
+    With several endpoints each request goes to the one with the fewest requests in flight,
+    and a retry prefers another endpoint than the one that just failed.
+    """
+
     def __init__(
         self,
-        base_url: str,
+        base_url: str | Sequence[str],
         *,
         concurrency: int,
         request_timeout_s: float,
@@ -58,49 +65,71 @@ class ChatClient:
             if not key:
                 raise ValueError(f"server.api_key_env names {api_key_env}, but that variable is not set")
             headers["Authorization"] = f"Bearer {key}"
-        self.base_url = base_url.rstrip("/")
+        urls = [base_url] if isinstance(base_url, str) else list(base_url)
+        if not urls:
+            raise ValueError("ChatClient needs at least one endpoint")
+        self.base_urls = [u.rstrip("/") for u in urls]
         self.retry = retry
-        self._client = httpx.AsyncClient(
-            base_url=self.base_url,
-            headers=headers,
-            timeout=httpx.Timeout(request_timeout_s, connect=10.0),
-            limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
-        )
+        self._in_flight = [0] * len(self.base_urls)
+        self._clients = [
+            httpx.AsyncClient(
+                base_url=url,
+                headers=headers,
+                timeout=httpx.Timeout(request_timeout_s, connect=10.0),
+                limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
+            )
+            for url in self.base_urls
+        ]
+
+    @property
+    def base_url(self) -> str:
+        return self.base_urls[0]
 
     async def __aenter__(self) -> ChatClient:
         return self
 
     async def __aexit__(self, *exc) -> None:
-        await self._client.aclose()
+        for client in self._clients:
+            await client.aclose()
+
+    def _pick(self, avoid: int | None) -> int:
+        candidates = [i for i in range(len(self._clients)) if i != avoid] or [avoid]
+        return min(candidates, key=lambda i: self._in_flight[i])
 
     async def chat(self, payload: dict[str, Any]) -> dict[str, Any]:
         """POST /v1/chat/completions with retries; return the decoded JSON body."""
-        last = "no attempt made"
+        last, failed = "no attempt made", None
         for attempt in range(self.retry.max_attempts):
             if attempt:
                 await asyncio.sleep(self.retry.delay(attempt))
+            i = self._pick(failed)
+            url = self.base_urls[i]
+            self._in_flight[i] += 1
             try:
-                resp = await self._client.post("/v1/chat/completions", json=payload)
+                resp = await self._clients[i].post("/v1/chat/completions", json=payload)
             except (httpx.TimeoutException, httpx.TransportError) as exc:
-                last = f"{type(exc).__name__}: {exc or 'no detail'} ({self.base_url})"
+                last, failed = f"{type(exc).__name__}: {exc or 'no detail'} ({url})", i
                 continue
+            finally:
+                self._in_flight[i] -= 1
             if resp.status_code in RETRYABLE_STATUS:
-                last = f"HTTP {resp.status_code} from {self.base_url}: {resp.text[:200]}"
+                last, failed = f"HTTP {resp.status_code} from {url}: {resp.text[:200]}", i
                 continue
             if resp.status_code != 200:
-                raise RequestFailed(f"HTTP {resp.status_code} from {self.base_url}: {resp.text[:300]}", attempt + 1)
+                raise RequestFailed(f"HTTP {resp.status_code} from {url}: {resp.text[:300]}", attempt + 1)
             try:
                 body = resp.json()
             except json.JSONDecodeError:
-                last = f"malformed JSON from {self.base_url}: {resp.text[:200]!r}"
+                last, failed = f"malformed JSON from {url}: {resp.text[:200]!r}", i
                 continue
             if not isinstance(body, dict) or not body.get("choices"):
-                last = f"reply without choices from {self.base_url}: {str(body)[:200]}"
+                last, failed = f"reply without choices from {url}: {str(body)[:200]}", i
                 continue
             return body
         raise RequestFailed(last, self.retry.max_attempts)
 
     async def get_text(self, path: str) -> str:
-        resp = await self._client.get(path)
+        """GET `path` from the first endpoint (e.g. /metrics of the one server a benchmark runs)."""
+        resp = await self._clients[0].get(path)
         resp.raise_for_status()
         return resp.text

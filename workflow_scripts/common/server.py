@@ -216,11 +216,12 @@ def _is_zombie(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def serve(spec: ServerSpec, log_path: str | os.PathLike, endpoint: str | None = None) -> Iterator[str]:
-    """Yield the base URL of a server: `endpoint` when one is already running, else a fresh vLLM."""
+def serve(spec: ServerSpec, log_path: str | os.PathLike, endpoint: str | list[str] | None = None) -> Iterator[str | list[str]]:
+    """Yield the base URL(s) of the server: `endpoint` (one URL or a list of replicas) when
+    already running, else the URL of a fresh vLLM that is stopped on exit."""
     if endpoint:
-        log.info("using the already running server at %s (server.endpoint)", endpoint)
-        yield endpoint.rstrip("/")
+        log.info("using the already running server(s) at %s (server.endpoint)", endpoint)
+        yield endpoint
         return
     with VllmServer(spec, log_path) as server:
         yield server.base_url

@@ -8,6 +8,7 @@ text is kept for people to read, never re-tokenized for training.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,7 @@ class Completion:
     server_model: str | None
     system_fingerprint: str | None
     defects: list[str] = field(default_factory=list)
+    token_source: str = "server"
 
 
 def reasoning_of(message: dict[str, Any]) -> str | None:
@@ -88,3 +90,70 @@ def sequence_of(prompt_token_ids: list[int], completion_token_ids: list[int], ma
     if max_len is not None:
         input_ids, loss_mask = input_ids[:max_len], loss_mask[:max_len]
     return input_ids, loss_mask
+
+
+@dataclass(frozen=True)
+class StreamTokens:
+    """The special tokens that frame a completion in the verifier's token stream."""
+
+    eos_id: int
+    think_start_id: int | None = None
+    think_end_id: int | None = None
+
+
+def stream_tokens(tokenizer, think_markers: Sequence[str] | None) -> StreamTokens:
+    """Resolve EOS and think markers; each marker must be exactly one token."""
+    think_ids: list[int | None] = [None, None]
+    if think_markers:
+        for i, marker in enumerate(think_markers):
+            ids = tokenizer.encode(marker, add_special_tokens=False)
+            if len(ids) != 1:
+                raise ValueError(
+                    f"synth.think_markers: {marker!r} encodes to {len(ids)} tokens {ids} with the verifier's "
+                    f"tokenizer; a think marker must be a single (special) token"
+                )
+            think_ids[i] = ids[0]
+    return StreamTokens(eos_id=tokenizer.eos_token_id, think_start_id=think_ids[0], think_end_id=think_ids[1])
+
+
+def rebuild_completion_ids(
+    encode: Callable[[str], list[int]], prompt_ids: Sequence[int], reasoning: str | None, content: str | None,
+    finish_reason: str | None, tokens: StreamTokens,
+) -> list[int]:  # fmt: skip
+    """The completion's token ids rebuilt from its text fields. Pure given `encode`.
+
+    For servers that cannot return token ids. A thinking verifier's stream is
+    [<think>] reasoning </think> content [eos]; the opening marker is absent when the chat
+    template already opened the think block in the prompt. Text is re-encoded, so a
+    non-canonical tokenization or a special token inside the content makes the rebuild
+    differ from what the verifier generated: `verify_stream` catches that.
+    """
+    ids: list[int] = []
+    thinking = tokens.think_end_id is not None
+    opened = thinking and bool(prompt_ids) and prompt_ids[-1] == tokens.think_start_id
+    if thinking and (reasoning is not None or opened):
+        if not opened:
+            ids.append(tokens.think_start_id)
+        ids += encode(reasoning or "")
+        if content is not None or finish_reason == "stop":
+            ids.append(tokens.think_end_id)
+    ids += encode(content or "")
+    if finish_reason == "stop":
+        ids.append(tokens.eos_id)
+    return ids
+
+
+def rebuild_prompt_ids(tokenizer, messages: list[dict[str, Any]], chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **(chat_template_kwargs or {}))
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def verify_stream(c: Completion, rebuilt_prompt: list[int], rebuilt_completion: list[int]) -> Completion:
+    """Use the rebuilt ids where the server sent none; flag `token_mismatch` where both exist and differ."""
+    if c.prompt_token_ids is None or c.completion_token_ids is None:
+        c.prompt_token_ids, c.completion_token_ids = rebuilt_prompt, rebuilt_completion
+        c.token_source = "rebuilt"
+        c.defects = [d for d in c.defects if d not in ("missing_token_ids", "token_count_mismatch")]
+    elif (c.prompt_token_ids, c.completion_token_ids) != (rebuilt_prompt, rebuilt_completion):
+        c.defects.append("token_mismatch")
+    return c

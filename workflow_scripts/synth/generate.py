@@ -10,6 +10,7 @@ is discarded, so a fixed generator never reuses samples from the broken one.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import os
@@ -22,7 +23,14 @@ from tqdm import tqdm
 from workflow_scripts.common.atomic import read_jsonl, write_json, write_jsonl, write_parquet
 from workflow_scripts.common.client import ChatClient, RequestFailed, RetryPolicy
 from workflow_scripts.common.fingerprint import code_fingerprint, value_fingerprint
-from workflow_scripts.synth.assemble import parse_completion
+from workflow_scripts.synth.assemble import (
+    StreamTokens,
+    parse_completion,
+    rebuild_completion_ids,
+    rebuild_prompt_ids,
+    stream_tokens,
+    verify_stream,
+)
 from workflow_scripts.synth.quality import quality_report
 
 log = logging.getLogger(__name__)
@@ -68,11 +76,32 @@ class SampleCache:
         self._fh.close()
 
 
-async def generate_conversation(client: ChatClient, prompt: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+def sample_seed(run_seed: int, prompt_id: str, turn: int) -> int:
+    digest = hashlib.sha256(f"{run_seed}:{prompt_id}:{turn}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+class Rebuilder:
+    """Rebuilds token streams from text with the verifier's tokenizer and chat template."""
+
+    def __init__(self, tokenizer, tokens: StreamTokens, chat_template_kwargs: dict[str, Any], verify: bool):
+        self.tokenizer, self.tokens, self.kwargs, self.verify = tokenizer, tokens, chat_template_kwargs, verify
+
+    def apply(self, c, messages: list[dict[str, Any]]):
+        if not self.verify and c.prompt_token_ids is not None and c.completion_token_ids is not None:
+            return c
+        prompt = rebuild_prompt_ids(self.tokenizer, messages, self.kwargs)
+        encode = lambda text: self.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+        completion = rebuild_completion_ids(encode, prompt, c.reasoning, c.content, c.finish_reason, self.tokens)
+        return verify_stream(c, prompt, completion)
+
+
+async def generate_conversation(client: ChatClient, prompt: dict[str, Any], params: dict[str, Any], rebuilder: Rebuilder | None = None) -> dict[str, Any]:
     """Generate every assistant turn of one conversation in order.
 
-    The history carries the verifier's own earlier replies (content only: the chat
-    template decides what an earlier turn looks like). Each turn is one sample.
+    The history carries the verifier's own earlier replies, reasoning included as
+    `reasoning_content`: the chat template decides whether an earlier turn's reasoning is
+    kept or dropped. Each turn is one sample.
     """
     messages: list[dict[str, str]] = []
     if prompt.get("system"):
@@ -81,11 +110,19 @@ async def generate_conversation(client: ChatClient, prompt: dict[str, Any], para
     for turn, user_text in enumerate(prompt["turns"]):
         messages.append({"role": "user", "content": user_text})
         payload = {"model": params["served_model_name"], "messages": messages, **params["sampling"], "return_token_ids": True}
+        if "seed" in payload:
+            # One seed per sample, not one for the run: the same seed on every request would
+            # correlate all samples; a derived one keeps a resumed run reproducible.
+            payload["seed"] = sample_seed(payload["seed"], prompt["id"], turn)
+        if params.get("chat_template_kwargs"):
+            payload["chat_template_kwargs"] = params["chat_template_kwargs"]
         try:
             body = await client.chat(payload)
         except RequestFailed as exc:
             return {"conversation_id": prompt["id"], "samples": samples, "error": {"turn": turn, "reason": exc.reason, "attempts": exc.attempts}}
         c = parse_completion(body, expect_reasoning=params["expect_reasoning"])
+        if rebuilder is not None:
+            c = rebuilder.apply(c, messages)
         samples.append({
             "id": f"{prompt['id']}#t{turn}",
             "prompt_id": prompt["id"],
@@ -101,13 +138,17 @@ async def generate_conversation(client: ChatClient, prompt: dict[str, Any], para
             "completion_tokens": c.completion_tokens,
             "server_model": c.server_model,
             "system_fingerprint": c.system_fingerprint,
+            "token_source": c.token_source,
             "defects": c.defects,
         })  # fmt: skip
-        messages = messages + [{"role": "assistant", "content": c.content or ""}]
+        reply = {"role": "assistant", "content": c.content or ""}
+        if c.reasoning:
+            reply["reasoning_content"] = c.reasoning
+        messages = messages + [reply]
     return {"conversation_id": prompt["id"], "samples": samples, "error": None}
 
 
-async def _generate_all(base_url: str, prompts: list[dict], cache: SampleCache, cfg: dict[str, Any]) -> None:
+async def _generate_all(base_url: str | list[str], prompts: list[dict], cache: SampleCache, cfg: dict[str, Any], rebuilder: Rebuilder | None) -> None:
     todo = [p for p in prompts if p["id"] not in cache.records]
     bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="synth", unit="conv", mininterval=2.0)
     tokens = errors = 0
@@ -119,7 +160,7 @@ async def _generate_all(base_url: str, prompts: list[dict], cache: SampleCache, 
         async def one(prompt):
             nonlocal tokens, errors
             async with sem:
-                rec = await generate_conversation(client, prompt, cfg)
+                rec = await generate_conversation(client, prompt, cfg, rebuilder)
             cache.add(rec)
             tokens += sum(s["completion_tokens"] or 0 for s in rec["samples"])
             errors += rec["error"] is not None
@@ -130,21 +171,36 @@ async def _generate_all(base_url: str, prompts: list[dict], cache: SampleCache, 
     bar.close()
 
 
+def load_rebuilder(verifier_dir: str | None, cfg: dict[str, Any]) -> Rebuilder | None:
+    if verifier_dir is None:
+        return None
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(verifier_dir, trust_remote_code=cfg.get("trust_remote_code", False))
+    tokens = stream_tokens(tokenizer, cfg.get("think_markers"))
+    return Rebuilder(tokenizer, tokens, cfg.get("chat_template_kwargs") or {}, cfg.get("verify_token_ids", True))
+
+
 def run_synth(
-    prompts_path: str, base_url: str, cache_dir: str, responses_out: str, errors_out: str, quality_out: str, cfg: dict[str, Any],
+    prompts_path: str, base_url: str | list[str], cache_dir: str, responses_out: str, errors_out: str, quality_out: str,
+    cfg: dict[str, Any], verifier_dir: str | None = None,
 ) -> None:  # fmt: skip
     """cfg: served_model_name, sampling{...}, expect_reasoning, concurrency, request_timeout_s,
-    max_attempts, api_key_env, verifier (identity for the fingerprint)."""
+    max_attempts, api_key_env, verifier (identity for the fingerprint), think_markers,
+    chat_template_kwargs, verify_token_ids. `verifier_dir` holds the tokenizer and chat
+    template used to rebuild (and check) token streams; None disables that."""
     prompts = read_jsonl(prompts_path)
     fingerprint = value_fingerprint({
         "code": code_fingerprint(__name__),
         "verifier": cfg["verifier"],
         "sampling": cfg["sampling"],
         "expect_reasoning": cfg["expect_reasoning"],
+        "stream": [cfg.get("think_markers"), cfg.get("chat_template_kwargs"), cfg.get("verify_token_ids", True), verifier_dir is not None],
     })  # fmt: skip
+    rebuilder = load_rebuilder(verifier_dir, cfg)
     cache = SampleCache(Path(cache_dir), fingerprint)
     try:
-        asyncio.run(_generate_all(base_url, prompts, cache, cfg))
+        asyncio.run(_generate_all(base_url, prompts, cache, cfg, rebuilder))
     finally:
         cache.close()
     records = [cache.records[p["id"]] for p in prompts if p["id"] in cache.records]
@@ -167,6 +223,6 @@ def _samples_table(samples: list[dict[str, Any]]):
         ("finish_reason", pa.string()), ("prompt_token_ids", pa.list_(pa.int32())),
         ("completion_token_ids", pa.list_(pa.int32())), ("prompt_tokens", pa.int32()),
         ("completion_tokens", pa.int32()), ("server_model", pa.string()),
-        ("system_fingerprint", pa.string()), ("defects", pa.list_(pa.string())),
+        ("system_fingerprint", pa.string()), ("token_source", pa.string()), ("defects", pa.list_(pa.string())),
     ])  # fmt: skip
     return pa.Table.from_pylist(samples, schema=schema)

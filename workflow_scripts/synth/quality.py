@@ -8,6 +8,7 @@ from typing import Any
 DEFECTS = (
     "missing_token_ids",
     "token_count_mismatch",
+    "token_mismatch",
     "empty_content",
     "empty_reasoning",
     "unterminated_reasoning",
@@ -15,7 +16,7 @@ DEFECTS = (
     "duplicate",
 )
 # Defects that make a sample unusable for training whatever the thresholds say.
-EXCLUDING = frozenset({"missing_token_ids", "token_count_mismatch", "duplicate"})
+EXCLUDING = frozenset({"missing_token_ids", "token_count_mismatch", "token_mismatch", "duplicate"})
 
 
 def mark_duplicates(samples: list[dict[str, Any]]) -> None:
