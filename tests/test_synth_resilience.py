@@ -87,8 +87,10 @@ def test_several_endpoints_share_the_load(tmp_path):
 SYNTH_JOB = textwrap.dedent(
     """
     import json, logging, sys
+    from workflow_scripts.common.server import terminate_on_sigterm
     from workflow_scripts.synth import run_synth
     logging.basicConfig(level=logging.INFO)
+    terminate_on_sigterm()  # as every Snakemake entry point does
     prompts, url, out, cfg = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
     run_synth(prompts, url, out + "/cache", out + "/responses.parquet", out + "/errors.jsonl", out + "/quality.json", cfg)
     """
@@ -133,6 +135,28 @@ def test_sigkill_then_rerun_gives_the_same_set_as_an_uninterrupted_run(tmp_path)
     assert f"resuming: {partial} conversations" in err
     assert cached_lines(killed) == 80, "the rerun generated a finished conversation again"
     assert table(killed / "responses.parquet") == table(full / "responses.parquet")
+
+
+def test_sigterm_stops_promptly_and_loses_nothing(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    write_prompts(prompts, 80)
+    with fake_openai("--latency", "0.1", "--lifetime", "300") as url:
+        out = tmp_path / "run"
+        job = synth_job(prompts, url, out)
+        deadline = time.monotonic() + 60
+        while cached_lines(out) < 10 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        job.send_signal(signal.SIGTERM)
+        stopped = time.monotonic()
+        job.wait(timeout=30)
+        assert job.returncode != 0 and time.monotonic() - stopped < 10
+        lines = [json.loads(line) for p in (out / "cache").glob("*.jsonl") for line in p.read_text().splitlines()]
+        assert len({r["conversation_id"] for r in lines}) == len(lines) >= 10
+        rerun = synth_job(prompts, url, out)
+        _, err = rerun.communicate(timeout=120)
+    assert rerun.returncode == 0, err
+    assert f"resuming: {len(lines)} conversations" in err
+    assert len(pq.read_table(out / "responses.parquet")) == 96
 
 
 def test_a_changed_generator_discards_the_cache(tmp_path):

@@ -151,20 +151,22 @@ async def generate_conversation(client: ChatClient, prompt: dict[str, Any], para
 async def _generate_all(base_url: str | list[str], prompts: list[dict], cache: SampleCache, cfg: dict[str, Any], rebuilder: Rebuilder | None) -> None:
     todo = [p for p in prompts if p["id"] not in cache.records]
     bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="synth", unit="conv", mininterval=2.0)
-    tokens = errors = 0
+    tokens = errors = samples = 0
     started = time.monotonic()
     sem = asyncio.Semaphore(cfg["concurrency"])
     retry = RetryPolicy(max_attempts=cfg["max_attempts"])
     async with ChatClient(base_url, concurrency=cfg["concurrency"], request_timeout_s=cfg["request_timeout_s"], retry=retry, api_key_env=cfg.get("api_key_env")) as client:
 
         async def one(prompt):
-            nonlocal tokens, errors
+            nonlocal tokens, errors, samples
             async with sem:
                 rec = await generate_conversation(client, prompt, cfg, rebuilder)
             cache.add(rec)
             tokens += sum(s["completion_tokens"] or 0 for s in rec["samples"])
+            samples += len(rec["samples"])
             errors += rec["error"] is not None
-            bar.set_postfix(tok_s=f"{tokens / (time.monotonic() - started):.0f}", errors=errors, refresh=False)
+            elapsed = time.monotonic() - started
+            bar.set_postfix(samples_s=f"{samples / elapsed:.2f}", tok_s=f"{tokens / elapsed:.0f}", errors=errors, refresh=False)
             bar.update()
 
         await asyncio.gather(*(one(p) for p in todo))
