@@ -189,7 +189,7 @@ def render(rows: list[tuple[float, int, int, Sample, Sample]]) -> str:
 
 
 def header() -> str:
-    # openai ships its own HTTP stack (httpx2 + httpcore2), not the httpx eagleflow uses: name both.
+    # Both clients now run on httpx2 + httpcore2 (openai ships it); name the versions.
     versions = []
     for dist in ("httpx", "httpcore", "openai", "httpx2", "httpcore2"):
         try:

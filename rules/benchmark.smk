@@ -6,8 +6,8 @@ rule benchmark:
     output:
         report=results("benchmark/report.json"),
     params:
-        server=config["server"],
-        benchmark=config["benchmark"],
+        server=section("server"),
+        benchmark=section("benchmark"),
         code=code("benchmark.run"),
     log:
         logs("benchmark"),

@@ -38,6 +38,23 @@ def code(module):
     return code_fingerprint(f"workflow_scripts.{module}", SCRIPTS_DIR)
 
 
+def section(name):
+    """A config section as a param, keys sorted at every level.
+
+    Snakemake compares params as text: sorting makes the comparison blind to key order, so
+    reordering a config file restales nothing while any changed value still does.
+    """
+    return _sorted(config[name])
+
+
+def _sorted(value):
+    if isinstance(value, dict):
+        return {k: _sorted(value[k]) for k in sorted(value)}
+    if isinstance(value, list):
+        return [_sorted(v) for v in value]
+    return value
+
+
 def shard_paths():
     n = config["hidden_states"]["num_shards"]
     return [results(f"hidden_states/shard-{i:05d}.safetensors") for i in range(n)]

@@ -6,7 +6,7 @@ rule dataset:
         train=results("dataset/train.parquet"),
         eval=results("dataset/eval.parquet"),
     params:
-        dataset=config["dataset"],
+        dataset=section("dataset"),
         code=code("dataset"),
     log:
         logs("dataset"),

@@ -6,7 +6,7 @@ rule hidden_states:
     output:
         results("hidden_states/shard-{shard}.safetensors"),
     params:
-        hidden_states=config["hidden_states"],
+        hidden_states=section("hidden_states"),
         trust_remote_code=config["verifier"].get("trust_remote_code", False),
         code=code("hidden_states"),
     log:

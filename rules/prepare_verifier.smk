@@ -2,7 +2,7 @@ rule prepare_verifier:
     output:
         directory(VERIFIER_DIR),
     params:
-        verifier=config["verifier"],
+        verifier=section("verifier"),
         code=code("prepare_verifier"),
     log:
         logs("prepare_verifier"),

@@ -5,7 +5,7 @@ rule prompts:
         train=results("prompts/train.jsonl"),
         eval=results("prompts/eval.jsonl"),
     params:
-        prompts=config["prompts"],
+        prompts=section("prompts"),
         code=code("prompts"),
     log:
         logs("prompts"),

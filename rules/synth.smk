@@ -7,8 +7,8 @@ rule synth:
         errors=results("synth/errors.jsonl"),
         quality=results("synth/quality.json"),
     params:
-        server=config["server"],
-        synth=config["synth"],
+        server=section("server"),
+        synth=section("synth"),
         verifier_identity=verifier_identity(),
         trust_remote_code=config["verifier"].get("trust_remote_code", False),
         cache_dir=results("synth/cache"),

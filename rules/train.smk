@@ -8,7 +8,7 @@ rule train:
         draft=directory(results("draft")),
         metrics=results("train/metrics.jsonl"),
     params:
-        train=config["train"],
+        train=section("train"),
         serve_verifier_path=serve_verifier_path(),
         code=code("train.loop"),
     log:

@@ -109,3 +109,66 @@ def test_dry_run_after_a_full_run_has_nothing_to_do(finished_run):
     cmd = SNAKEMAKE + ["-n", "--configfile", str(REPO / "tests/config/small.yaml")]
     out = subprocess.run(cmd, cwd=finished_run, capture_output=True, text=True, check=True)
     assert "Nothing to be done" in out.stdout + out.stderr
+
+
+def stale_rules(wf: Path, config: Path = REPO / "tests/config/small.yaml") -> set[str]:
+    """The rules `snakemake -n` would run (their `reason:` lines say why)."""
+    out = subprocess.run(SNAKEMAKE + ["-n", "--configfile", str(config)], cwd=wf, capture_output=True, text=True, check=True).stdout
+    return {line.split()[-1].rstrip(":") for line in out.splitlines() if line.startswith(("rule ", "localrule "))} - {"all"}
+
+
+DOWNSTREAM_OF_SYNTH = {"synth", "dataset", "vocab", "hidden_states", "hidden_states_index", "train", "benchmark", "report"}
+
+
+@pytest.mark.parametrize(
+    "module, expected",
+    [
+        ("synth/generate.py", DOWNSTREAM_OF_SYNTH),
+        ("synth/assemble.py", DOWNSTREAM_OF_SYNTH),
+        ("dataset.py", DOWNSTREAM_OF_SYNTH - {"synth"}),
+        ("vocab.py", {"vocab", "train", "benchmark", "report"}),
+        ("hidden_states.py", {"hidden_states", "hidden_states_index", "train", "benchmark", "report"}),
+        ("train/loop.py", {"train", "benchmark", "report"}),
+        ("benchmark/run.py", {"benchmark", "report"}),
+        ("report.py", {"report"}),
+    ],
+)
+def test_editing_a_stage_module_restales_exactly_it_and_downstream(finished_run, module, expected):
+    path = finished_run / "workflow_scripts" / module
+    original = path.read_text()
+    try:
+        path.write_text(original + "\n_EAGLEFLOW_TEST_EDIT = 1\n")
+        assert stale_rules(finished_run) == expected
+    finally:
+        path.write_text(original)
+    assert stale_rules(finished_run) == set()
+
+
+def test_comments_and_docs_restale_nothing(finished_run):
+    path = finished_run / "workflow_scripts/synth/generate.py"
+    original = path.read_text()
+    try:
+        path.write_text("# a comment about the generator\n" + original.replace('"""The synth stage', '"""The synth (reworded) stage', 1))
+        (finished_run / "README.md").write_text("edited\n")
+        assert stale_rules(finished_run) == set()
+    finally:
+        path.write_text(original)
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ({"train": {"lr": 0.001}}, {"train", "benchmark", "report"}),
+        ({"vocab": {"draft_vocab_size": 512}}, {"vocab", "train", "benchmark", "report"}),
+    ],
+    ids=["train.lr", "vocab.draft_vocab_size"],
+)
+def test_a_parameter_change_restales_exactly_its_stage_and_downstream(finished_run, tmp_path, override, expected):
+    import yaml
+
+    cfg = yaml.safe_load((REPO / "tests/config/small.yaml").read_text())
+    for section, values in override.items():
+        cfg.setdefault(section, {}).update(values)
+    changed = tmp_path / "changed.yaml"
+    changed.write_text(yaml.safe_dump(cfg))
+    assert stale_rules(finished_run, changed) == expected

@@ -11,6 +11,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import httpx2
 import pyarrow.parquet as pq
 
 from tests.conftest import REPO, fake_openai
@@ -77,9 +78,7 @@ def test_several_endpoints_share_the_load(tmp_path):
     write_prompts(tmp_path / "prompts.jsonl", 40)
     with fake_openai("--latency", "0.05", "--lifetime", "120") as a, fake_openai("--latency", "0.05", "--lifetime", "120") as b:
         o = synth(tmp_path / "prompts.jsonl", [a, b], tmp_path / "run")
-        import httpx
-
-        served = [float(httpx.get(f"{u}/metrics").text.split()[-1]) for u in (a, b)]
+        served = [float(httpx2.get(f"{u}/metrics").text.split()[-1]) for u in (a, b)]
     assert len(pq.read_table(o["responses"])) == 48
     assert min(served) >= 0.3 * sum(served), f"load was not shared: {served}"
 

@@ -1,6 +1,8 @@
 """The async OpenAI-compatible chat client that synth and benchmark share.
 
-httpx with explicit timeouts and a connection pool sized to the concurrency limit;
+httpx2 (the client stack `openai` itself ships; httpx 0.28's connection pool spends CPU
+quadratic in the pool size per request, see BENCHMARKS.md) with explicit timeouts and a
+connection pool sized to the concurrency limit;
 retries with exponential backoff and jitter on connection errors, timeouts, 429 and 5xx.
 The API key comes from an environment variable named in config and is never logged.
 """
@@ -16,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import httpx2 as httpx
 
 log = logging.getLogger(__name__)
 

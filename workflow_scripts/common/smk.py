@@ -24,7 +24,7 @@ def stage(snakemake) -> Iterator[logging.Logger]:
         stream=sys.stderr,
         force=True,
     )
-    for noisy in ("httpx", "httpcore", "urllib3"):
+    for noisy in ("httpx", "httpx2", "httpcore", "httpcore2", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     terminate_on_sigterm()
     log = logging.getLogger(f"eagleflow.{snakemake.rule}")
