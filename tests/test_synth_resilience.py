@@ -74,6 +74,18 @@ def test_faults_end_with_every_sample_done_or_in_errors_and_none_twice(tmp_path)
     assert quality["request_errors"] == 1 and quality["num_samples"] == len(rows)
 
 
+def test_a_rerun_retries_failed_conversations_and_keeps_finished_ones(tmp_path):
+    write_prompts(tmp_path / "prompts.jsonl", 12)
+    with fake_openai("--fault-rate", "1.0", "--hang", "3", "--lifetime", "60") as down:
+        cfg = {**CFG, "max_attempts": 1}
+        o = synth(tmp_path / "prompts.jsonl", down, tmp_path / "run", cfg)
+    assert len(o["errors"].read_text().splitlines()) == 12
+    with fake_openai("--lifetime", "60") as up:
+        o = synth(tmp_path / "prompts.jsonl", up, tmp_path / "run")
+    assert o["errors"].read_text() == ""
+    assert len(pq.read_table(o["responses"])) == 12 + 3  # prompts 0, 5, 10 have two turns
+
+
 def test_several_endpoints_share_the_load(tmp_path):
     write_prompts(tmp_path / "prompts.jsonl", 40)
     with fake_openai("--latency", "0.05", "--lifetime", "120") as a, fake_openai("--latency", "0.05", "--lifetime", "120") as b:

@@ -37,7 +37,10 @@ log = logging.getLogger(__name__)
 
 
 class SampleCache:
-    """Append-only JSONL of finished samples and errors, one file per fingerprint."""
+    """Append-only JSONL of finished conversations (and failed ones), one file per fingerprint.
+
+    A conversation may appear twice (failed, then retried by a rerun): the last record wins.
+    """
 
     def __init__(self, directory: Path, fingerprint: str):
         directory.mkdir(parents=True, exist_ok=True)
@@ -149,7 +152,8 @@ async def generate_conversation(client: ChatClient, prompt: dict[str, Any], para
 
 
 async def _generate_all(base_url: str | list[str], prompts: list[dict], cache: SampleCache, cfg: dict[str, Any], rebuilder: Rebuilder | None) -> None:
-    todo = [p for p in prompts if p["id"] not in cache.records]
+    # Conversations that failed last time are tried again: the server may be back.
+    todo = [p for p in prompts if p["id"] not in cache.records or cache.records[p["id"]]["error"]]
     bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="synth", unit="conv", mininterval=2.0)
     tokens = errors = samples = 0
     started = time.monotonic()
