@@ -44,6 +44,14 @@ def test_reasoning_without_content_is_unterminated_unless_truncated():
     assert "unterminated_reasoning" not in t.defects and "truncated" in t.defects
 
 
+def test_content_with_an_unterminated_think_block():
+    markers = ("<think>", "</think>")
+    c = parse_completion(body({"content": "<think>let me see, the answer"}), expect_reasoning=True, think_markers=markers)
+    assert "unterminated_reasoning" in c.defects
+    ok = parse_completion(body({"content": "plain answer", "reasoning": "thought"}), expect_reasoning=True, think_markers=markers)
+    assert ok.defects == []
+
+
 def test_missing_token_ids_is_a_defect():
     c = parse_completion(body({"content": "x"}, token_ids=None, usage=False), expect_reasoning=False)
     assert c.defects == ["missing_token_ids"]

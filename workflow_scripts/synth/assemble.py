@@ -40,7 +40,7 @@ def reasoning_of(message: dict[str, Any]) -> str | None:
     return None
 
 
-def parse_completion(body: dict[str, Any], *, expect_reasoning: bool) -> Completion:
+def parse_completion(body: dict[str, Any], *, expect_reasoning: bool, think_markers: Sequence[str] | None = None) -> Completion:
     """Extract one sample from a /v1/chat/completions body and list its defects."""
     choice = body["choices"][0]
     message = choice.get("message") or {}
@@ -56,11 +56,11 @@ def parse_completion(body: dict[str, Any], *, expect_reasoning: bool) -> Complet
         server_model=body.get("model"),
         system_fingerprint=body.get("system_fingerprint"),
     )
-    completion.defects = defects_of(completion, expect_reasoning=expect_reasoning)
+    completion.defects = defects_of(completion, expect_reasoning=expect_reasoning, think_markers=think_markers)
     return completion
 
 
-def defects_of(c: Completion, *, expect_reasoning: bool) -> list[str]:
+def defects_of(c: Completion, *, expect_reasoning: bool, think_markers: Sequence[str] | None = None) -> list[str]:
     """Defect classes of one sample. Names match the keys of synth/quality.json."""
     defects = []
     if c.prompt_token_ids is None or c.completion_token_ids is None:
@@ -71,7 +71,11 @@ def defects_of(c: Completion, *, expect_reasoning: bool) -> list[str]:
         defects.append("token_count_mismatch")
     if not (c.content or "").strip():
         defects.append("empty_content")
-    if expect_reasoning:
+    if think_markers and c.content and think_markers[0] in c.content and think_markers[1] not in c.content:
+        # The server did not split reasoning off (no reasoning parser) and the think block
+        # it left in the content never closed.
+        defects.append("unterminated_reasoning")
+    elif expect_reasoning:
         if not (c.reasoning or "").strip():
             defects.append("empty_reasoning")
         elif c.content is None and c.finish_reason != "length":

@@ -123,7 +123,7 @@ async def generate_conversation(client: ChatClient, prompt: dict[str, Any], para
             body = await client.chat(payload)
         except RequestFailed as exc:
             return {"conversation_id": prompt["id"], "samples": samples, "error": {"turn": turn, "reason": exc.reason, "attempts": exc.attempts}}
-        c = parse_completion(body, expect_reasoning=params["expect_reasoning"])
+        c = parse_completion(body, expect_reasoning=params["expect_reasoning"], think_markers=params.get("think_markers"))
         if rebuilder is not None:
             c = rebuilder.apply(c, messages)
         samples.append({
