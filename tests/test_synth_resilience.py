@@ -118,6 +118,17 @@ def cached_lines(d: Path) -> int:
     return sum(len(p.read_bytes().splitlines()) for p in (d / "cache").glob("*.jsonl")) if (d / "cache").exists() else 0
 
 
+def interrupt(job: subprocess.Popen, out: Path, after: int, sig: int) -> float:
+    """Send `sig` once `after` conversations are cached; return seconds until the job ended."""
+    deadline = time.monotonic() + 60
+    while cached_lines(out) < after and time.monotonic() < deadline:
+        time.sleep(0.05)
+    job.send_signal(sig)
+    sent = time.monotonic()
+    job.wait(timeout=30)
+    return time.monotonic() - sent
+
+
 def table(path: Path) -> list[dict]:
     return sorted(pq.read_table(path).to_pylist(), key=lambda r: r["id"])
 
@@ -130,12 +141,7 @@ def test_sigkill_then_rerun_gives_the_same_set_as_an_uninterrupted_run(tmp_path)
         assert synth_job(prompts, url, full).wait(timeout=120) == 0
 
         killed = tmp_path / "killed"
-        job = synth_job(prompts, url, killed)
-        deadline = time.monotonic() + 60
-        while cached_lines(killed) < 20 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        job.send_signal(signal.SIGKILL)
-        job.wait()
+        interrupt(synth_job(prompts, url, killed), killed, 20, signal.SIGKILL)
         partial = cached_lines(killed)
         assert 20 <= partial < 80, f"kill landed at {partial} of 80 conversations"
         assert not (killed / "responses.parquet").exists()
@@ -154,13 +160,8 @@ def test_sigterm_stops_promptly_and_loses_nothing(tmp_path):
     with fake_openai("--latency", "0.1", "--lifetime", "300") as url:
         out = tmp_path / "run"
         job = synth_job(prompts, url, out)
-        deadline = time.monotonic() + 60
-        while cached_lines(out) < 10 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        job.send_signal(signal.SIGTERM)
-        stopped = time.monotonic()
-        job.wait(timeout=30)
-        assert job.returncode != 0 and time.monotonic() - stopped < 10
+        assert interrupt(job, out, 10, signal.SIGTERM) < 10
+        assert job.returncode != 0
         lines = [json.loads(line) for p in (out / "cache").glob("*.jsonl") for line in p.read_text().splitlines()]
         assert len({r["conversation_id"] for r in lines}) == len(lines) >= 10
         rerun = synth_job(prompts, url, out)
