@@ -6,8 +6,6 @@ configfile: "config/config.yaml"
 
 
 include: "rules/common.smk"
-
-
 include: "rules/prepare_verifier.smk"
 include: "rules/prompts.smk"
 include: "rules/synth.smk"
@@ -20,6 +18,6 @@ include: "rules/report.smk"
 
 
 rule all:
+    default_target: True
     input:
         results("benchmark/report.md"),
-    default_target: True

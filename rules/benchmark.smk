@@ -5,14 +5,14 @@ rule benchmark:
         prompts=results("prompts/eval.jsonl"),
     output:
         report=results("benchmark/report.json"),
-    params:
-        server=section("server"),
-        benchmark=section("benchmark"),
-        code=code("benchmark.run"),
     log:
         logs("benchmark"),
     benchmark:
         benchmarks("benchmark")
     threads: workflow.cores
+    params:
+        server=section("server"),
+        benchmark=section("benchmark"),
+        code=code("benchmark.run"),
     script:
         "../workflow_scripts/entry/benchmark.py"

@@ -2,8 +2,7 @@
 from pathlib import Path
 
 from workflow_scripts.common.config import validate_config
-from workflow_scripts.common.fingerprint import code_fingerprint, value_fingerprint
-
+from workflow_scripts.common.fingerprint import code_fingerprint
 
 validate_config(config)
 
@@ -67,4 +66,8 @@ def serve_verifier_path():
 
 def verifier_identity():
     """What identifies the verifier for synth's resume cache (its config, not its mtime)."""
-    return {"name": config["verifier"]["name"], "source": config["verifier"]["source"], "path": config["verifier"].get("path")}
+    return {
+        "name": config["verifier"]["name"],
+        "source": config["verifier"]["source"],
+        "path": config["verifier"].get("path"),
+    }

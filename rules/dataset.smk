@@ -5,12 +5,12 @@ rule dataset:
     output:
         train=results("dataset/train.parquet"),
         eval=results("dataset/eval.parquet"),
-    params:
-        dataset=section("dataset"),
-        code=code("dataset"),
     log:
         logs("dataset"),
     benchmark:
         benchmarks("dataset")
+    params:
+        dataset=section("dataset"),
+        code=code("dataset"),
     script:
         "../workflow_scripts/entry/dataset.py"

@@ -5,15 +5,15 @@ rule hidden_states:
         eval=results("dataset/eval.parquet"),
     output:
         results("hidden_states/shard-{shard}.safetensors"),
-    params:
-        hidden_states=section("hidden_states"),
-        trust_remote_code=config["verifier"].get("trust_remote_code", False),
-        code=code("hidden_states"),
     log:
         logs("hidden_states.shard-{shard}"),
     benchmark:
         benchmarks("hidden_states.shard-{shard}")
     threads: 1
+    params:
+        hidden_states=section("hidden_states"),
+        trust_remote_code=config["verifier"].get("trust_remote_code", False),
+        code=code("hidden_states"),
     script:
         "../workflow_scripts/entry/hidden_states.py"
 
@@ -24,9 +24,9 @@ rule hidden_states_index:
         shards=shard_paths(),
     output:
         results("hidden_states/index.json"),
-    params:
-        code=code("hidden_states"),
     log:
         logs("hidden_states_index"),
+    params:
+        code=code("hidden_states"),
     script:
         "../workflow_scripts/entry/hidden_states_index.py"

@@ -1,12 +1,12 @@
 rule prepare_verifier:
     output:
         directory(VERIFIER_DIR),
-    params:
-        verifier=section("verifier"),
-        code=code("prepare_verifier"),
     log:
         logs("prepare_verifier"),
     benchmark:
         benchmarks("prepare_verifier")
+    params:
+        verifier=section("verifier"),
+        code=code("prepare_verifier"),
     script:
         "../workflow_scripts/entry/prepare_verifier.py"

@@ -4,10 +4,10 @@ rule prompts:
     output:
         train=results("prompts/train.jsonl"),
         eval=results("prompts/eval.jsonl"),
+    log:
+        logs("prompts"),
     params:
         prompts=section("prompts"),
         code=code("prompts"),
-    log:
-        logs("prompts"),
     script:
         "../workflow_scripts/entry/prompts.py"

@@ -8,9 +8,9 @@ rule report:
         md=results("benchmark/report.md"),
         acceptance_png=results("benchmark/acceptance_per_position.png"),
         training_png=results("benchmark/training_curves.png"),
-    params:
-        code=code("report"),
     log:
         logs("report"),
+    params:
+        code=code("report"),
     script:
         "../workflow_scripts/entry/report.py"

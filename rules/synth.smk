@@ -6,6 +6,12 @@ rule synth:
         responses=results("synth/responses.parquet"),
         errors=results("synth/errors.jsonl"),
         quality=results("synth/quality.json"),
+    log:
+        main=logs("synth"),
+        vllm=logs("synth.vllm"),
+    benchmark:
+        benchmarks("synth")
+    threads: workflow.cores
     params:
         server=section("server"),
         synth=section("synth"),
@@ -13,11 +19,5 @@ rule synth:
         trust_remote_code=config["verifier"].get("trust_remote_code", False),
         cache_dir=results("synth/cache"),
         code=code("synth.generate"),
-    log:
-        main=logs("synth"),
-        vllm=logs("synth.vllm"),
-    benchmark:
-        benchmarks("synth")
-    threads: workflow.cores
     script:
         "../workflow_scripts/entry/synth.py"

@@ -7,14 +7,14 @@ rule train:
     output:
         draft=directory(results("draft")),
         metrics=results("train/metrics.jsonl"),
-    params:
-        train=section("train"),
-        serve_verifier_path=serve_verifier_path(),
-        code=code("train.loop"),
     log:
         logs("train"),
     benchmark:
         benchmarks("train")
     threads: workflow.cores
+    params:
+        train=section("train"),
+        serve_verifier_path=serve_verifier_path(),
+        code=code("train.loop"),
     script:
         "../workflow_scripts/entry/train.py"

@@ -6,12 +6,12 @@ rule vocab:
     output:
         vocab_map=results("vocab/vocab_map.safetensors"),
         stats=results("vocab/stats.json"),
-    params:
-        draft_vocab_size=config["vocab"]["draft_vocab_size"],
-        code=code("vocab"),
     log:
         logs("vocab"),
     benchmark:
         benchmarks("vocab")
+    params:
+        draft_vocab_size=config["vocab"]["draft_vocab_size"],
+        code=code("vocab"),
     script:
         "../workflow_scripts/entry/vocab.py"
