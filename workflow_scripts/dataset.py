@@ -9,7 +9,6 @@ conversation lands on the same side.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from typing import Any
@@ -18,6 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from workflow_scripts.common.atomic import write_parquet
+from workflow_scripts.common.fingerprint import stable_fraction
 from workflow_scripts.synth.assemble import sequence_of
 from workflow_scripts.synth.quality import EXCLUDING, gate_failures
 
@@ -51,8 +51,7 @@ def build_rows(samples: list[dict[str, Any]], max_seq_len: int, excluded_defects
 
 
 def is_eval(prompt_id: str, eval_fraction: float, seed: int) -> bool:
-    h = int(hashlib.sha256(f"{seed}:{prompt_id}".encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
-    return h < eval_fraction
+    return stable_fraction(seed, prompt_id) < eval_fraction
 
 
 def run_dataset(

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from workflow_scripts.common.atomic import write_jsonl
+from workflow_scripts.common.fingerprint import stable_fraction
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +86,7 @@ def split_prompts(prompts: list[dict[str, Any]], eval_fraction: float, seed: int
             raise ValueError(f"prompt id {p['id']!r} is used by two different conversations")
         seen_keys.add(key)
         seen_ids.add(p["id"])
-        bucket = int(hashlib.sha256(f"{seed}:{key}".encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
-        (evals if bucket < eval_fraction else train).append(p)
+        (evals if stable_fraction(seed, key) < eval_fraction else train).append(p)
     return train, evals
 
 

@@ -81,3 +81,11 @@ def code_fingerprint(module: str, root: Path = ROOT) -> str:
 
 def value_fingerprint(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def stable_fraction(seed: int, key: str) -> float:
+    """A uniform number in [0, 1] fixed by (seed, key): the same on every run and machine.
+
+    Splits (train/eval prompts, train/eval samples) compare it with their fraction.
+    """
+    return int(hashlib.sha256(f"{seed}:{key}".encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
