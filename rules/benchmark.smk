@@ -10,6 +10,8 @@ rule benchmark:
     benchmark:
         benchmarks("benchmark")
     threads: workflow.cores
+    resources:
+        gpu=gpus("benchmark"),
     params:
         server=section("server"),
         benchmark=section("benchmark"),

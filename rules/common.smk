@@ -54,6 +54,16 @@ def _sorted(value):
     return value
 
 
+def gpus(stage):
+    """GPUs one job of `stage` takes, as the `gpu` resource: the profile caps the total
+    (local-gpu: --resources gpu=N) or requests them (slurm). A stage that uses an already
+    running server takes none."""
+    if stage == "synth" and config["server"].get("endpoint"):
+        return 0
+    section_of = {"synth": "server", "benchmark": "server"}
+    return config[section_of.get(stage, stage)].get("gpus", 0)
+
+
 def shard_paths():
     n = config["hidden_states"]["num_shards"]
     return [results(f"hidden_states/shard-{i:05d}.safetensors") for i in range(n)]

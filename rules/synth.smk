@@ -12,6 +12,8 @@ rule synth:
     benchmark:
         benchmarks("synth")
     threads: workflow.cores
+    resources:
+        gpu=gpus("synth"),
     params:
         server=section("server"),
         synth=section("synth"),

@@ -1,5 +1,5 @@
 """What every `script:` entry point shares: logging to the rule's log, SIGTERM handling,
-and the vLLM server spec built from the `server` config section."""
+the job's GPUs, and the vLLM server spec built from the `server` config section."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+from workflow_scripts.common.gpus import assign_job_gpus
 from workflow_scripts.common.server import ServerSpec, terminate_on_sigterm
 
 
 @contextlib.contextmanager
 def stage(snakemake) -> Iterator[logging.Logger]:
-    """Run a stage body: log to snakemake.log[0] (stderr too), SIGTERM -> clean exit."""
+    """Run a stage body: log to snakemake.log[0] (stderr too), SIGTERM -> clean exit, and
+    disjoint CUDA_VISIBLE_DEVICES for a job that declares `resources: gpu=n`."""
     log_path = snakemake.log[0] if len(snakemake.log) else None
     if log_path:
         sys.stderr = open(log_path, "a", buffering=1)
@@ -28,11 +30,16 @@ def stage(snakemake) -> Iterator[logging.Logger]:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     terminate_on_sigterm()
     log = logging.getLogger(f"eagleflow.{snakemake.rule}")
+    gpus = None
     try:
+        gpus = assign_job_gpus(int(snakemake.resources.get("gpu", 0) or 0))
         yield log
     except BaseException:
         log.exception("rule %s failed", snakemake.rule)
         raise
+    finally:
+        if gpus is not None:
+            gpus.release()
 
 
 def server_spec(server: dict[str, Any], model: str) -> ServerSpec:
