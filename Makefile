@@ -31,10 +31,11 @@ test: setup
 test-fast: setup
 	$(BIN)/python -m pytest -v -m "not vllm"
 
-# Formatting of the Snakefile and rules, and a dry run of the default config (schema
-# validation, DAG construction). `snakemake --lint` still asks for conda envs per rule.
+# Formatting of the Snakefile and rules, Snakemake's own lints, and dry runs of the default
+# config (schema validation, DAG construction). tests/test_config.py validates the examples.
 lint: setup
 	$(BIN)/snakefmt --check Snakefile rules/
+	$(BIN)/snakemake --lint
 	$(BIN)/snakemake -n --quiet rules
 
 clean-results:

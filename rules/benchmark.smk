@@ -9,6 +9,8 @@ rule benchmark:
         logs("benchmark"),
     benchmark:
         benchmarks("benchmark")
+    conda:
+        "../envs/serve.yaml"
     threads: workflow.cores
     resources:
         gpu=gpus("benchmark"),

@@ -9,6 +9,8 @@ rule dataset:
         logs("dataset"),
     benchmark:
         benchmarks("dataset")
+    conda:
+        "../envs/data.yaml"
     params:
         dataset=section("dataset"),
         code=code("dataset"),

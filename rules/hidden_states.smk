@@ -9,6 +9,8 @@ rule hidden_states:
         logs("hidden_states.shard-{shard}"),
     benchmark:
         benchmarks("hidden_states.shard-{shard}")
+    conda:
+        "../envs/train.yaml"
     threads: 1
     resources:
         gpu=gpus("hidden_states"),
@@ -28,6 +30,8 @@ rule hidden_states_index:
         results("hidden_states/index.json"),
     log:
         logs("hidden_states_index"),
+    conda:
+        "../envs/train.yaml"
     params:
         code=code("hidden_states"),
     script:

@@ -5,6 +5,8 @@ rule prepare_verifier:
         logs("prepare_verifier"),
     benchmark:
         benchmarks("prepare_verifier")
+    conda:
+        "../envs/train.yaml"
     params:
         verifier=section("verifier"),
         code=code("prepare_verifier"),

@@ -6,6 +6,8 @@ rule prompts:
         eval=results("prompts/eval.jsonl"),
     log:
         logs("prompts"),
+    conda:
+        "../envs/data.yaml"
     params:
         prompts=section("prompts"),
         code=code("prompts"),

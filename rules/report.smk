@@ -10,6 +10,8 @@ rule report:
         training_png=results("benchmark/training_curves.png"),
     log:
         logs("report"),
+    conda:
+        "../envs/data.yaml"
     params:
         code=code("report"),
     script:

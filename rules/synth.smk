@@ -11,6 +11,8 @@ rule synth:
         vllm=logs("synth.vllm"),
     benchmark:
         benchmarks("synth")
+    conda:
+        "../envs/serve.yaml"
     threads: workflow.cores
     resources:
         gpu=gpus("synth"),

@@ -11,6 +11,8 @@ rule train:
         logs("train"),
     benchmark:
         benchmarks("train")
+    conda:
+        "../envs/train.yaml"
     threads: workflow.cores
     resources:
         gpu=gpus("train"),

