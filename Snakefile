@@ -5,6 +5,9 @@
 configfile: "config/config.yaml"
 
 
+report: "rules/report/workflow.rst"
+
+
 include: "rules/common.smk"
 include: "rules/prepare_verifier.smk"
 include: "rules/prompts.smk"

@@ -11,7 +11,7 @@ rule benchmark:
         benchmarks("benchmark")
     conda:
         "../envs/serve.yaml"
-    threads: workflow.cores
+    threads: all_cores()
     resources:
         gpu=gpus("benchmark"),
     params:

@@ -54,6 +54,16 @@ def _sorted(value):
     return value
 
 
+def all_cores():
+    """Threads of a rule that uses the whole machine (vLLM, training): --cores, which
+    Snakemake also caps per job. Commands that run no job (--report, --lint) give no core
+    count; the rule then says 1 rather than failing them."""
+    try:
+        return workflow.cores
+    except WorkflowError:
+        return 1
+
+
 def gpus(stage):
     """GPUs one job of `stage` takes, as the `gpu` resource: the profile caps the total
     (local-gpu: --resources gpu=N) or requests them (slurm). A stage that uses an already

@@ -6,8 +6,36 @@ rule report:
         vocab_stats=results("vocab/stats.json"),
     output:
         md=results("benchmark/report.md"),
-        acceptance_png=results("benchmark/acceptance_per_position.png"),
-        training_png=results("benchmark/training_curves.png"),
+        html=report(
+            results("benchmark/summary.html"),
+            caption="report/summary.rst",
+            category="1. Benchmark",
+            labels={"figure": "summary"},
+        ),
+        acceptance_png=report(
+            results("benchmark/acceptance_per_position.png"),
+            caption="report/acceptance.rst",
+            category="1. Benchmark",
+            labels={"figure": "acceptance per position"},
+        ),
+        training_png=report(
+            results("benchmark/training_curves.png"),
+            caption="report/training.rst",
+            category="2. Training",
+            labels={"figure": "training curves"},
+        ),
+        quality_png=report(
+            results("benchmark/data_quality.png"),
+            caption="report/quality.rst",
+            category="3. Data",
+            labels={"figure": "data quality"},
+        ),
+        vocab_png=report(
+            results("benchmark/vocab_coverage.png"),
+            caption="report/vocab.rst",
+            category="3. Data",
+            labels={"figure": "vocabulary coverage"},
+        ),
     log:
         logs("report"),
     conda:

@@ -13,7 +13,7 @@ rule synth:
         benchmarks("synth")
     conda:
         "../envs/serve.yaml"
-    threads: workflow.cores
+    threads: all_cores()
     resources:
         gpu=gpus("synth"),
     params:

@@ -13,7 +13,7 @@ rule train:
         benchmarks("train")
     conda:
         "../envs/train.yaml"
-    threads: workflow.cores
+    threads: all_cores()
     resources:
         gpu=gpus("train"),
     params:

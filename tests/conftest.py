@@ -93,7 +93,7 @@ def tiny_think_dir(tmp_path_factory) -> Path:
 
 def copy_workflow(dst: Path) -> Path:
     """A copy of the workflow (Snakefile, rules, config, package) to run in isolation."""
-    for name in ("Snakefile", "rules", "config", "workflow_scripts"):
+    for name in ("Snakefile", "rules", "config", "envs", "profiles", "workflow_scripts"):
         src = REPO / name
         if src.is_dir():
             shutil.copytree(src, dst / name, ignore=shutil.ignore_patterns("__pycache__"))

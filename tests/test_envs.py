@@ -50,7 +50,10 @@ def third_party_imports(script: Path) -> set[str]:
             for mod in modules:
                 top = mod.split(".")[0]
                 if top == "workflow_scripts":
-                    base = REPO.joinpath(*mod.split("."))
+                    parts = mod.split(".")
+                    # importing a.b.c runs a/__init__.py and a/b/__init__.py first
+                    todo += [REPO.joinpath(*parts[:i], "__init__.py") for i in range(1, len(parts)) if REPO.joinpath(*parts[:i], "__init__.py").is_file()]
+                    base = REPO.joinpath(*parts)
                     todo += [p for p in (base.with_suffix(".py"), base / "__init__.py") if p.is_file()]
                 elif top not in sys.stdlib_module_names and top != "__future__":
                     names.add(top)

@@ -98,7 +98,24 @@ def test_every_stage_output_meets_its_contract(finished_run):
     assert 0.0 <= report["outputs_identical_fraction"] <= 1.0
     md = (r / "benchmark/report.md").read_text()
     assert "mean acceptance length" in md and "speedup" in md
-    assert (r / "benchmark/acceptance_per_position.png").read_bytes()[:4] == b"\x89PNG"
+    for plot in ("acceptance_per_position", "training_curves", "data_quality", "vocab_coverage"):
+        assert (r / f"benchmark/{plot}.png").read_bytes()[:4] == b"\x89PNG", plot
+        assert f"({plot}.png)" in md
+    assert "mean acceptance length" in (r / "benchmark/summary.html").read_text()
+    curve = json.loads((r / "vocab/stats.json").read_text())["coverage_curve"]
+    assert curve[-1]["train"] == pytest.approx(1.0) and any(p["size"] == 1024 for p in curve)
+
+
+def test_snakemake_report_embeds_every_plot(finished_run, tmp_path):
+    html = tmp_path / "report.html"
+    cmd = SNAKEMAKE + ["--report", str(html), "--configfile", str(REPO / "tests/config/small.yaml")]
+    proc = subprocess.run(cmd, cwd=finished_run, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = html.read_text()
+    for name in ("summary.html", "acceptance_per_position.png", "training_curves.png", "data_quality.png", "vocab_coverage.png"):
+        assert name in text, f"{name} missing from the Snakemake report"
+    assert "Per-position acceptance" in text  # a caption, rendered
+    assert text.count("data:image/png;base64") >= 4 or text.count("iVBORw0KGgo") >= 4  # the PNGs themselves
 
 
 def test_no_vllm_process_outlives_the_run(finished_run):

@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 from tests.conftest import vllm_available
 from workflow_scripts.common.atomic import write_jsonl
 from workflow_scripts.common.server import ServerSpec, VllmServer
-from workflow_scripts.synth import run_synth
+from workflow_scripts.synth.generate import run_synth
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")]
 

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 
 from tests.conftest import REPO, fake_openai
 from workflow_scripts.common.atomic import write_jsonl
-from workflow_scripts.synth import run_synth
+from workflow_scripts.synth.generate import run_synth
 
 CFG = {
     "served_model_name": "verifier",
@@ -99,7 +99,7 @@ SYNTH_JOB = textwrap.dedent(
     """
     import json, logging, sys
     from workflow_scripts.common.server import terminate_on_sigterm
-    from workflow_scripts.synth import run_synth
+    from workflow_scripts.synth.generate import run_synth
     logging.basicConfig(level=logging.INFO)
     terminate_on_sigterm()  # as every Snakemake entry point does
     prompts, url, out, cfg = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from workflow_scripts.vocab import build_vocab_map, coverage, token_counts
+from workflow_scripts.vocab import build_vocab_map, coverage, coverage_curve, curve_sizes, token_counts
 
 
 def test_counts_only_loss_masked_tokens():
@@ -33,3 +33,20 @@ def test_coverage():
 def test_rejects_bad_draft_vocab_size():
     with pytest.raises(ValueError, match="draft_vocab_size"):
         build_vocab_map(np.zeros(4, dtype=np.int64), 5)
+
+
+def test_coverage_curve_agrees_with_the_map_at_every_size():
+    rng = np.random.default_rng(0)
+    train = rng.zipf(1.5, 2000) % 300
+    evals = rng.zipf(1.5, 500) % 300
+    train_counts, eval_counts = np.bincount(train, minlength=300), np.bincount(evals, minlength=300)
+    curve = coverage_curve(train_counts, eval_counts, [1, 10, 64, 299, 300])
+    for point in curve:
+        _, t2d = build_vocab_map(train_counts, point["size"])
+        assert point["train"] == pytest.approx(coverage(train_counts, t2d))
+        assert point["eval"] == pytest.approx(coverage(eval_counts, t2d))
+    assert [p["train"] for p in curve] == sorted(p["train"] for p in curve) and curve[-1]["train"] == 1.0
+
+
+def test_curve_sizes_include_the_configured_size_and_the_whole_vocab():
+    assert curve_sizes(1000, 300) == [64, 128, 256, 300, 512, 1000]

@@ -1,23 +1,38 @@
-"""report: report.md and plots from the benchmark, training metrics, data quality and vocab stats."""
+"""report: report.md, an HTML summary and plots from the benchmark, training metrics, data
+quality and vocab stats. The plots and the summary are also what `snakemake --report` shows."""
 
 from __future__ import annotations
 
+import html
 import json
 import logging
 from pathlib import Path
 from typing import Any
 
 from workflow_scripts.common.atomic import atomic_path, read_jsonl, write_text
+from workflow_scripts.synth.quality import EXCLUDING
 
 log = logging.getLogger(__name__)
 
 
-def plot_acceptance(report: dict[str, Any], out: str) -> None:
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _save(fig, out: str) -> None:
+    fig.tight_layout()
+    with atomic_path(out) as tmp:
+        fig.savefig(tmp, format="png", dpi=120)
+    _pyplot().close(fig)
+
+
+def plot_acceptance(report: dict[str, Any], out: str) -> None:
+    plt = _pyplot()
     per_pos = report["speculative"]["per_position_acceptance"]
     fig, ax = plt.subplots(figsize=(5, 3.2))
     bars = ax.bar([f"pos {i + 1}" for i in range(len(per_pos))], per_pos, color="#3b6ea8")
@@ -25,18 +40,11 @@ def plot_acceptance(report: dict[str, Any], out: str) -> None:
     ax.set_ylim(0, 1)
     ax.set_ylabel("accepted / drafts")
     ax.set_title(f"Per-position acceptance (mean length {report['speculative']['mean_acceptance_length']:.2f})")
-    fig.tight_layout()
-    with atomic_path(out) as tmp:
-        fig.savefig(tmp, format="png", dpi=120)
-    plt.close(fig)
+    _save(fig, out)
 
 
 def plot_training(metrics: list[dict[str, Any]], out: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     train = [m for m in metrics if m["split"] == "train"]
     evals = [m for m in metrics if m["split"] == "eval"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.2))
@@ -52,34 +60,83 @@ def plot_training(metrics: list[dict[str, Any]], out: str) -> None:
     ax2.set_ylabel("eval accuracy")
     ax2.set_ylim(0, 1)
     ax2.legend()
-    fig.tight_layout()
-    with atomic_path(out) as tmp:
-        fig.savefig(tmp, format="png", dpi=120)
-    plt.close(fig)
+    _save(fig, out)
 
 
-def render_markdown(report: dict, metrics: list[dict], quality: dict, vocab: dict, plots: dict[str, str]) -> str:
+def plot_quality(quality: dict[str, Any], out: str) -> None:
+    """Samples per defect class; classes that keep a sample out of training stand out."""
+    plt = _pyplot()
+    names = list(quality["counts"]) + ["request_errors"]
+    counts = [quality["counts"][n] for n in quality["counts"]] + [quality["request_errors"]]
+    colors = ["#b8473b" if n in EXCLUDING or n == "request_errors" else "#3b6ea8" for n in names]
+    fig, ax = plt.subplots(figsize=(6, 0.35 * len(names) + 1.2))
+    bars = ax.barh(names, counts, color=colors)
+    ax.bar_label(bars, labels=[f"{c} ({c / max(1, quality['num_samples']):.1%})" for c in counts], padding=3)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(1, max(counts)) * 1.35)
+    ax.set_xlabel(f"samples (of {quality['num_samples']}); red: kept out of training")
+    ax.set_title("Synthetic data defects")
+    _save(fig, out)
+
+
+def plot_vocab_coverage(vocab: dict[str, Any], out: str) -> None:
+    """Loss-token coverage against draft vocabulary size, the configured size marked."""
+    plt = _pyplot()
+    curve = vocab["coverage_curve"]
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    for split in ("train", "eval"):
+        ax.plot([p["size"] for p in curve], [p[split] for p in curve], "o-", markersize=3, label=split)
+    ax.axvline(vocab["draft_vocab_size"], color="grey", linestyle="--", label=f"draft vocab {vocab['draft_vocab_size']}")
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(0, 1.02)
+    ax.set_xlabel("draft vocabulary size (most frequent train tokens)")
+    ax.set_ylabel("loss tokens covered")
+    ax.set_title(f"Vocabulary coverage (eval {vocab['coverage_eval']:.1%} at the configured size)")
+    ax.legend(loc="lower right")
+    _save(fig, out)
+
+
+def summary_rows(report: dict, metrics: list[dict], quality: dict, vocab: dict) -> list[tuple[str, str]]:
+    """The headline numbers, shared by report.md and the HTML summary. Pure."""
     spec, base = report["speculative"], report["baseline"]
-    last_eval = [m for m in metrics if m["split"] == "eval"][-1]
     best_eval = min((m for m in metrics if m["split"] == "eval"), key=lambda m: m["loss"])
-    per_pos = " / ".join(f"{x:.3f}" for x in spec["per_position_acceptance"])
-    lines = [
-        "# eagleflow benchmark report",
-        "",
+    return [
+        ("mean acceptance length", f"{spec['mean_acceptance_length']:.3f}"),
+        ("acceptance rate (accepted / drafted tokens)", f"{spec['acceptance_rate']:.3f}"),
+        ("per-position acceptance", " / ".join(f"{x:.3f}" for x in spec["per_position_acceptance"])),
+        ("output tokens/s without draft", f"{base['output_tokens_per_s']:.1f}"),
+        ("output tokens/s with draft", f"{spec['output_tokens_per_s']:.1f}"),
+        ("speedup", f"{report['speedup']:.2f}x"),
+        ("greedy outputs identical with and without draft", f"{report['outputs_identical_fraction']:.1%}"),
+        ("training estimate of acceptance length (best eval)", f"{best_eval['estimated_acceptance_length']:.3f}"),
+        ("best eval loss (exported draft)", f"{best_eval['loss']:.4f} at step {best_eval['step']}"),
+        ("samples / failed conversations", f"{quality['num_samples']} / {quality['request_errors']}"),
+        ("draft vocabulary coverage (train / eval)", f"{vocab['coverage_train']:.2%} / {vocab['coverage_eval']:.2%}"),
+    ]
+
+
+def describe_measurement(report: dict) -> str:
+    return (
         f"Verifier `{report['verifier']}`, draft `{report['draft']}`, "
         f"{report['prompts']['count']} held-out prompts, temperature 0, "
         f"max {report['sampling']['max_tokens']} tokens, concurrency {report['sampling']['concurrency']}, "
-        f"{report['num_speculative_tokens']} speculative tokens. Measured by vLLM's own counters.",
+        f"{report['num_speculative_tokens']} speculative tokens. Measured by vLLM's own counters."
+    )
+
+
+def render_markdown(report: dict, metrics: list[dict], quality: dict, vocab: dict, plots: dict[str, str]) -> str:
+    last_eval = [m for m in metrics if m["split"] == "eval"][-1]
+    best_eval = min((m for m in metrics if m["split"] == "eval"), key=lambda m: m["loss"])
+    headline = {"mean acceptance length", "speedup"}
+    table = [f"| {name} | **{value}** |" if name in headline else f"| {name} | {value} |" for name, value in summary_rows(report, metrics, quality, vocab)]
+    lines = [
+        "# eagleflow benchmark report",
+        "",
+        describe_measurement(report),
         "",
         "| metric | value |",
         "| --- | --- |",
-        f"| mean acceptance length | **{spec['mean_acceptance_length']:.3f}** |",
-        f"| acceptance rate (accepted / drafted tokens) | {spec['acceptance_rate']:.3f} |",
-        f"| per-position acceptance | {per_pos} |",
-        f"| output tokens/s without draft | {base['output_tokens_per_s']:.1f} |",
-        f"| output tokens/s with draft | {spec['output_tokens_per_s']:.1f} |",
-        f"| speedup | **{report['speedup']:.2f}x** |",
-        f"| greedy outputs identical with and without draft | {report['outputs_identical_fraction']:.1%} |",
+        *table,
         "",
         f"![per-position acceptance]({plots['acceptance']})",
         "",
@@ -97,20 +154,40 @@ def render_markdown(report: dict, metrics: list[dict], quality: dict, vocab: dic
         f"{quality['request_errors']} failed conversations. Defects: "
         + ", ".join(f"{k} {v}" for k, v in quality["counts"].items()) + ".",
         "",
+        f"![data quality]({plots['quality']})",
+        "",
         f"Draft vocabulary {vocab['draft_vocab_size']} of {vocab['verifier_vocab_size']} tokens; "
         f"covers {vocab['coverage_train']:.2%} of loss tokens in train, {vocab['coverage_eval']:.2%} in eval.",
+        "",
+        f"![vocabulary coverage]({plots['vocab']})",
         "",
     ]  # fmt: skip
     return "\n".join(lines)
 
 
-def run_report(report_json: str, metrics: str, quality: str, vocab_stats: str, md_out: str, acceptance_png: str, training_png: str) -> None:
+def render_html(report: dict, metrics: list[dict], quality: dict, vocab: dict) -> str:
+    """A self-contained summary table (what `snakemake --report` shows next to the plots)."""
+    rows = "\n".join(f"<tr><td>{html.escape(n)}</td><td>{html.escape(v)}</td></tr>" for n, v in summary_rows(report, metrics, quality, vocab))
+    return (
+        "<!DOCTYPE html><html><head><meta charset='utf-8'><title>eagleflow benchmark</title>"
+        "<style>body{font-family:sans-serif;margin:1em}td{padding:.2em .8em;border-bottom:1px solid #ddd}</style></head><body>"
+        f"<p>{html.escape(describe_measurement(report))}</p><table>{rows}</table></body></html>\n"
+    )
+
+
+def run_report(report_json: str, metrics: str, quality: str, vocab_stats: str, out: dict[str, str]) -> None:
+    """Write out['md'], out['html'] and the four plots out['acceptance_png'], ['training_png'],
+    ['quality_png'], ['vocab_png']."""
     report = json.loads(Path(report_json).read_text())
     rows = read_jsonl(metrics)
-    plot_acceptance(report, acceptance_png)
-    plot_training(rows, training_png)
-    md_dir = Path(md_out).parent
-    plots = {"acceptance": str(Path(acceptance_png).relative_to(md_dir)), "training": str(Path(training_png).relative_to(md_dir))}
-    text = render_markdown(report, rows, json.loads(Path(quality).read_text()), json.loads(Path(vocab_stats).read_text()), plots)
-    write_text(md_out, text)
-    log.info("wrote %s", md_out)
+    quality_report = json.loads(Path(quality).read_text())
+    vocab = json.loads(Path(vocab_stats).read_text())
+    plot_acceptance(report, out["acceptance_png"])
+    plot_training(rows, out["training_png"])
+    plot_quality(quality_report, out["quality_png"])
+    plot_vocab_coverage(vocab, out["vocab_png"])
+    md_dir = Path(out["md"]).parent
+    plots = {k: str(Path(out[f"{k}_png"]).relative_to(md_dir)) for k in ("acceptance", "training", "quality", "vocab")}
+    write_text(out["md"], render_markdown(report, rows, quality_report, vocab, plots))
+    write_text(out["html"], render_html(report, rows, quality_report, vocab))
+    log.info("wrote %s and %s", out["md"], out["html"])

@@ -46,6 +46,29 @@ def coverage(counts: np.ndarray, t2d: torch.Tensor) -> float:
     return float(counts[t2d.numpy()].sum() / total) if total else 0.0
 
 
+def coverage_curve(train_counts: np.ndarray, eval_counts: np.ndarray, sizes: list[int]) -> list[dict[str, float]]:
+    """Coverage of loss tokens in train and eval by the `size` most frequent train tokens,
+    for each size: how much a smaller or larger draft vocabulary would keep. Pure."""
+    vocab_size = len(train_counts)
+    order = np.lexsort((np.arange(vocab_size), -train_counts))
+    cum_train = np.concatenate([[0], np.cumsum(train_counts[order])])
+    cum_eval = np.concatenate([[0], np.cumsum(eval_counts[order])])
+    total_train, total_eval = max(1, int(cum_train[-1])), max(1, int(cum_eval[-1]))
+    return [
+        {"size": int(k), "train": float(cum_train[min(k, vocab_size)] / total_train), "eval": float(cum_eval[min(k, vocab_size)] / total_eval)}
+        for k in sorted(set(sizes))
+    ]
+
+
+def curve_sizes(verifier_vocab_size: int, draft_vocab_size: int) -> list[int]:
+    """Powers of two from 64 up to the verifier's vocab, plus the configured size. Pure."""
+    sizes, k = {draft_vocab_size, verifier_vocab_size}, 64
+    while k < verifier_vocab_size:
+        sizes.add(k)
+        k *= 2
+    return sorted(sizes)
+
+
 def run_vocab(train: str, eval_: str, verifier_vocab_size: int, draft_vocab_size: int, map_out: str, stats_out: str) -> None:
     tables = {name: pq.read_table(path, columns=["input_ids", "loss_mask"]) for name, path in (("train", train), ("eval", eval_))}
     counts = {n: token_counts(t["input_ids"].to_pylist(), t["loss_mask"].to_pylist(), verifier_vocab_size) for n, t in tables.items()}
@@ -58,6 +81,7 @@ def run_vocab(train: str, eval_: str, verifier_vocab_size: int, draft_vocab_size
         "loss_tokens_train": int(counts["train"].sum()),
         "coverage_train": coverage(counts["train"], t2d),
         "coverage_eval": coverage(counts["eval"], t2d),
+        "coverage_curve": coverage_curve(counts["train"], counts["eval"], curve_sizes(verifier_vocab_size, draft_vocab_size)),
     }
     write_json(stats_out, stats)
     log.info("vocab: %d of %d distinct tokens kept; coverage train %.4f eval %.4f", draft_vocab_size,

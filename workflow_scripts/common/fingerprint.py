@@ -59,6 +59,18 @@ def _strip_docstrings(tree: ast.AST) -> ast.AST:
 
 
 @lru_cache(maxsize=None)
+def _module_digest(path: Path, module: str, mtime_ns: int) -> tuple[str, frozenset[str]]:
+    """(digest of the docstring-free AST, workflow_scripts modules it imports) of one file.
+
+    Cached per file and mtime: every rule's fingerprint walks the shared modules again, and
+    parsing them once per rule made `snakemake -n` measurably slower.
+    """
+    tree = ast.parse(path.read_text(), filename=str(path))
+    imports = frozenset(_imports(tree, module, path.name == "__init__.py"))
+    return hashlib.sha256(ast.dump(_strip_docstrings(tree)).encode()).hexdigest(), imports
+
+
+@lru_cache(maxsize=None)
 def code_fingerprint(module: str, root: Path = ROOT) -> str:
     """sha256 over the docstring-free ASTs of `module` and its transitive package imports.
 
@@ -73,9 +85,9 @@ def code_fingerprint(module: str, root: Path = ROOT) -> str:
         path = _module_file(name, Path(root))
         if path is None:
             continue
-        tree = ast.parse(path.read_text(), filename=str(path))
-        todo.extend(_imports(tree, name, path.name == "__init__.py"))
-        digests.append((name, hashlib.sha256(ast.dump(_strip_docstrings(tree)).encode()).hexdigest()))
+        digest, imports = _module_digest(path, name, path.stat().st_mtime_ns)
+        todo.extend(imports)
+        digests.append((name, digest))
     return hashlib.sha256(json.dumps(sorted(digests)).encode()).hexdigest()[:16]
 
 

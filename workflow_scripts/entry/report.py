@@ -3,7 +3,5 @@ from workflow_scripts.report import run_report
 
 with stage(snakemake):  # noqa: F821 (injected by Snakemake)
     smk = snakemake  # noqa: F821
-    run_report(
-        smk.input.report, smk.input.metrics, smk.input.quality, smk.input.vocab_stats,
-        smk.output.md, smk.output.acceptance_png, smk.output.training_png,
-    )  # fmt: skip
+    outputs = {name: smk.output[name] for name in ("md", "html", "acceptance_png", "training_png", "quality_png", "vocab_png")}
+    run_report(smk.input.report, smk.input.metrics, smk.input.quality, smk.input.vocab_stats, outputs)

@@ -1,6 +1,6 @@
 from workflow_scripts.common.server import serve
 from workflow_scripts.common.smk import server_spec, stage
-from workflow_scripts.synth import run_synth
+from workflow_scripts.synth.generate import run_synth
 
 with stage(snakemake):  # noqa: F821 (injected by Snakemake)
     smk = snakemake  # noqa: F821
