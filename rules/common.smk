@@ -55,9 +55,9 @@ def _sorted(value):
 
 
 def all_cores():
-    """Threads of a rule that uses the whole machine (vLLM, training): --cores, which
-    Snakemake also caps per job. Commands that run no job (--report, --lint) give no core
-    count; the rule then says 1 rather than failing them."""
+    """Threads for the stages that use the whole machine (vLLM, training): the --cores
+    count, which Snakemake also caps per job. Commands that run no job (--report, --lint)
+    give no core count; 1 then, rather than failing them."""
     try:
         return workflow.cores
     except WorkflowError:
