@@ -59,6 +59,26 @@ def shard_paths():
     return [results(f"hidden_states/shard-{i:05d}.safetensors") for i in range(n)]
 
 
+def gpus(stage):
+    """GPUs one job of `stage` uses, as its config says: the `gpu` resource a cluster executor
+    requests (profiles/slurm). Core Snakemake only counts it; it never sets CUDA_VISIBLE_DEVICES.
+
+    hidden_states runs the verifier on `hidden_states.device`. train needs a GPU when the
+    config picks kernels that only run there (the fused loss needs Triton; flex attention has
+    no CPU backward). The vLLM serving rules are sized in the profile: they take a whole node.
+    """
+    if stage == "hidden_states":
+        return 0 if config["hidden_states"]["device"] == "cpu" else 1
+    if stage == "train":
+        train = config["train"]
+        gpu_only = (
+            train.get("loss_implementation") == "fused"
+            or train.get("attn_impl") == "simple_flex_attention"
+        )
+        return 1 if gpu_only else 0
+    raise ValueError(f"gpus({stage!r}): only hidden_states and train declare GPUs")
+
+
 def serve_verifier_path():
     """The verifier path the exported draft names: where it will be served from."""
     return config["verifier"].get("serve_path") or str(Path(VERIFIER_DIR).resolve())

@@ -10,6 +10,8 @@ rule hidden_states:
     benchmark:
         benchmarks("hidden_states.shard-{shard}")
     threads: 1
+    resources:
+        gpu=gpus("hidden_states"),
     params:
         hidden_states=section("hidden_states"),
         trust_remote_code=config["verifier"].get("trust_remote_code", False),

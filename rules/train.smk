@@ -12,6 +12,8 @@ rule train:
     benchmark:
         benchmarks("train")
     threads: workflow.cores
+    resources:
+        gpu=gpus("train"),
     params:
         train=section("train"),
         serve_verifier_path=serve_verifier_path(),
