@@ -18,6 +18,19 @@ def vllm_available() -> bool:
     return True
 
 
+def vllm_processes(marker: str) -> list[str]:
+    """Command lines of running vLLM processes that mention `marker` (e.g. a workflow copy's path)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "vllm" in cmd and marker in cmd:
+            found.append(cmd)
+    return found
+
+
 @pytest.fixture(scope="session")
 def repo() -> Path:
     return REPO

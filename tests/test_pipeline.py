@@ -1,7 +1,6 @@
 """The whole DAG on a small config, with a real vLLM, checked against the data contracts."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,23 +11,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, copy_workflow, vllm_available
+from tests.conftest import REPO, copy_workflow, vllm_available, vllm_processes
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")]
 
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
-
-
-def vllm_processes(marker: str) -> list[str]:
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if "vllm" in cmd and marker in cmd:
-            found.append(cmd)
-    return found
 
 
 @pytest.fixture(scope="module")

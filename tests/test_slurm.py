@@ -1,0 +1,223 @@
+"""profiles/slurm: checked against the workflow, and the small DAG run on a real SLURM cluster.
+
+The cluster is one node on this machine (tests/slurm/start_cluster.sh, run as root: Debian's
+slurm-wlm and munge, accounting off). The run goes through the production profile with only
+what that node cannot give changed (`profile_for_test_cluster`).
+"""
+
+import copy
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import REPO, copy_workflow, vllm_available, vllm_processes
+
+SNAKEMAKE = [sys.executable, "-m", "snakemake"]
+PROFILE = REPO / "profiles/slurm/config.yaml"
+START_CLUSTER = REPO / "tests/slurm/start_cluster.sh"
+SMALL = REPO / "tests/config/small.yaml"
+KIMI = REPO / "config/kimi-k2.5-8xgpu.yaml"
+# The test node's memory is shared by concurrent jobs; SLURM does not enforce it here
+# (no cgroups), it only has to fit the node for scheduling.
+TEST_MEM_MB = 2000
+
+
+def real_profile() -> dict:
+    return yaml.safe_load(PROFILE.read_text())
+
+
+def dry_run_jobs(wf: Path, *args: str) -> list[tuple[str, dict[str, str]]]:
+    """(rule, resources) of every job `snakemake -n` plans, with the given extra arguments."""
+    out = subprocess.run(SNAKEMAKE + ["-n", *args], cwd=wf, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    jobs, rule = [], None
+    for line in out.stdout.splitlines():
+        if m := re.match(r"(?:local)?rule (\w+):", line):
+            rule = m.group(1)
+        elif line.strip().startswith("resources:") and rule:
+            pairs = line.split(":", 1)[1].split(", ")
+            jobs.append((rule, dict(p.strip().split("=", 1) for p in pairs)))
+    return jobs
+
+
+def test_profile_names_only_rules_of_the_workflow(repo):
+    """Snakemake ignores set-threads/set-resources for a rule that does not exist: a renamed
+    rule would silently lose its GPUs and memory on the cluster."""
+    out = subprocess.run(SNAKEMAKE + ["--list-rules"], cwd=repo, capture_output=True, text=True, check=True)
+    rules = set(out.stdout.split())
+    profile = real_profile()
+    assert set(profile["set-threads"]) <= rules
+    assert set(profile["set-resources"]) <= rules
+
+
+def test_production_profile_asks_for_nodes_gpus_and_cluster_settings(repo):
+    """With the Kimi example config: serving rules take a whole 8-GPU node, every
+    hidden_states shard and training the GPUs their config gives them, and the partition and
+    account are the placeholders a user fills in."""
+    jobs = dry_run_jobs(
+        repo, "--workflow-profile", "profiles/slurm", "--configfile", str(KIMI),
+        "--config", "prompts={source: config/prompts/demo.jsonl}",
+    )  # fmt: skip
+    by_rule: dict[str, list[dict]] = {}
+    for rule, resources in jobs:
+        by_rule.setdefault(rule, []).append(resources)
+    kimi = yaml.safe_load(KIMI.read_text())
+    for rule in ("synth", "benchmark"):
+        (resources,) = by_rule[rule]
+        assert resources["gpu"] == str(kimi["server"]["gpus"]) == "8" and resources["slurm_extra"] == "--exclusive"
+    shards = by_rule["hidden_states"]
+    assert len(shards) == kimi["hidden_states"]["num_shards"]
+    assert all(r["gpu"] == str(kimi["hidden_states"]["gpus"]) for r in shards)
+    assert by_rule["train"][0]["gpu"] == str(kimi["train"]["gpus"])
+    assert all("gpu" not in r for rule in ("prepare_verifier", "prompts", "dataset", "vocab", "report") for r in by_rule[rule])
+    assert all(r["slurm_partition"] == "<your-partition>" and r["slurm_account"] == "<your-account>" for _, r in jobs)
+    profile = real_profile()
+    assert profile["executor"] == "slurm" and profile["slurm-status-command"] == "squeue"
+
+
+def test_cpu_config_requests_no_gpus(repo):
+    jobs = dry_run_jobs(repo, "--configfile", str(SMALL))
+    gpu_rules = ("synth", "hidden_states", "train", "benchmark")
+    assert [r["gpu"] for rule, r in jobs if rule in gpu_rules] == ["0"] * 5
+
+
+# ----------------------------------------------------------------------------------------
+# The small DAG on a real cluster
+
+
+def start_cluster() -> str:
+    """Start (or find) the test cluster; return the partition to submit to."""
+    if os.geteuid() == 0:
+        proc = subprocess.run([str(START_CLUSTER)], capture_output=True, text=True, timeout=900)
+        if proc.returncode != 0:
+            pytest.fail(f"{START_CLUSTER} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        return proc.stdout.split()[-1]
+    if shutil.which("sinfo") is None:
+        pytest.skip(f"not root and no SLURM installed: {START_CLUSTER} must run as root to install and start one")
+    out = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True)
+    defaults = [p.rstrip("*") for p in out.stdout.split() if p.endswith("*")]
+    if out.returncode != 0 or not defaults:
+        pytest.skip(f"not root, and the SLURM here does not answer with a default partition: {out.stderr.strip()}")
+    return os.environ.get("EAGLEFLOW_SLURM_PARTITION", defaults[0])
+
+
+def node_cpus() -> int:
+    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%c"], capture_output=True, text=True, check=True)
+    return min(int(c) for c in out.stdout.split())
+
+
+def profile_for_test_cluster(real: dict, partition: str, cpus: int) -> dict:
+    """The production profile, changed only where a one-node CPU test cluster cannot follow
+    it: its partition, no account (accounting is off), no GPUs (the small config serves vLLM
+    on CPU), CPUs and memory within the node, and status polls from 1 s on instead of 40 s."""
+    profile = copy.deepcopy(real)
+    defaults = profile["default-resources"]
+    defaults["slurm_partition"] = partition
+    del defaults["slurm_account"]
+    defaults["mem_mb"] = min(defaults["mem_mb"], TEST_MEM_MB)
+    profile["set-threads"] = {rule: min(n, cpus) for rule, n in profile["set-threads"].items()}
+    for resources in profile["set-resources"].values():
+        resources.pop("gpu", None)
+        if "mem_mb" in resources:
+            resources["mem_mb"] = min(resources["mem_mb"], TEST_MEM_MB)
+    profile["slurm-init-seconds-before-status-checks"] = 1
+    profile["seconds-between-status-checks"] = 1
+    return profile
+
+
+
+def expected_jobs() -> set[str]:
+    """The SLURM job comment of every job of the small DAG: rule_<rule>[_wildcards_<values>]."""
+    shards = yaml.safe_load(SMALL.read_text())["hidden_states"]["num_shards"]
+    rules = {"prepare_verifier", "prompts", "synth", "dataset", "vocab", "hidden_states_index", "train", "benchmark", "report"}
+    return {f"rule_{r}" for r in rules} | {f"rule_hidden_states_wildcards_{i:05d}" for i in range(shards)}
+
+
+@pytest.fixture(scope="module")
+def slurm_run(tmp_path_factory):
+    if not vllm_available():
+        pytest.skip("vLLM is not installed")
+    partition = start_cluster()
+    wf = copy_workflow(tmp_path_factory.mktemp("wf-slurm"))
+    profile_dir = wf / "profiles/slurm-test"
+    profile_dir.mkdir(parents=True)
+    profile = profile_for_test_cluster(real_profile(), partition, node_cpus())
+    (profile_dir / "config.yaml").write_text(yaml.safe_dump(profile, sort_keys=False))
+    # A run started from inside a SLURM job would inherit its allocation's variables.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SNAKEMAKE", "SLURM_", "SBATCH_", "SRUN_"))}
+    cmd = SNAKEMAKE + ["--workflow-profile", str(profile_dir), "--configfile", str(SMALL)]
+    proc = subprocess.run(cmd, cwd=wf, env=env, capture_output=True, text=True, timeout=2400)
+    if proc.returncode != 0:
+        logs = sorted((wf / "results/small/logs").glob("*.log")) + sorted((wf / "logs/slurm").rglob("*.log"))
+        tails = "\n".join(f"--- {p}\n{p.read_text()[-2000:]}" for p in logs)
+        pytest.fail(f"snakemake on SLURM failed ({proc.returncode}):\n{proc.stderr[-5000:]}\n{tails}")
+    run_id = re.search(r"SLURM run ID: (\S+)", proc.stderr + proc.stdout)
+    assert run_id, "the slurm executor did not report its run ID"
+    return wf, run_id.group(1), profile
+
+
+@pytest.fixture(scope="module")
+def slurm_jobs(slurm_run) -> dict[str, dict[str, str]]:
+    """The run's SLURM jobs by comment (rule and wildcards), as the controller reports them."""
+    _, run_id, _ = slurm_run
+    fields = {"id": "%i", "state": "%T", "comment": "%k", "workdir": "%Z", "time_limit": "%l", "cpus": "%C", "oversubscribe": "%h"}
+    out = subprocess.run(
+        ["squeue", "-h", "--states=all", "--name", run_id, "-o", "|".join(fields.values())],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    jobs = [dict(zip(fields, line.split("|"))) for line in out.stdout.splitlines()]
+    by_comment = {j["comment"]: j for j in jobs}
+    assert len(by_comment) == len(jobs), f"a job was submitted twice: {[j['comment'] for j in jobs]}"
+    return by_comment
+
+
+@pytest.mark.slurm
+@pytest.mark.vllm
+def test_every_job_of_the_dag_ran_as_a_completed_slurm_job(slurm_run, slurm_jobs):
+    wf, _, _ = slurm_run
+    assert set(slurm_jobs) == expected_jobs()
+    for comment, job in slurm_jobs.items():
+        assert job["state"] == "COMPLETED", (comment, job)
+        assert Path(job["workdir"]) == wf
+        rule, _, wildcards = comment.removeprefix("rule_").partition("_wildcards_")
+        log = wf / "logs/slurm" / f"rule_{rule}" / wildcards / f"{job['id']}.log"
+        assert log.is_file(), f"no SLURM log for {comment} at {log}"
+        text = log.read_text()
+        # The job's own Snakemake ran the rule inside the allocation and finished it.
+        assert f"rule {rule}:" in text and "Finished job" in text, f"{log}:\n{text[-2000:]}"
+
+
+@pytest.mark.slurm
+@pytest.mark.vllm
+def test_jobs_got_what_the_profile_asks(slurm_run, slurm_jobs):
+    _, _, profile = slurm_run
+    for rule in ("synth", "benchmark"):
+        job = slurm_jobs[f"rule_{rule}"]
+        assert job["oversubscribe"] == "NO", job  # --exclusive: the whole node
+        assert job["time_limit"] == minutes(profile["set-resources"][rule]["runtime"])
+    assert slurm_jobs["rule_report"]["time_limit"] == minutes(profile["default-resources"]["runtime"])
+    assert int(slurm_jobs["rule_train"]["cpus"]) == profile["set-threads"]["train"]
+
+
+def minutes(n: int) -> str:
+    """A time limit as squeue prints it: [D-]HH:MM:SS."""
+    days, rest = divmod(n, 24 * 60)
+    hours, mins = divmod(rest, 60)
+    if days:
+        return f"{days}-{hours:02d}:{mins:02d}:00"
+    return f"{hours}:{mins:02d}:00" if hours else f"{mins}:00"
+
+
+@pytest.mark.slurm
+@pytest.mark.vllm
+def test_the_slurm_run_ends_in_the_report_and_leaves_no_vllm(slurm_run):
+    wf, _, _ = slurm_run
+    md = (wf / "results/small/benchmark/report.md").read_text()
+    assert "mean acceptance length" in md and "speedup" in md
+    assert vllm_processes(str(wf)) == []
