@@ -59,6 +59,12 @@ def shard_paths():
     return [results(f"hidden_states/shard-{i:05d}.safetensors") for i in range(n)]
 
 
+def hidden_states_server():
+    """The server section, for the vllm backend only: a server setting must not restale
+    shards that transformers extracted."""
+    return section("server") if config["hidden_states"]["backend"] == "vllm" else {}
+
+
 def serve_verifier_path():
     """The verifier path the exported draft names: where it will be served from."""
     return config["verifier"].get("serve_path") or str(Path(VERIFIER_DIR).resolve())

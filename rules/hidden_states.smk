@@ -12,6 +12,7 @@ rule hidden_states:
     threads: 1
     params:
         hidden_states=section("hidden_states"),
+        server=hidden_states_server(),
         trust_remote_code=config["verifier"].get("trust_remote_code", False),
         code=code("hidden_states"),
     script:
