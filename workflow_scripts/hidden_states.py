@@ -449,9 +449,15 @@ class VllmBackend:
             bar = tqdm(total=sum(len(s["input_ids"]) for s in samples), desc="hidden states (vLLM)", unit="tok", unit_scale=True, mininterval=2.0)
             futures = [pool.submit(self._one, client, s) for s in samples]
             out = []
-            for sample, future in zip(samples, futures):
-                out.append(future.result())
-                bar.update(len(sample["input_ids"]))
+            try:
+                for sample, future in zip(samples, futures):
+                    out.append(future.result())
+                    bar.update(len(sample["input_ids"]))
+            except BaseException:
+                # Fail now: only requests already in flight (at most `concurrency`) finish.
+                for future in futures:
+                    future.cancel()
+                raise
             bar.close()
         return out
 
