@@ -67,16 +67,27 @@ def all_cores():
 def gpus(stage):
     """GPUs one job of `stage` takes, as the `gpu` resource: the profile caps the total
     (local-gpu: --resources gpu=N) or requests them (slurm). A stage that uses an already
-    running server takes none."""
-    if stage == "synth" and config["server"].get("endpoint"):
-        return 0
-    section_of = {"synth": "server", "benchmark": "server"}
-    return config[section_of.get(stage, stage)].get("gpus", 0)
+    running server takes none; a vllm-backend shard job takes what its server takes."""
+    server_gpus = config["server"].get("gpus", 0)
+    if stage == "synth":
+        return 0 if config["server"].get("endpoint") else server_gpus
+    if stage == "benchmark":
+        return server_gpus
+    if stage == "hidden_states" and config["hidden_states"]["backend"] == "vllm":
+        vllm = config["hidden_states"].get("vllm") or {}
+        return 0 if vllm.get("endpoint") else server_gpus
+    return config[stage].get("gpus", 0)
 
 
 def shard_paths():
     n = config["hidden_states"]["num_shards"]
     return [results(f"hidden_states/shard-{i:05d}.safetensors") for i in range(n)]
+
+
+def hidden_states_server():
+    """The server section, for the vllm backend only: a server setting must not restale
+    shards that transformers extracted."""
+    return section("server") if config["hidden_states"]["backend"] == "vllm" else {}
 
 
 def serve_verifier_path():

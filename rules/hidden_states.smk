@@ -16,6 +16,7 @@ rule hidden_states:
         gpu=gpus("hidden_states"),
     params:
         hidden_states=section("hidden_states"),
+        server=hidden_states_server(),
         trust_remote_code=config["verifier"].get("trust_remote_code", False),
         code=code("hidden_states"),
     script:

@@ -131,3 +131,116 @@ def fake_openai(*args: str):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def save_tiny_qwen3(out: Path) -> Path:
+    """A tiny random Qwen3 verifier (q/k norms, tied embeddings, head_dim 64)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(1)
+    tokenizer = char_tokenizer()
+    config = Qwen3Config(
+        vocab_size=TINY_VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=8,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=512,
+        tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    Qwen3ForCausalLM(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def deepseek_v3_config():
+    """DeepSeek-V3 geometry in miniature: MLA (q and kv LoRA, split rope/nope heads,
+    v_head_dim 64) and MoE layers after one dense layer."""
+    from transformers import DeepseekV3Config
+
+    tokenizer = char_tokenizer()
+    return DeepseekV3Config(
+        vocab_size=TINY_VOCAB, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+        num_hidden_layers=8, num_attention_heads=2, num_key_value_heads=2,
+        q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=64,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+        n_group=1, topk_group=1, max_position_embeddings=512, tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+
+
+def save_tiny_deepseek_v3(out: Path) -> Path:
+    """A tiny random DeepSeek-V3 verifier, saved as a *sharded* checkpoint
+    (model.safetensors.index.json), as large verifiers are."""
+    import torch
+    from transformers import DeepseekV3ForCausalLM
+
+    torch.manual_seed(2)
+    DeepseekV3ForCausalLM(deepseek_v3_config()).save_pretrained(out, max_shard_size="200KB")
+    char_tokenizer().save_pretrained(out)
+    assert (out / "model.safetensors.index.json").exists()
+    return out
+
+
+KIMI_CONFIGURATION = '''
+from transformers import DeepseekV3Config
+
+
+class KimiK2Config(DeepseekV3Config):
+    model_type = "kimi_k2"
+'''
+
+KIMI_MODELING = '''
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3Model
+
+from .configuration_kimi import KimiK2Config
+
+
+class KimiK2Model(DeepseekV3Model):
+    config_class = KimiK2Config
+
+
+class KimiK2ForCausalLM(DeepseekV3ForCausalLM):
+    config_class = KimiK2Config
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = KimiK2Model(config)
+        self.post_init()
+'''
+
+
+def save_tiny_kimi(out: Path) -> Path:
+    """A Kimi-K2-style verifier shipped as *custom code*: model_type `kimi_k2`, unknown to
+    transformers, with `auto_map` pointing at configuration/modeling files in the model dir,
+    so it only loads with trust_remote_code (as moonshotai/Kimi-K2 does). Saved sharded."""
+    import json
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    deepseek_v3_config().save_pretrained(out)
+    (out / "configuration_kimi.py").write_text(KIMI_CONFIGURATION)
+    (out / "modeling_kimi.py").write_text(KIMI_MODELING)
+    config = json.loads((out / "config.json").read_text())
+    config.update(
+        model_type="kimi_k2",
+        architectures=["KimiK2ForCausalLM"],
+        auto_map={"AutoConfig": "configuration_kimi.KimiK2Config", "AutoModelForCausalLM": "modeling_kimi.KimiK2ForCausalLM"},
+    )
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    torch.manual_seed(3)
+    # Built and saved through the custom class, so the checkpoint's tensor names are the
+    # custom code's (transformers' DeepSeek-V3 save-time renaming does not apply to it).
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(out, trust_remote_code=True), trust_remote_code=True)
+    model.save_pretrained(out, max_shard_size="200KB")
+    char_tokenizer().save_pretrained(out)
+    return out
+
+
+VERIFIER_BUILDERS = {"llama": save_tiny_llama, "qwen3": save_tiny_qwen3, "deepseek_v3": save_tiny_deepseek_v3, "kimi_k2": save_tiny_kimi}
+
+
+@pytest.fixture(scope="session", params=sorted(VERIFIER_BUILDERS))
+def tiny_verifier(request, tmp_path_factory) -> tuple[str, Path]:
+    """(family, model dir) for each tiny verifier family; kimi_k2 needs trust_remote_code."""
+    return request.param, VERIFIER_BUILDERS[request.param](tmp_path_factory.mktemp(f"tiny-{request.param}"))

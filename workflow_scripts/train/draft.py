@@ -2,47 +2,167 @@
 
 The draft's decoder layer copies the verifier's attention geometry (hidden size, heads,
 head_dim, rope) so that vLLM's EAGLE-3 implementation can serve it next to the verifier.
+Everything is read from the verifier's config.json and safetensors by name, never by
+running its model code: custom-code verifiers (Kimi-K2's `kimi_k2`, loaded with
+trust_remote_code) build drafts the same way as Llama.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
-from transformers import AutoConfig, LlamaConfig
+from transformers import LlamaConfig
 
 log = logging.getLogger(__name__)
 
 
-def draft_layer_config(verifier_dir: str, num_layers: int, attn_impl: str, trust_remote_code: bool = False) -> LlamaConfig:
-    v = AutoConfig.from_pretrained(verifier_dir, trust_remote_code=trust_remote_code)
-    v = getattr(v, "text_config", v)
-    heads = v.num_attention_heads
+def verifier_text_config(verifier_dir: str) -> dict[str, Any]:
+    """The verifier's language-model config as a plain dict (config.json's `text_config`
+    for multimodal verifiers such as Kimi-K2.5). Read as JSON: no remote code runs."""
+    path = Path(verifier_dir) / "config.json"
+    config = json.loads(path.read_text())
+    return config.get("text_config") or config
+
+
+def is_mla(v: dict[str, Any]) -> bool:
+    """Multi-head latent attention (DeepSeek-V3, Kimi-K2): keys and values come from a
+    compressed latent, so there is no plain head_dim / num_key_value_heads to copy."""
+    return v.get("kv_lora_rank") is not None
+
+
+def draft_attention_geometry(v: dict[str, Any]) -> tuple[int, int, int]:
+    """(num_attention_heads, num_key_value_heads, head_dim) of the draft's Llama layer. Pure.
+
+    MLA verifiers: the draft keeps the verifier's query heads and uses head_dim =
+    v_head_dim (128 on DeepSeek-V3 and Kimi-K2: the size each head contributes to the
+    output projection, and a size every attention kernel supports; qk_nope + qk_rope = 192
+    is not), with one KV head per query head as MLA behaves at inference.
+    """
+    heads = int(v["num_attention_heads"])
+    if is_mla(v):
+        head_dim = int(v.get("v_head_dim") or v["qk_nope_head_dim"])
+        return heads, heads, head_dim
+    kv_heads = int(v.get("num_key_value_heads") or heads)
+    head_dim = int(v.get("head_dim") or v["hidden_size"] // heads)
+    return heads, kv_heads, head_dim
+
+
+def draft_rope_parameters(v: dict[str, Any]) -> dict[str, Any]:
+    """Rope for the draft layer. Pure.
+
+    transformers 5 writes `rope_parameters`; older configs `rope_theta` + `rope_scaling`.
+    MLA verifiers rotate only qk_rope_head_dim dims with DeepSeek's yarn variant, which a
+    Llama layer cannot reproduce: the draft uses plain rope at the verifier's theta.
+    """
+    theta = float((v.get("rope_parameters") or {}).get("rope_theta") or v.get("rope_theta") or 10000.0)
+    if is_mla(v):
+        return {"rope_type": "default", "rope_theta": theta}
+    if v.get("rope_parameters"):
+        return dict(v["rope_parameters"])
+    scaling = v.get("rope_scaling") or {}
+    rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
+    return {**{k: val for k, val in scaling.items() if k != "type"}, "rope_type": rope_type, "rope_theta": theta}
+
+
+def draft_layer_config(verifier_dir: str, num_layers: int, attn_impl: str) -> LlamaConfig:
+    v = verifier_text_config(verifier_dir)
+    heads, kv_heads, head_dim = draft_attention_geometry(v)
     config = LlamaConfig(
-        vocab_size=v.vocab_size,
-        hidden_size=v.hidden_size,
-        intermediate_size=v.intermediate_size,
+        vocab_size=v["vocab_size"],
+        hidden_size=v["hidden_size"],
+        intermediate_size=v["intermediate_size"],
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
-        num_key_value_heads=getattr(v, "num_key_value_heads", heads) or heads,
-        head_dim=getattr(v, "head_dim", None) or v.hidden_size // heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
         hidden_act="silu",
-        max_position_embeddings=v.max_position_embeddings,
-        rms_norm_eps=v.rms_norm_eps,
-        rope_parameters=getattr(v, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0},
+        max_position_embeddings=v.get("max_position_embeddings", 4096),
+        rms_norm_eps=v.get("rms_norm_eps", 1e-6),
+        rope_parameters=draft_rope_parameters(v),
         tie_word_embeddings=False,
     )
     config._attn_implementation = attn_impl
     return config
 
 
+# Where checkpoints keep the two tensors the draft shares with its verifier, by name.
+# Multimodal wrappers (Kimi-K2.5) prefix the language model's weights.
+EMBED_NAMES = ("model.embed_tokens.weight", "language_model.model.embed_tokens.weight", "model.language_model.embed_tokens.weight", "transformer.wte.weight")
+LM_HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight", "model.language_model.lm_head.weight")
+
+
+def safetensors_weight_map(verifier_dir: str) -> dict[str, Path]:
+    """Tensor name -> file, for one model.safetensors or a sharded checkpoint's index."""
+    root = Path(verifier_dir)
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        return {name: root / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+    single = root / "model.safetensors"
+    if not single.exists():
+        raise FileNotFoundError(f"{verifier_dir}: neither model.safetensors nor model.safetensors.index.json")
+    with safe_open(str(single), framework="pt") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def load_verifier_embeddings(verifier_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embed_tokens, lm_head) weights of the verifier, read by name from its safetensors.
+
+    speculators' `load_verifier_weights` resolves the verifier through AutoConfig without
+    trust_remote_code, so custom-code verifiers fail there. Tied embeddings (no lm_head
+    tensor; SmolLM2) reuse embed_tokens as lm_head.
+    """
+    weights = safetensors_weight_map(verifier_dir)
+
+    def read(names: tuple[str, ...]) -> torch.Tensor | None:
+        for name in names:
+            if name in weights:
+                with safe_open(str(weights[name]), framework="pt") as f:
+                    return f.get_tensor(name)
+        return None
+
+    embed = read(EMBED_NAMES)
+    if embed is None:
+        raise KeyError(f"{verifier_dir}: no embedding tensor among {EMBED_NAMES}")
+    lm_head = read(LM_HEAD_NAMES)
+    if lm_head is None:
+        top = json.loads((Path(verifier_dir) / "config.json").read_text())
+        if not (top.get("tie_word_embeddings") or verifier_text_config(verifier_dir).get("tie_word_embeddings")):
+            raise KeyError(f"{verifier_dir}: no lm_head tensor among {LM_HEAD_NAMES} and tie_word_embeddings is false")
+        lm_head = embed
+    return embed, lm_head
+
+
+def load_verifier_weights(model, verifier_dir: str, t2d: torch.Tensor) -> None:
+    """What speculators' Eagle3DraftModel.load_verifier_weights does, without model code:
+    embeddings as they are, lm_head rows of the draft vocabulary (t2d), both frozen."""
+    embed, lm_head = load_verifier_embeddings(verifier_dir)
+    if embed.shape != model.embed_tokens.weight.shape:
+        raise ValueError(f"{verifier_dir}: embeddings {tuple(embed.shape)}, the draft expects {tuple(model.embed_tokens.weight.shape)}")
+    draft_head = lm_head[t2d.to(torch.bool)] if model.use_draft_vocab else lm_head
+    dtype = model.embed_tokens.weight.dtype
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(embed.to(dtype))
+        model.lm_head.weight.copy_(draft_head.to(dtype))
+        model.verifier_lm_head.weight.copy_(draft_head.to(dtype))
+    for p in (model.embed_tokens.weight, model.lm_head.weight, model.verifier_lm_head.weight):
+        p.requires_grad_(False)
+    model.embed_tokens.weight.requires_grad_(model.config.embed_requires_grad)
+
+
 def build_draft(
     verifier_dir: str, d2t: torch.Tensor, t2d: torch.Tensor, *, num_layers: int, ttt_steps: int,
     aux_layer_ids: list[int], attn_impl: str, norm_before_residual: bool = True,
 ):  # fmt: skip
-    """A freshly initialised draft with the verifier's embeddings and lm_head rows loaded."""
+    """A freshly initialised draft with the verifier's embeddings and lm_head rows loaded.
+
+    `aux_layer_ids` become the config's eagle_aux_hidden_state_layer_ids: vLLM serving
+    the draft captures the same layers the draft was trained on."""
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
@@ -61,7 +181,7 @@ def build_draft(
     )
     model = Eagle3DraftModel(config=config)
     model.load_vocab_mappings(t2d, d2t)
-    model.load_verifier_weights()
+    load_verifier_weights(model, verifier_dir, t2d)
     return model
 
 
@@ -77,3 +197,33 @@ def export_draft(model, state_dict: dict[str, torch.Tensor], out_dir: Path, serv
 
 def load_draft_weights(draft_dir: str) -> dict[str, torch.Tensor]:
     return load_file(str(Path(draft_dir) / "model.safetensors"))
+
+
+def load_draft(draft_dir: str, verifier_dir: str | None = None):
+    """Reload an exported draft as a speculators Eagle3DraftModel, for any verifier.
+
+    speculators' from_pretrained ends in Eagle3DraftModel.load_verifier_weights, which
+    reads the verifier's config through AutoConfig without trust_remote_code (custom-code
+    verifiers such as kimi_k2 fail), and resolves default layer ids the same way. Here the
+    config and weights load through transformers' PreTrainedModel path, layer ids must be
+    explicit (eagleflow always writes them), and the frozen verifier_lm_head (not saved in
+    the checkpoint) is read from `verifier_dir` (default: the path the checkpoint names)
+    by tensor name.
+    """
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    from transformers import PreTrainedModel
+
+    config = Eagle3SpeculatorConfig.from_pretrained(draft_dir)
+    if not config.eagle_aux_hidden_state_layer_ids:
+        raise ValueError(f"{draft_dir}/config.json has no eagle_aux_hidden_state_layer_ids")
+    model = PreTrainedModel.from_pretrained.__func__(Eagle3DraftModel, draft_dir, config=config)
+    verifier_dir = verifier_dir or config.speculators_config.verifier.name_or_path
+    if not verifier_dir or not Path(verifier_dir).is_dir():
+        raise FileNotFoundError(f"{draft_dir}: verifier {verifier_dir!r} is not a local directory; pass verifier_dir")
+    _, lm_head = load_verifier_embeddings(verifier_dir)
+    rows = lm_head[model.t2d.to(torch.bool)] if model.use_draft_vocab else lm_head
+    with torch.no_grad():
+        model.verifier_lm_head.weight.copy_(rows.to(model.verifier_lm_head.weight.dtype))
+    for p in (model.embed_tokens.weight, model.lm_head.weight, model.verifier_lm_head.weight):
+        p.requires_grad_(False)
+    return model

@@ -1,0 +1,53 @@
+"""A job killed mid-shard leaves only a temporary that Snakemake does not count; the next
+run redoes that shard and what depends on it, never the shards that finished."""
+
+import subprocess
+import sys
+
+from tests.conftest import REPO, copy_workflow
+
+SNAKEMAKE = [sys.executable, "-m", "snakemake", "--configfile", str(REPO / "tests/config/small.yaml")]
+
+
+def planned_jobs(wf, env) -> list[tuple[str, str]]:
+    """(rule, wildcards line) of every job `snakemake -n` plans."""
+    out = subprocess.run(SNAKEMAKE + ["-n"], cwd=wf, env=env, capture_output=True, text=True, check=True, timeout=600).stdout
+    jobs, rule = [], None
+    for line in out.splitlines():
+        if line.startswith(("rule ", "localrule ")):
+            rule = line.split()[-1].rstrip(":")
+            jobs.append((rule, ""))
+        elif line.strip().startswith("wildcards:") and rule:
+            jobs[-1] = (rule, line.strip())
+    return [j for j in jobs if j[0] != "all"]
+
+
+def test_only_the_killed_shard_and_its_downstream_rerun(tmp_path, clean_env):
+    wf = copy_workflow(tmp_path)
+    # Every output of the DAG as a placeholder, then --touch so Snakemake records them as
+    # produced by a finished run (no vLLM, no model: this is about the DAG and the files).
+    summary = subprocess.run(SNAKEMAKE + ["--summary", "--cores", "1"], cwd=wf, env=clean_env, capture_output=True, text=True, check=True, timeout=600).stdout
+    for line in summary.splitlines()[1:]:
+        path, _, rule = line.split("\t")[:3]
+        target = wf / path
+        if rule == "prepare_verifier" or path.endswith("/draft"):
+            target.mkdir(parents=True, exist_ok=True)
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text("placeholder\n")
+    subprocess.run(SNAKEMAKE + ["--touch", "--cores", "1"], cwd=wf, env=clean_env, capture_output=True, text=True, check=True, timeout=600)
+    assert planned_jobs(wf, clean_env) == []
+
+    # The state a SIGKILLed shard job leaves: its write never reached the rename, so only
+    # the temporary next to the target exists, and nothing downstream was made.
+    hs = wf / "results/small/hidden_states"
+    (hs / "shard-00001.safetensors").unlink()
+    partial = hs / ".shard-00001.safetensors.killed.tmp"
+    partial.mkdir()
+    (partial / "shard-00001.safetensors").write_text("half a shard")
+    for done_downstream in ("hidden_states/index.json", "train/metrics.jsonl", "benchmark/report.json", "benchmark/report.md"):
+        (wf / "results/small" / done_downstream).unlink()
+
+    jobs = planned_jobs(wf, clean_env)
+    assert [j for j in jobs if j[0] == "hidden_states"] == [("hidden_states", "wildcards: shard=00001")]
+    assert {rule for rule, _ in jobs} == {"hidden_states", "hidden_states_index", "train", "benchmark", "report"}
