@@ -16,7 +16,11 @@ from transformers import AutoConfig, LlamaConfig
 log = logging.getLogger(__name__)
 
 
-def draft_layer_config(verifier_dir: str, num_layers: int, attn_impl: str, trust_remote_code: bool = False) -> LlamaConfig:
+def draft_layer_config(
+    verifier_dir: str, num_layers: int, attn_impl: str, trust_remote_code: bool = False, sliding_window: int | None = None,
+) -> LlamaConfig:  # fmt: skip
+    """The draft decoder's config. `sliding_window` None: full attention in every draft layer;
+    an int: that window in every layer (speculators' own trainer defaults to 2048)."""
     v = AutoConfig.from_pretrained(verifier_dir, trust_remote_code=trust_remote_code)
     v = getattr(v, "text_config", v)
     heads = v.num_attention_heads
@@ -33,6 +37,9 @@ def draft_layer_config(verifier_dir: str, num_layers: int, attn_impl: str, trust
         rms_norm_eps=v.rms_norm_eps,
         rope_parameters=getattr(v, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0},
         tie_word_embeddings=False,
+        sliding_window=sliding_window,
+        use_sliding_window=sliding_window is not None,
+        layer_types=["sliding_attention" if sliding_window is not None else "full_attention"] * num_layers,
     )
     config._attn_implementation = attn_impl
     return config
@@ -40,7 +47,7 @@ def draft_layer_config(verifier_dir: str, num_layers: int, attn_impl: str, trust
 
 def build_draft(
     verifier_dir: str, d2t: torch.Tensor, t2d: torch.Tensor, *, num_layers: int, ttt_steps: int,
-    aux_layer_ids: list[int], attn_impl: str, norm_before_residual: bool = True,
+    aux_layer_ids: list[int], attn_impl: str, norm_before_residual: bool = True, sliding_window: int | None = None,
 ):  # fmt: skip
     """A freshly initialised draft with the verifier's embeddings and lm_head rows loaded."""
     from speculators.config import SpeculatorsConfig, VerifierConfig
@@ -48,7 +55,7 @@ def build_draft(
     from speculators.proposals.greedy import GreedyTokenProposalConfig
 
     config = Eagle3SpeculatorConfig(
-        transformer_layer_config=draft_layer_config(verifier_dir, num_layers, attn_impl),
+        transformer_layer_config=draft_layer_config(verifier_dir, num_layers, attn_impl, sliding_window=sliding_window),
         draft_vocab_size=int(d2t.shape[0]),
         norm_before_residual=norm_before_residual,
         eagle_aux_hidden_state_layer_ids=list(aux_layer_ids),
