@@ -22,6 +22,7 @@ from workflow_scripts.train.checkpoint import (
 )  # fmt: skip
 from workflow_scripts.train.data import collate, load_shards, pack
 from workflow_scripts.train.draft import build_draft
+from workflow_scripts.train.launch import run_stage
 from workflow_scripts.train.loop import (
     KILL_AT_STEP_ENV, Runtime, evaluate, lr_at, metric_keys, resolve_impls, run_from_json, steps_in,
 )  # fmt: skip
@@ -50,12 +51,12 @@ def spec(tmp: Path, inputs, verifier, **cfg) -> dict:
     }  # fmt: skip
 
 
-def run_subprocess(s: dict, tmp: Path, env_extra: dict | None = None, torchrun: int = 0) -> subprocess.CompletedProcess:
+def run_subprocess(s: dict, tmp: Path, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m workflow_scripts.train SPEC.json`, as one torchrun rank (or a killed job) runs it."""
     path = tmp / f"spec-{os.urandom(4).hex()}.json"
     path.write_text(json.dumps(s))
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"] if torchrun else []
     env = {k: v for k, v in os.environ.items() if k not in (KILL_AT_STEP_ENV,)} | {"PYTHONPATH": str(REPO)} | (env_extra or {})
-    return subprocess.run([sys.executable, *launcher, "-m", "workflow_scripts.train", str(path)], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "workflow_scripts.train", str(path)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
 
 
@@ -241,8 +242,7 @@ def test_torchrun_two_processes_equal_one_process_accumulating_both_batches(tiny
     torch.set_num_threads(1)  # as each rank: the same reduction order, bit-equal results
     inputs = make_train_inputs(tmp_path / "in", tiny_llama_dir, [40, 36], [30, 35, 25], draft_vocab=64, seed=1)
     s = spec(tmp_path, inputs, tiny_llama_dir, epochs=1, nproc_per_node=2, eval_every=0, log_every=1, warmup_steps=0, lr=0.01)
-    done = run_subprocess(s, tmp_path, torchrun=2)
-    assert done.returncode == 0, done.stderr[-5000:]
+    run_stage(s, nproc=2)  # what the rule runs: torchrun, 2 gloo processes
     rows = read_jsonl(s["metrics_out"])
     train_row, eval_row = [r for r in rows if r["split"] == "train"], [r for r in rows if r["split"] == "eval"]
     assert [r["step"] for r in train_row] == [1] and [r["step"] for r in eval_row] == [1]
@@ -264,7 +264,7 @@ def test_torchrun_two_processes_equal_one_process_accumulating_both_batches(tiny
         for b in use_batches:
             _, loss, _ = model(**collate([train[i] for i in b], 64), **kwargs)
             (loss / len(use_batches)).backward()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         return model, losses, evaluate(model, evals, 64, kwargs, cpu, keys)
@@ -279,3 +279,25 @@ def test_torchrun_two_processes_equal_one_process_accumulating_both_batches(tiny
     draft = load_file(str(Path(s["draft_out"]) / "model.safetensors"))
     for name, value in trainable_state(model).items():
         assert torch.equal(draft[name], value.to(torch.bfloat16)), name
+
+
+def test_failed_torchrun_raises_with_its_exit_status(tiny_llama_dir, inputs, tmp_path):
+    s = spec(tmp_path, inputs, tiny_llama_dir, nproc_per_node=2)
+    s["shards"] = [str(tmp_path / "missing.safetensors")]
+    with pytest.raises(RuntimeError, match="torchrun with 2 training processes exited with 1"):
+        run_stage(s, nproc=2)
+    assert not Path(s["draft_out"]).exists()
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_exported_draft_attention_follows_sliding_window(inputs, tiny_llama_dir, tmp_path, window):
+    from workflow_scripts.train.draft import export_draft
+
+    vocab = load_file(inputs["vocab_map"])
+    model = build_draft(str(tiny_llama_dir), vocab["d2t"], vocab["t2d"], num_layers=2, ttt_steps=3, aux_layer_ids=[2, 4, 5],
+                        attn_impl="sdpa", sliding_window=window)  # fmt: skip
+    assert model.uses_sliding_window_attn == (window is not None) and model.uses_full_attn == (window is None)
+    export_draft(model, model.state_dict(), tmp_path / "draft", str(tiny_llama_dir))
+    layer = json.loads((tmp_path / "draft" / "config.json").read_text())["transformer_layer_config"]
+    assert layer["sliding_window"] == window
+    assert layer["layer_types"] == ["sliding_attention" if window else "full_attention"] * 2
