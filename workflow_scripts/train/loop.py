@@ -170,23 +170,22 @@ def train_step(model, params, optimizer, batch, rt: Runtime, fwd_kwargs, *, lr: 
             _, loss, metrics = model(**to_device(batch, rt.device), **fwd_kwargs)
         (loss * loss_scale).backward()
     if rt.world_size > 1:
-        all_reduce_grads(params, rt)
+        all_reduce_grads(params)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm, rt.sum_(metrics_vector(metrics, keys, rt.device))
 
 
-def all_reduce_grads(params: list[torch.nn.Parameter], rt: Runtime) -> None:
-    """Sum gradients across ranks in one flat buffer (a rank without a batch adds zeros)."""
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-    offset = 0
+def all_reduce_grads(params: list[torch.nn.Parameter]) -> None:
+    """Sum gradients across ranks, in place (a rank without a batch adds zeros). One
+    asynchronous all-reduce per parameter: no flat copy of a large draft's gradients."""
     for p in params:
-        n = p.numel()
-        p.grad = flat[offset : offset + n].view_as(p).clone()
-        offset += n
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    handles = [dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, async_op=True) for p in params]
+    for h in handles:
+        h.wait()
 
 
 @torch.no_grad()
