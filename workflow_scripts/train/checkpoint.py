@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import random
 import shutil
 from dataclasses import dataclass, field
@@ -168,6 +169,10 @@ def save_checkpoint(
             "rows": state.rows, "window": state.window,
             "optimizer": skeleton, "python_rng": python_rng,
         }))  # fmt: skip
+        # A killed process loses nothing in the page cache; a crashed node does: sync before the rename.
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
     for old in checkpoints(directory)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return target
