@@ -34,6 +34,7 @@ def main(run_dir: str, schedules: list[str]) -> None:
         out = Path(tempfile.mkdtemp(prefix="eagleflow-schedule-"))
         started = time.perf_counter()
         run_train(shards, str(run / "vocab/vocab_map.safetensors"), verifier, str(out / "draft"), str(out / "metrics.jsonl"),
+                  index=str(run / "hidden_states/index.json"), checkpoint_dir=str(out / "checkpoints"),
                   serve_verifier_path=verifier, cfg=cfg, threads=2)  # fmt: skip
         wall = time.perf_counter() - started
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -19,6 +19,8 @@ rule train:
     params:
         train=section("train"),
         serve_verifier_path=serve_verifier_path(),
-        code=code("train.loop"),
+        # Not an output: a failed or killed job's checkpoints must survive for the rerun to resume.
+        checkpoint_dir=results("train/checkpoints"),
+        code=code("train.launch"),
     script:
         "../workflow_scripts/entry/train.py"

@@ -70,7 +70,9 @@ def draft_rope_parameters(v: dict[str, Any]) -> dict[str, Any]:
     return {**{k: val for k, val in scaling.items() if k != "type"}, "rope_type": rope_type, "rope_theta": theta}
 
 
-def draft_layer_config(verifier_dir: str, num_layers: int, attn_impl: str) -> LlamaConfig:
+def draft_layer_config(verifier_dir: str, num_layers: int, attn_impl: str, sliding_window: int | None = None) -> LlamaConfig:
+    """The draft decoder's config. `sliding_window` None: full attention in every draft layer;
+    an int: that window in every layer (speculators' own trainer defaults to 2048)."""
     v = verifier_text_config(verifier_dir)
     heads, kv_heads, head_dim = draft_attention_geometry(v)
     config = LlamaConfig(
@@ -86,6 +88,9 @@ def draft_layer_config(verifier_dir: str, num_layers: int, attn_impl: str) -> Ll
         rms_norm_eps=v.get("rms_norm_eps", 1e-6),
         rope_parameters=draft_rope_parameters(v),
         tie_word_embeddings=False,
+        sliding_window=sliding_window,
+        use_sliding_window=sliding_window is not None,
+        layer_types=["sliding_attention" if sliding_window is not None else "full_attention"] * num_layers,
     )
     config._attn_implementation = attn_impl
     return config
@@ -157,7 +162,7 @@ def load_verifier_weights(model, verifier_dir: str, t2d: torch.Tensor) -> None:
 
 def build_draft(
     verifier_dir: str, d2t: torch.Tensor, t2d: torch.Tensor, *, num_layers: int, ttt_steps: int,
-    aux_layer_ids: list[int], attn_impl: str, norm_before_residual: bool = True,
+    aux_layer_ids: list[int], attn_impl: str, norm_before_residual: bool = True, sliding_window: int | None = None,
 ):  # fmt: skip
     """A freshly initialised draft with the verifier's embeddings and lm_head rows loaded.
 
@@ -168,7 +173,7 @@ def build_draft(
     from speculators.proposals.greedy import GreedyTokenProposalConfig
 
     config = Eagle3SpeculatorConfig(
-        transformer_layer_config=draft_layer_config(verifier_dir, num_layers, attn_impl),
+        transformer_layer_config=draft_layer_config(verifier_dir, num_layers, attn_impl, sliding_window=sliding_window),
         draft_vocab_size=int(d2t.shape[0]),
         norm_before_residual=norm_before_residual,
         eagle_aux_hidden_state_layer_ids=list(aux_layer_ids),

@@ -1,0 +1,303 @@
+"""Checkpoints, kill-and-resume, stale-checkpoint refusal and torchrun data parallel, on CPU
+with a tiny verifier built from a config and synthetic hidden-state shards."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import REPO
+from tests.train_inputs import make_train_inputs
+from workflow_scripts.common.atomic import read_jsonl
+from workflow_scripts.train.checkpoint import (
+    TrainState, checkpoints, flatten_state, latest_checkpoint, load_checkpoint, restore, save_checkpoint,
+    trainable_state, training_fingerprint, unflatten_state,
+)  # fmt: skip
+from workflow_scripts.train.data import collate, load_shards, pack
+from workflow_scripts.train.draft import build_draft
+from workflow_scripts.train.launch import run_stage
+from workflow_scripts.train.loop import (
+    KILL_AT_STEP_ENV, Runtime, evaluate, lr_at, metric_keys, resolve_impls, run_from_json, steps_in,
+)  # fmt: skip
+
+TRAIN_LENGTHS = [30, 25, 40, 20, 35, 28, 33, 22, 38, 26, 31, 24]
+EVAL_LENGTHS = [30, 35, 25]
+CFG = dict(
+    num_layers=1, ttt_steps=3, ttt_step_loss_decay=1.0, loss="kl_div", loss_implementation="auto", attn_impl="auto",
+    sliding_window=None, lr=0.002, weight_decay=0.0, warmup_steps=2, grad_clip=1.0, epochs=2, batch_tokens=64,
+    log_every=2, eval_every=3, checkpoint_every=4, keep_checkpoints=2, nproc_per_node=1, seed=0,
+)  # fmt: skip
+NONDETERMINISTIC = {"tokens_per_s"}
+
+
+@pytest.fixture(scope="module")
+def inputs(tiny_llama_dir, tmp_path_factory):
+    return make_train_inputs(tmp_path_factory.mktemp("train-inputs"), tiny_llama_dir, TRAIN_LENGTHS, EVAL_LENGTHS, draft_vocab=64)
+
+
+def spec(tmp: Path, inputs, verifier, **cfg) -> dict:
+    return {
+        "shards": inputs["shards"], "vocab_map": inputs["vocab_map"], "index": inputs["index"], "verifier_dir": str(verifier),
+        "draft_out": str(tmp / "draft"), "metrics_out": str(tmp / "train" / "metrics.jsonl"),
+        "checkpoint_dir": str(tmp / "train" / "checkpoints"), "serve_verifier_path": str(verifier),
+        "cfg": {**CFG, **cfg}, "threads": 1,
+    }  # fmt: skip
+
+
+def run_subprocess(s: dict, tmp: Path, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m workflow_scripts.train SPEC.json`, as one torchrun rank (or a killed job) runs it."""
+    path = tmp / f"spec-{os.urandom(4).hex()}.json"
+    path.write_text(json.dumps(s))
+    env = {k: v for k, v in os.environ.items() if k not in (KILL_AT_STEP_ENV,)} | {"PYTHONPATH": str(REPO)} | (env_extra or {})
+    return subprocess.run([sys.executable, "-m", "workflow_scripts.train", str(path)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def strip(rows):
+    return [{k: v for k, v in r.items() if k not in NONDETERMINISTIC} for r in rows]
+
+
+def assert_rows_equal(got, want):
+    assert [(r["step"], r["split"]) for r in got] == [(r["step"], r["split"]) for r in want]
+    for g, w in zip(strip(got), strip(want), strict=True):
+        assert g.keys() == w.keys()
+        for k in g:
+            if isinstance(g[k], float):
+                assert math.isclose(g[k], w[k], rel_tol=1e-6, abs_tol=1e-9), (g["step"], g["split"], k, g[k], w[k])
+            else:
+                assert g[k] == w[k], (g["step"], k)
+
+
+def assert_drafts_equal(a: Path, b: Path):
+    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(inputs, tiny_llama_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    s = spec(tmp, inputs, tiny_llama_dir)
+    run_from_json(s)
+    return tmp, read_jsonl(s["metrics_out"])
+
+
+# --- pure parts ------------------------------------------------------------------------------
+
+
+def test_flatten_state_round_trips_nested_structure():
+    state = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(2, 3)}, 7: {"m": torch.arange(4)}},
+             "param_groups": [{"lr": 0.1, "betas": (0.9, 0.95), "params": [0, 7], "foreach": None, "name": "x"}]}  # fmt: skip
+    skeleton, tensors = flatten_state(state)
+    json.dumps(skeleton)  # the structure is JSON, the tensors are flat
+    assert all(isinstance(v, torch.Tensor) for v in tensors.values()) and len(tensors) == 3
+    back = unflatten_state(json.loads(json.dumps(skeleton)), tensors)
+    assert back["param_groups"] == state["param_groups"]
+    assert set(back["state"]) == {0, 7}
+    assert torch.equal(back["state"][0]["exp_avg"], state["state"][0]["exp_avg"])
+    assert torch.equal(back["state"][7]["m"], state["state"][7]["m"])
+    with pytest.raises(TypeError, match="cannot checkpoint a set"):
+        flatten_state({"bad": {1, 2}})
+
+
+def test_resolve_impls_auto_and_refusals():
+    assert resolve_impls("auto", "auto", cuda=False, triton=True) == ("sdpa", "eager")
+    assert resolve_impls("auto", "auto", cuda=True, triton=True) == ("simple_flex_attention", "fused")
+    assert resolve_impls("auto", "auto", cuda=True, triton=False) == ("simple_flex_attention", "eager")
+    assert resolve_impls("eager", "eager", cuda=True, triton=True) == ("eager", "eager")
+    with pytest.raises(ValueError, match="attn_impl"):
+        resolve_impls("simple_flex_attention", "eager", cuda=False, triton=False)
+    with pytest.raises(ValueError, match="loss_implementation"):
+        resolve_impls("sdpa", "fused", cuda=False, triton=True)
+
+
+def test_steps_in_rounds_up():
+    assert [steps_in(n, 2) for n in (1, 2, 3, 4)] == [1, 1, 2, 2]
+    assert steps_in(5, 1) == 5
+
+
+def test_fingerprint_tracks_what_determines_training(inputs, tmp_path):
+    fp = training_fingerprint(CFG, inputs["index"], inputs["vocab_map"], inputs["shards"], "code1")
+    assert fp == training_fingerprint(dict(reversed(CFG.items())), inputs["index"], inputs["vocab_map"], inputs["shards"], "code1")
+    assert fp == training_fingerprint({**CFG, "checkpoint_every": 7, "keep_checkpoints": 1}, inputs["index"], inputs["vocab_map"], inputs["shards"], "code1")
+    assert fp != training_fingerprint({**CFG, "lr": 0.001}, inputs["index"], inputs["vocab_map"], inputs["shards"], "code1")
+    assert fp != training_fingerprint({**CFG, "nproc_per_node": 2}, inputs["index"], inputs["vocab_map"], inputs["shards"], "code1")
+    assert fp != training_fingerprint(CFG, inputs["index"], inputs["vocab_map"], inputs["shards"], "code2")
+    other_index = tmp_path / "index.json"
+    other_index.write_text(Path(inputs["index"]).read_text().replace('"num_samples"', '"num_samples" ', 1))
+    assert fp != training_fingerprint(CFG, str(other_index), inputs["vocab_map"], inputs["shards"], "code1")
+    assert fp != training_fingerprint(CFG, inputs["index"], inputs["vocab_map"], inputs["shards"][:1], "code1")
+
+
+# --- checkpoint round trip -------------------------------------------------------------------
+
+
+def small_model(inputs, verifier, seed):
+    torch.manual_seed(seed)
+    vocab = load_file(inputs["vocab_map"])
+    model = build_draft(str(verifier), vocab["d2t"], vocab["t2d"], num_layers=1, ttt_steps=3, aux_layer_ids=[2, 4, 5], attn_impl="sdpa")
+    params = [p for p in model.parameters() if p.requires_grad]
+    return model, params, torch.optim.AdamW(params, lr=0.01, betas=(0.9, 0.95))
+
+
+def test_checkpoint_round_trip_restores_every_state(inputs, tiny_llama_dir, tmp_path):
+    from speculators.losses import resolve_loss_config
+
+    train, _, _ = load_shards(inputs["shards"])
+    model, params, opt = small_model(inputs, tiny_llama_dir, seed=0)
+    kwargs = {"ttt_steps": 3, "ttt_step_loss_decay": 1.0, "loss_config": resolve_loss_config("kl_div", "eager")}
+    for batch in pack(train, 64, shuffle_seed=0)[:2]:
+        _, loss, _ = model(**collate([train[i] for i in batch], 64), **kwargs)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    torch.manual_seed(1234)
+    state = TrainState(step=2, epoch=0, batch_index=2, best_loss=0.5, best_step=1,
+                       rows=[{"step": 1, "split": "eval", "loss": 0.5}], window={"loss_sum": 1.25, "tokens": 40})  # fmt: skip
+    best = {k: v.clone() * 2 for k, v in trainable_state(model).items()}
+    ckdir = tmp_path / "fp"
+    for step in (2, 3, 4):  # keep=2 keeps the newest two
+        state.step = step
+        save_checkpoint(ckdir, "fp", model, opt, state, best, keep=2)
+    assert [p.name for p in checkpoints(ckdir)] == ["step-00000003", "step-00000004"]
+    assert not [p for p in ckdir.iterdir() if p.name.startswith(".")], "no temporaries left behind"
+    expected_rng = torch.get_rng_state()
+
+    fresh, _, fresh_opt = small_model(inputs, tiny_llama_dir, seed=99)
+    torch.manual_seed(0)
+    ckpt = latest_checkpoint(ckdir, "fp")
+    restore(ckpt, fresh, fresh_opt)
+    assert ckpt.state == state
+    assert torch.equal(torch.get_rng_state(), expected_rng)
+    for (name, a), b in zip(trainable_state(model).items(), trainable_state(fresh).values(), strict=True):
+        assert torch.equal(a, b), name
+    assert ckpt.best.keys() == best.keys() and all(torch.equal(ckpt.best[k], best[k]) for k in best)
+    sa, sb = opt.state_dict(), fresh_opt.state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    for i in sa["state"]:
+        for k in sa["state"][i]:
+            assert torch.equal(sa["state"][i][k], sb["state"][i][k]), (i, k)
+    with pytest.raises(ValueError, match="belongs to another config"):
+        load_checkpoint(ckpt.path, "other")
+
+
+# --- kill and resume -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("signame", ["SIGKILL", "SIGTERM"])
+def test_killed_run_resumes_and_matches_uninterrupted(inputs, tiny_llama_dir, uninterrupted, tmp_path, signame):
+    ref_dir, ref_rows = uninterrupted
+    s = spec(tmp_path, inputs, tiny_llama_dir)
+    # Killed at step 6: the newest checkpoint is step 4, so steps 5-6 are trained twice.
+    killed = run_subprocess(s, tmp_path, {KILL_AT_STEP_ENV: f"6:{signame}"})
+    assert killed.returncode == (-signal.SIGKILL if signame == "SIGKILL" else 128 + signal.SIGTERM), killed.stderr[-3000:]
+    assert not Path(s["metrics_out"]).exists() and not Path(s["draft_out"]).exists()
+    (fp_dir,) = Path(s["checkpoint_dir"]).iterdir()
+    assert [p.name for p in checkpoints(fp_dir)] == ["step-00000004"]
+
+    resumed = run_subprocess(s, tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    total = max(r["step"] for r in ref_rows)
+    assert f"resuming from step 4 of {total}" in resumed.stderr
+    rows = read_jsonl(s["metrics_out"])
+    assert max(r["step"] for r in rows) == total
+    assert_rows_equal(rows, ref_rows)
+    assert_drafts_equal(Path(s["draft_out"]), ref_dir / "draft")
+    assert not fp_dir.exists(), "a finished run removes its spent checkpoints"
+
+
+def test_changed_config_does_not_resume_stale_checkpoint(inputs, tiny_llama_dir, tmp_path):
+    s = spec(tmp_path, inputs, tiny_llama_dir)
+    assert run_subprocess(s, tmp_path, {KILL_AT_STEP_ENV: "6"}).returncode == -signal.SIGKILL
+    (stale,) = Path(s["checkpoint_dir"]).iterdir()
+    changed = {**s, "cfg": {**s["cfg"], "lr": 0.001}}
+    done = run_subprocess(changed, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resuming from step" not in done.stderr
+    assert "starting at step 0 of" in done.stderr
+    assert f"not resuming checkpoints of other configs/inputs/code in {s['checkpoint_dir']}: {stale.name}" in done.stderr
+    rows = read_jsonl(s["metrics_out"])
+    assert rows[0]["step"] == 2 and rows[0]["lr"] == lr_at(1, max(r["step"] for r in rows), 0.001, CFG["warmup_steps"])
+    assert stale.exists(), "another config's checkpoints are left alone"
+
+
+# --- data parallel ---------------------------------------------------------------------------
+
+
+def test_torchrun_two_processes_equal_one_process_accumulating_both_batches(tiny_llama_dir, tmp_path):
+    """Two train batches, two ranks, one epoch: exactly one optimizer step. Its result must
+    equal one process accumulating the gradients of both batches (each loss scaled by 1/2).
+    A missing gradient all-reduce leaves rank 0 with its own batch's step; the test checks
+    that this counterfactual would be told apart."""
+    from speculators.losses import resolve_loss_config
+
+    torch.set_num_threads(1)  # as each rank: the same reduction order, bit-equal results
+    inputs = make_train_inputs(tmp_path / "in", tiny_llama_dir, [40, 36], [30, 35, 25], draft_vocab=64, seed=1)
+    s = spec(tmp_path, inputs, tiny_llama_dir, epochs=1, nproc_per_node=2, eval_every=0, log_every=1, warmup_steps=0, lr=0.01)
+    run_stage(s, nproc=2)  # what the rule runs: torchrun, 2 gloo processes
+    rows = read_jsonl(s["metrics_out"])
+    train_row, eval_row = [r for r in rows if r["split"] == "train"], [r for r in rows if r["split"] == "eval"]
+    assert [r["step"] for r in train_row] == [1] and [r["step"] for r in eval_row] == [1]
+
+    train, evals, aux = load_shards(inputs["shards"])
+    batches = pack(train, 64, shuffle_seed=0)
+    assert len(batches) == 2
+    cpu = Runtime(0, 1, torch.device("cpu"), "sdpa", "eager")
+    kwargs = {"ttt_steps": 3, "ttt_step_loss_decay": 1.0, "loss_config": resolve_loss_config("kl_div", "eager")}
+    keys = metric_keys(3)
+
+    def one_step(use_batches):
+        torch.manual_seed(0)
+        vocab = load_file(inputs["vocab_map"])
+        model = build_draft(str(tiny_llama_dir), vocab["d2t"], vocab["t2d"], num_layers=1, ttt_steps=3, aux_layer_ids=aux, attn_impl="sdpa")
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=lr_at(0, 1, 0.01, 0), betas=(0.9, 0.95), weight_decay=0.0)
+        losses = []
+        for b in use_batches:
+            _, loss, _ = model(**collate([train[i] for i in b], 64), **kwargs)
+            (loss / len(use_batches)).backward()
+            losses.append(float(loss.detach()))
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        return model, losses, evaluate(model, evals, 64, kwargs, cpu, keys)
+
+    model, losses, ref_eval = one_step(batches)
+    assert math.isclose(train_row[0]["loss"], sum(losses) / 2, rel_tol=1e-5)
+    for k, v in ref_eval.items():
+        assert math.isclose(eval_row[0][k], v, rel_tol=1e-5, abs_tol=1e-7), k
+    _, _, rank0_only = one_step(batches[:1])
+    assert not math.isclose(rank0_only["loss"], ref_eval["loss"], rel_tol=1e-4), "the test cannot tell a missing all-reduce apart"
+
+    draft = load_file(str(Path(s["draft_out"]) / "model.safetensors"))
+    for name, value in trainable_state(model).items():
+        assert torch.equal(draft[name], value.to(torch.bfloat16)), name
+
+
+def test_failed_torchrun_raises_with_its_exit_status(tiny_llama_dir, inputs, tmp_path):
+    s = spec(tmp_path, inputs, tiny_llama_dir, nproc_per_node=2)
+    s["shards"] = [str(tmp_path / "missing.safetensors")]
+    with pytest.raises(RuntimeError, match="torchrun with 2 training processes exited with 1"):
+        run_stage(s, nproc=2)
+    assert not Path(s["draft_out"]).exists()
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_exported_draft_attention_follows_sliding_window(inputs, tiny_llama_dir, tmp_path, window):
+    from workflow_scripts.train.draft import export_draft
+
+    vocab = load_file(inputs["vocab_map"])
+    model = build_draft(str(tiny_llama_dir), vocab["d2t"], vocab["t2d"], num_layers=2, ttt_steps=3, aux_layer_ids=[2, 4, 5],
+                        attn_impl="sdpa", sliding_window=window)  # fmt: skip
+    assert model.uses_sliding_window_attn == (window is not None) and model.uses_full_attn == (window is None)
+    export_draft(model, model.state_dict(), tmp_path / "draft", str(tiny_llama_dir))
+    layer = json.loads((tmp_path / "draft" / "config.json").read_text())["transformer_layer_config"]
+    assert layer["sliding_window"] == window
+    assert layer["layer_types"] == ["sliding_attention" if window else "full_attention"] * 2

@@ -1,0 +1,55 @@
+"""The train rule through Snakemake: torchrun with 2 CPU processes, killed and rerun.
+
+Only the train rule runs (`--allowed-rules train`) on synthetic hidden-state shards and a
+tiny verifier; nothing upstream, no vLLM.
+"""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import copy_workflow, save_tiny_llama
+from tests.train_inputs import make_train_inputs
+from workflow_scripts.common.atomic import read_jsonl
+from workflow_scripts.train.loop import KILL_AT_STEP_ENV
+
+OVERRIDES = """\
+run: t
+verifier: {name: tiny, source: path, path: resources/verifier/tiny}
+hidden_states: {num_shards: 2}
+train: {nproc_per_node: 2, epochs: 2, batch_tokens: 64, log_every: 1, eval_every: 1, checkpoint_every: 2}
+"""
+
+
+def snakemake(wf: Path, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "snakemake", "--cores", "2", "--allowed-rules", "train", "--configfile", "over.yaml",
+         "--", "results/t/train/metrics.jsonl"],
+        cwd=wf, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+
+
+def test_killed_torchrun_job_resumes_on_rerun(tmp_path, clean_env):
+    wf = copy_workflow(tmp_path)
+    verifier = save_tiny_llama(wf / "resources/verifier/tiny")
+    inputs = make_train_inputs(wf / "results/t/hidden_states", verifier, [30, 25, 40, 20, 35, 28, 33, 22], [30, 35, 25], draft_vocab=64)
+    (wf / "results/t/vocab").mkdir(parents=True)
+    shutil.move(inputs["vocab_map"], wf / "results/t/vocab/vocab_map.safetensors")
+    (wf / "over.yaml").write_text(OVERRIDES)
+    log = wf / "results/t/logs/train.log"
+
+    killed = snakemake(wf, clean_env | {KILL_AT_STEP_ENV: "3"})
+    assert killed.returncode != 0
+    assert "launching 2 training processes" in log.read_text()
+    assert not (wf / "results/t/train/metrics.jsonl").exists() and not (wf / "results/t/draft").exists()
+    (fp_dir,) = [p for p in (wf / "results/t/train/checkpoints").iterdir() if p.is_dir()]
+    assert [p.name for p in fp_dir.iterdir()] == ["step-00000002"], "the failed job's checkpoint survives"
+
+    done = snakemake(wf, clean_env)
+    assert done.returncode == 0, log.read_text()[-4000:]
+    assert "resuming from step 2 of 4" in log.read_text()
+    rows = read_jsonl(wf / "results/t/train/metrics.jsonl")
+    assert [(r["step"], r["split"]) for r in rows] == [(s, split) for s in (1, 2, 3, 4) for split in ("train", "eval")]
+    assert (wf / "results/t/draft/model.safetensors").is_file()
+    assert not fp_dir.exists()

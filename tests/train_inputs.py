@@ -1,0 +1,70 @@
+"""Synthetic train-stage inputs (hidden-state shards, index.json, vocab map) for a verifier dir.
+
+The shards have the layout and metadata workflow_scripts.hidden_states writes, filled with
+seeded random numbers: the training loop's mechanics (packing, steps, checkpoints, data
+parallel) do not depend on the hidden states being a real verifier's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoConfig
+
+from workflow_scripts.hidden_states import write_index
+
+AUX_LAYERS = 3
+
+
+def make_train_inputs(
+    out: Path, verifier_dir: Path, train_lengths: list[int], eval_lengths: list[int], *,
+    draft_vocab: int, num_shards: int = 2, seed: int = 0,
+) -> dict[str, object]:  # fmt: skip
+    """Write shards, index.json and vocab_map.safetensors under `out`; return the paths in
+    run_train's argument names. Samples are dealt round-robin over the shards."""
+    cfg = AutoConfig.from_pretrained(verifier_dir)
+    hidden, vocab, layers = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
+    g = torch.Generator().manual_seed(seed)
+    samples = [(n, False) for n in train_lengths] + [(n, True) for n in eval_lengths]
+    out.mkdir(parents=True, exist_ok=True)
+    shards = []
+    for s in range(num_shards):
+        mine = samples[s::num_shards]
+        total = sum(n for n, _ in mine)
+        offsets = [0]
+        for n, _ in mine:
+            offsets.append(offsets[-1] + n)
+        loss_mask = torch.ones(total, dtype=torch.int8)
+        for a in offsets[:-1]:
+            loss_mask[a : a + 3] = 0  # the prompt part of each sample
+        tensors = {
+            "hidden_states": torch.randn(total, AUX_LAYERS * hidden, generator=g).to(torch.bfloat16),
+            "verifier_last_hidden_states": torch.randn(total, hidden, generator=g).to(torch.bfloat16),
+            "input_ids": torch.randint(0, vocab, (total,), generator=g, dtype=torch.int32),
+            "loss_mask": loss_mask,
+            "offsets": torch.tensor(offsets, dtype=torch.int64),
+            "is_eval": torch.tensor([e for _, e in mine], dtype=torch.bool),
+        }
+        metadata = {
+            "sample_ids": json.dumps([f"s{s}-{i}" for i in range(len(mine))]),
+            "aux_layer_ids": json.dumps([2, layers // 2, layers - 3]),
+            "num_layers": str(layers),
+            "hidden_size": str(hidden),
+            "convention": "synthetic",
+        }
+        path = out / f"shard-{s:05d}.safetensors"
+        save_file(tensors, str(path), metadata=metadata)
+        shards.append(str(path))
+    index = out / "index.json"
+    write_index(shards, str(verifier_dir), str(index))
+    # Draft vocab: every other target id (d2t holds offsets target_id - draft_index).
+    target_ids = torch.arange(0, 2 * draft_vocab, 2)[:draft_vocab] % vocab
+    d2t = target_ids - torch.arange(draft_vocab)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[target_ids] = True
+    vocab_map = out / "vocab_map.safetensors"
+    save_file({"d2t": d2t.to(torch.int64), "t2d": t2d}, str(vocab_map))
+    return {"shards": shards, "index": str(index), "vocab_map": str(vocab_map)}

@@ -1,0 +1,56 @@
+"""Start the training stage: in this process, or as `nproc_per_node` torchrun processes.
+
+With one process the loop runs here. With more, torchrun starts that many copies of
+`python -m workflow_scripts.train SPEC.json` (one per GPU; gloo on CPU), in its own process
+group that is killed as a whole on every exit path, SIGTERM from Snakemake included.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from workflow_scripts.common.atomic import write_text
+from workflow_scripts.train.loop import run_from_json
+
+log = logging.getLogger(__name__)
+
+PACKAGE_PARENT = Path(__file__).resolve().parents[2]  # the directory holding workflow_scripts/
+STOP_GRACE_S = 60
+
+
+def torchrun_command(spec_path: Path, nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", "workflow_scripts.train", str(spec_path)]  # fmt: skip
+
+
+def run_stage(spec: dict[str, Any], nproc: int) -> None:
+    """Train with `spec` (run_train's arguments, see loop.run_from_json) on `nproc` processes."""
+    if nproc == 1:
+        run_from_json(spec)
+        return
+    # The spec sits next to the checkpoints: outside the Snakemake outputs, kept for a rerun to read.
+    spec_path = Path(spec["checkpoint_dir"]) / "torchrun-spec.json"
+    write_text(spec_path, json.dumps(spec, indent=1))
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(PACKAGE_PARENT), os.environ.get("PYTHONPATH")]))}
+    cmd = torchrun_command(spec_path, nproc)
+    log.info("launching %d training processes: %s", nproc, " ".join(cmd))
+    proc = subprocess.Popen(cmd, env=env, stdout=sys.stderr, stderr=sys.stderr, start_new_session=True)
+    try:
+        rc = proc.wait()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    if rc != 0:
+        raise RuntimeError(f"torchrun with {nproc} training processes exited with {rc}: see the rank logs above in this log")
