@@ -4,8 +4,8 @@ forward of the same base model over the same padded batches, side by side in one
 
     .venv/bin/python bench/hidden_states_overhead.py [VERIFIER_DIR] [--samples 24] [--max-len 512] [--rounds 2] [--threads 2]
 
-VERIFIER_DIR defaults to the embedded SmolLM2 in /work/main/resources/verifier (read
-only), else a 12-layer Llama (hidden 576) built from a config. Compute dtype float32 on
+VERIFIER_DIR defaults to the embedded SmolLM2 in resources/verifier (prepared by `make
+demo`; read only), else a 12-layer Llama (hidden 576) built from a config. Compute dtype float32 on
 CPU (DESIGN.md: bf16 matmuls take slow paths here), storage bf16. Passes alternate
 A B B A per round so drift hits both. Target: capture/plain time ratio <= 1.10.
 """
@@ -24,7 +24,7 @@ import torch
 
 from workflow_scripts.hidden_states import decoder_parts, default_aux_layer_ids, extract, load_verifier, token_budget_batches
 
-EMBEDDED = Path("/work/main/resources/verifier/smollm2-135m-instruct")
+EMBEDDED = Path(__file__).resolve().parents[1] / "resources/verifier/smollm2-135m-instruct"
 
 
 def fallback_verifier(out: Path) -> Path:

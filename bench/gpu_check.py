@@ -1,0 +1,205 @@
+"""One short GPU check (for a session lent an H200): training and extraction at real sizes.
+
+    python bench/gpu_check.py --out "$OUT/gpu_check.json"        # on the GPU host, ~3-5 min
+    python bench/gpu_check.py --tiny --out /tmp/gpu_check.json    # the same code on CPU, small
+
+1. Training: an EAGLE-3 draft sized for an 8B-class verifier (Llama-3.1-8B geometry: hidden
+   4096, 32 heads / 8 KV heads, vocab 128256; draft vocab 32000, 1 layer, 3 TTT steps) on
+   random hidden states, through the project's own `train_step` (bf16 autocast, and "auto"
+   attention/loss, which on CUDA + Triton are flex attention and the fused loss). Reports
+   tokens/s and peak GPU memory per batch size.
+2. Extraction: a randomly initialised 1B-class Llama verifier (hidden 2048, 16 layers,
+   vocab 128256) in bf16; tokens/s of the hf backend's capture path (`hidden_states.extract`)
+   against a plain forward of the same batches (capture overhead as a ratio).
+
+Only the embedding and lm_head tensors of the 8B verifier are written (the draft reads
+nothing else); nothing is downloaded. Results go to --out as JSON and to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import platform
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import yaml
+from safetensors.torch import save_file
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from hidden_states_overhead import plain  # noqa: E402 (a sibling bench script)
+
+from workflow_scripts.hidden_states import default_aux_layer_ids, extract  # noqa: E402
+from workflow_scripts.train.data import Sample, collate, pack  # noqa: E402
+from workflow_scripts.train.draft import build_draft  # noqa: E402
+from workflow_scripts.train.loop import init_runtime, metric_keys, train_step  # noqa: E402
+
+LLAMA_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "rope_theta": 500000.0}  # fmt: skip
+LLAMA_1B = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256, "rope_theta": 500000.0}  # fmt: skip
+TINY = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 8, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 4096, "rope_theta": 10000.0}  # fmt: skip
+
+
+def llama_config(geometry: dict, **extra):
+    from transformers import LlamaConfig
+
+    g = dict(geometry)
+    theta = g.pop("rope_theta")
+    return LlamaConfig(**g, max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                       rope_parameters={"rope_type": "default", "rope_theta": theta}, **extra)  # fmt: skip
+
+
+def embeddings_only_verifier(out: Path, geometry: dict) -> Path:
+    """config.json plus the two tensors a draft takes from its verifier, random, bf16."""
+    out.mkdir(parents=True, exist_ok=True)
+    config = llama_config(geometry)
+    config.architectures = ["LlamaForCausalLM"]
+    config.save_pretrained(out)
+    shape = (geometry["vocab_size"], geometry["hidden_size"])
+    save_file({"model.embed_tokens.weight": torch.randn(shape, dtype=torch.bfloat16) * 0.02,
+               "lm_head.weight": torch.randn(shape, dtype=torch.bfloat16) * 0.02}, str(out / "model.safetensors"))  # fmt: skip
+    return out
+
+
+def draft_vocab(vocab_size: int, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    chosen = torch.sort(torch.randperm(vocab_size)[:draft_vocab_size]).values
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[chosen] = True
+    return chosen - torch.arange(draft_vocab_size), t2d
+
+
+def random_batches(count: int, batch_tokens: int, lengths: tuple[int, int], hidden: int, num_aux: int, vocab: int) -> list[dict]:
+    """`count` packed batches of random samples, float32 on the host as the loop loads shards."""
+    rng = random.Random(0)
+    samples = []
+    while sum(map(len, samples)) < count * batch_tokens:
+        t = rng.randint(*lengths)
+        samples.append(Sample(torch.randint(vocab, (t,)), torch.randn(t, num_aux * hidden), torch.randn(t, hidden), torch.ones(t, dtype=torch.bool)))
+    return [collate([samples[i] for i in b], batch_tokens) for b in pack(samples, batch_tokens, shuffle_seed=0)][:count]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def check_training(geometry: dict, draft_vocab_size: int, batch_sizes: list[int], steps: int, workdir: Path) -> list[dict]:
+    from speculators.losses import resolve_loss_config
+
+    cfg = yaml.safe_load((REPO / "config/config.yaml").read_text())["train"] | {"attn_impl": "auto", "loss_implementation": "auto"}
+    rt = init_runtime(cfg)
+    verifier = embeddings_only_verifier(workdir / "verifier-8b", geometry)
+    d2t, t2d = draft_vocab(geometry["vocab_size"], draft_vocab_size)
+    aux = default_aux_layer_ids(geometry["num_hidden_layers"])
+    model = build_draft(str(verifier), d2t, t2d, num_layers=1, ttt_steps=cfg["ttt_steps"], aux_layer_ids=aux,
+                        attn_impl=rt.attn_impl, sliding_window=None).to(rt.device)  # fmt: skip
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95))
+    fwd = {"ttt_steps": cfg["ttt_steps"], "ttt_step_loss_decay": cfg["ttt_step_loss_decay"],
+           "loss_config": resolve_loss_config(cfg["loss"], rt.loss_implementation)}  # fmt: skip
+    keys = metric_keys(cfg["ttt_steps"])
+    rows = []
+    print(f"training: draft {sum(p.numel() for p in params) / 1e6:.0f}M trainable params, attention {rt.attn_impl}, "
+          f"loss {rt.loss_implementation}, device {rt.device}", flush=True)  # fmt: skip
+    for batch_tokens in batch_sizes:
+        # Three distinct batches, cycled: the values do not matter for speed, host memory does.
+        distinct = random_batches(3, batch_tokens, (256, 2048), geometry["hidden_size"], len(aux), geometry["vocab_size"])
+        batches = [distinct[i % len(distinct)] for i in range(steps + 2)]
+        if rt.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(rt.device)
+        try:
+            for batch in batches[:2]:  # warm-up: kernels compile (flex attention), allocator settles
+                train_step(model, params, optimizer, batch, rt, fwd, lr=1e-4, loss_scale=1.0, grad_clip=1.0, keys=keys)
+            sync(rt.device)
+            start, tokens = time.perf_counter(), 0
+            for batch in batches[2:]:
+                _, metrics = train_step(model, params, optimizer, batch, rt, fwd, lr=1e-4, loss_scale=1.0, grad_clip=1.0, keys=keys)
+                tokens += batch["input_ids"].shape[1]
+            sync(rt.device)
+            elapsed = time.perf_counter() - start
+            row = {"batch_tokens": batch_tokens, "steps": len(batches) - 2, "tokens_per_s": tokens / elapsed,
+                   "s_per_step": elapsed / (len(batches) - 2), "finite_metrics": bool(torch.isfinite(metrics).all())}  # fmt: skip
+        except torch.OutOfMemoryError as exc:
+            row = {"batch_tokens": batch_tokens, "error": f"out of memory: {str(exc).splitlines()[0]}"}
+            optimizer.zero_grad(set_to_none=True)
+        if rt.device.type == "cuda":
+            row["peak_memory_gib"] = torch.cuda.max_memory_allocated(rt.device) / 2**30
+        rows.append(row | {"attn_impl": rt.attn_impl, "loss_implementation": rt.loss_implementation})
+        print(f"  {row}", flush=True)
+    return rows
+
+
+def check_extraction(geometry: dict, batch_tokens: int, num_samples: int, rounds: int, device: torch.device) -> dict:
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with torch.device(device):
+        model = LlamaForCausalLM(llama_config(geometry, attn_implementation="sdpa")).to(dtype).eval()
+    rng = random.Random(0)
+    samples = [{"input_ids": [rng.randrange(geometry["vocab_size"]) for _ in range(rng.randint(256, 4096 if device.type == "cuda" else 256))]}
+               for _ in range(num_samples)]  # fmt: skip
+    tokens = sum(len(s["input_ids"]) for s in samples)
+    aux = default_aux_layer_ids(geometry["num_hidden_layers"])
+    with torch.inference_mode():  # warm-up
+        plain(model, samples[:2], batch_tokens)
+        extract(model, samples[:2], aux, batch_tokens, torch.bfloat16)
+    times = {"plain": 0.0, "capture": 0.0}
+    for _ in range(rounds):  # A B B A: drift hits both
+        for name in ("plain", "capture", "capture", "plain"):
+            sync(device)
+            t = time.perf_counter()
+            with torch.inference_mode():
+                if name == "plain":
+                    plain(model, samples, batch_tokens)
+                else:
+                    extract(model, samples, aux, batch_tokens, torch.bfloat16)
+            sync(device)
+            times[name] += time.perf_counter() - t
+    passes = 2 * rounds
+    row = {"params_b": sum(p.numel() for p in model.parameters()) / 1e9, "tokens": tokens, "batch_tokens": batch_tokens,
+           "plain_tokens_per_s": tokens * passes / times["plain"], "capture_tokens_per_s": tokens * passes / times["capture"],
+           "capture_over_plain_time": times["capture"] / times["plain"]}  # fmt: skip
+    print(f"extraction: {row}", flush=True)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tiny", action="store_true", help="small sizes, for a CPU smoke run of the same code")
+    ap.add_argument("--steps", type=int, default=10)
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    report = {
+        "torch": torch.__version__, "python": platform.python_version(),
+        "device": torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu",
+        "triton": importlib.util.find_spec("triton") is not None, "tiny": args.tiny,
+    }  # fmt: skip
+    print(report, flush=True)
+    with tempfile.TemporaryDirectory(prefix="eagleflow-gpu-check-") as tmp:
+        if args.tiny:
+            report["training"] = check_training(TINY, 1024, [1024], 3, Path(tmp))
+            report["extraction"] = check_extraction(TINY, 1024, 4, 1, device)
+        else:
+            report["training"] = check_training(LLAMA_8B, 32000, [8192, 16384, 32768], args.steps, Path(tmp))
+            report["extraction"] = check_extraction(LLAMA_1B, 32768, 48, 2, device)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,22 @@
+"""bench/gpu_check.py is run by hand on a lent GPU host; its --tiny mode runs the same code
+on CPU here so that the script cannot rot between GPU sessions."""
+
+import json
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+
+def test_gpu_check_script_runs_end_to_end_in_tiny_mode(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    proc = subprocess.run([sys.executable, str(REPO / "bench/gpu_check.py"), "--tiny", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    (training,) = report["training"]
+    assert training["finite_metrics"] and training["tokens_per_s"] > 0 and training["steps"] == 3
+    assert training["attn_impl"] in ("sdpa", "simple_flex_attention")
+    extraction = report["extraction"]
+    assert extraction["plain_tokens_per_s"] > 0 and extraction["capture_tokens_per_s"] > 0
+    assert extraction["capture_over_plain_time"] > 0
