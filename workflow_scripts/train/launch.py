@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from workflow_scripts.common.atomic import write_text
+from workflow_scripts.common.server import kill_group
 from workflow_scripts.train.loop import run_from_json
 
 log = logging.getLogger(__name__)
@@ -45,12 +45,8 @@ def run_stage(spec: dict[str, Any], nproc: int) -> None:
     try:
         rc = proc.wait()
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        # The ranks share torchrun's process group: none may outlive the job, whoever exits first.
+        kill_group(proc.pid, STOP_GRACE_S)
+        rc = proc.wait()
     if rc != 0:
         raise RuntimeError(f"torchrun with {nproc} training processes exited with {rc}: see the rank logs above in this log")
