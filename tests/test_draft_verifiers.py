@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from workflow_scripts.hidden_states import run_shard
+from workflow_scripts.hidden_states import run_shard, write_index
 from workflow_scripts.train.draft import (
     draft_attention_geometry,
     load_draft,
@@ -22,7 +22,7 @@ from workflow_scripts.train.loop import run_train
 TRAIN_CFG = {
     "num_layers": 1, "ttt_steps": 2, "ttt_step_loss_decay": 1.0, "loss": "kl_div", "loss_implementation": "eager",
     "attn_impl": "sdpa", "lr": 1e-3, "weight_decay": 0.0, "warmup_steps": 1, "grad_clip": 1.0, "epochs": 1,
-    "batch_tokens": 64, "log_every": 1, "eval_every": 0, "seed": 0,
+    "batch_tokens": 64, "log_every": 1, "eval_every": 0, "checkpoint_every": 2, "seed": 0,
 }  # fmt: skip
 DRAFT_VOCAB = 64
 
@@ -71,8 +71,10 @@ def test_draft_for_each_verifier_trains_exports_and_reloads(tiny_verifier, tmp_p
     d2t = torch.nonzero(t2d).flatten() - torch.arange(DRAFT_VOCAB)
     save_file({"d2t": d2t, "t2d": t2d}, str(tmp_path / "vocab_map.safetensors"))
     draft_dir = tmp_path / "draft"
+    index = str(tmp_path / "index.json")
+    write_index([shard], str(verifier), index)
     run_train([shard], str(tmp_path / "vocab_map.safetensors"), str(verifier), str(draft_dir), str(tmp_path / "metrics.jsonl"),
-              serve_verifier_path=str(verifier), cfg=TRAIN_CFG, threads=1)  # fmt: skip
+              index=index, checkpoint_dir=str(tmp_path / "checkpoints"), serve_verifier_path=str(verifier), cfg=TRAIN_CFG, threads=1)  # fmt: skip
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert any("loss" in m and m["loss"] == m["loss"] for m in metrics)
 
