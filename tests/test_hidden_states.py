@@ -312,10 +312,11 @@ class FakeExtractionServer:
     for each completion it writes the file ExampleHiddenStatesConnector would write and
     names it in kv_transfer_params. The states are a known function of the tokens."""
 
-    def __init__(self, storage, num_states, hidden, drop_path_for=None):
+    def __init__(self, storage, num_states, hidden, drop_path_for=None, unavailable_first=0):
         import http.server
 
         self.storage, self.num_states, self.hidden, self.drop_path_for = storage, num_states, hidden, drop_path_for
+        self.unavailable_left, self.requests = unavailable_first, 0
         fake = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -324,6 +325,13 @@ class FakeExtractionServer:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                fake.requests += 1
+                if fake.unavailable_left > 0:  # a server that is briefly overloaded
+                    fake.unavailable_left -= 1
+                    self.send_response(503)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 ids = body["prompt"]
                 path = fake.storage / f"cmpl-{len(list(fake.storage.iterdir()))}-{ids[0]}-{len(ids)}.safetensors"
                 save_file({"hidden_states": fake.states(ids), "token_ids": torch.tensor(ids)}, str(path))
@@ -362,6 +370,19 @@ def test_vllm_backend_reassembles_unpadded_states_in_sample_order(tmp_path):
         torch.testing.assert_close(aux, expected[:, :3].reshape(len(s["input_ids"]), 24))
         torch.testing.assert_close(final, expected[:, 3])
     assert list(tmp_path.iterdir()) == []  # every connector file consumed
+
+
+def test_vllm_backend_retries_a_briefly_unavailable_server(tmp_path):
+    from workflow_scripts.hidden_states import VllmBackend
+
+    fake = FakeExtractionServer(tmp_path, num_states=4, hidden=8, unavailable_first=2)
+    try:
+        backend = VllmBackend(fake.url, "verifier", num_aux=3, hidden_size=8, store_dtype=torch.bfloat16, concurrency=1, request_timeout_s=10)
+        (aux, final), = backend.extract([{"id": "s0", "input_ids": [5, 6, 7]}])
+    finally:
+        fake.close()
+    assert fake.requests == 3  # two 503s, then the answer
+    torch.testing.assert_close(final, fake.states([5, 6, 7])[:, 3])
 
 
 def test_vllm_backend_reply_without_states_path_is_an_error(tmp_path):

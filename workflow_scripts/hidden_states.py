@@ -20,6 +20,7 @@ dtype size.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import json
@@ -28,7 +29,6 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -38,6 +38,7 @@ import torch
 from tqdm import tqdm
 
 from workflow_scripts.common.atomic import write_json, write_safetensors
+from workflow_scripts.common.client import ChatClient, RequestFailed
 from workflow_scripts.common.server import serve
 from workflow_scripts.common.smk import server_spec
 
@@ -422,44 +423,49 @@ class VllmBackend:
     store_dtype: torch.dtype
     concurrency: int
     request_timeout_s: float
+    api_key_env: str | None = None
 
-    def _one(self, client, sample: dict[str, Any]) -> States:
-        import httpx2 as httpx
-
+    async def _one(self, client: ChatClient, sample: dict[str, Any]) -> States:
         try:
-            resp = client.post("/v1/completions", json=completion_request(sample["input_ids"], self.served_model_name))
-        except httpx.HTTPError as exc:
-            raise HiddenStatesFileError(f"sample {sample['id']}: POST {self.base_url}/v1/completions failed: {type(exc).__name__}: {exc}") from exc
-        if resp.status_code != 200:
-            raise HiddenStatesFileError(f"sample {sample['id']}: HTTP {resp.status_code} from {self.base_url}/v1/completions: {resp.text[:300]}")
-        path = (resp.json().get("kv_transfer_params") or {}).get("hidden_states_path")
+            body = await client.completion(completion_request(sample["input_ids"], self.served_model_name))
+        except RequestFailed as exc:
+            raise HiddenStatesFileError(f"sample {sample['id']}: /v1/completions failed: {exc}") from exc
+        path = (body.get("kv_transfer_params") or {}).get("hidden_states_path")
         if not path:
             raise HiddenStatesFileError(
                 f"sample {sample['id']}: the reply of {self.base_url} has no kv_transfer_params.hidden_states_path: "
                 f"the server does not run the extract_hidden_states method with {CONNECTOR}"
             )
-        return read_connector_output(path, sample, self.num_aux, self.hidden_size, self.store_dtype, self.request_timeout_s)
+        # Waiting on the connector's lock and reading the file block: a worker thread does it
+        # while the other requests keep flowing.
+        return await asyncio.to_thread(read_connector_output, path, sample, self.num_aux, self.hidden_size, self.store_dtype, self.request_timeout_s)
 
     def extract(self, samples: list[dict[str, Any]]) -> list[States]:
-        import httpx2 as httpx
+        return asyncio.run(self._extract(samples))
 
-        limits = httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=self.concurrency)
-        timeout = httpx.Timeout(self.request_timeout_s, connect=10.0)
-        with httpx.Client(base_url=self.base_url, timeout=timeout, limits=limits) as client, ThreadPoolExecutor(self.concurrency) as pool:
-            bar = tqdm(total=sum(len(s["input_ids"]) for s in samples), desc="hidden states (vLLM)", unit="tok", unit_scale=True, mininterval=2.0)
-            futures = [pool.submit(self._one, client, s) for s in samples]
-            out = []
+    async def _extract(self, samples: list[dict[str, Any]]) -> list[States]:
+        bar = tqdm(total=sum(len(s["input_ids"]) for s in samples), desc="hidden states (vLLM)", unit="tok", unit_scale=True, mininterval=2.0)
+        slots = asyncio.Semaphore(self.concurrency)
+        client = ChatClient(self.base_url, concurrency=self.concurrency, request_timeout_s=self.request_timeout_s, api_key_env=self.api_key_env)
+
+        async def one(sample: dict[str, Any]) -> States:
+            async with slots:
+                states = await self._one(client, sample)
+            bar.update(len(sample["input_ids"]))
+            return states
+
+        async with client:
+            tasks = [asyncio.create_task(one(s)) for s in samples]
             try:
-                for sample, future in zip(samples, futures):
-                    out.append(future.result())
-                    bar.update(len(sample["input_ids"]))
+                return list(await asyncio.gather(*tasks))
             except BaseException:
-                # Fail now: only requests already in flight (at most `concurrency`) finish.
-                for future in futures:
-                    future.cancel()
+                # Fail now: cancel what has not finished, and let it unwind before the client closes.
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
                 raise
-            bar.close()
-        return out
+            finally:
+                bar.close()
 
 
 @register_backend("vllm")
@@ -489,6 +495,7 @@ def vllm_backend(job: ExtractionJob) -> Iterator[VllmBackend]:
                 store_dtype=job.store_dtype,
                 concurrency=int(opts.get("concurrency", 32)),
                 request_timeout_s=float(opts.get("request_timeout_s", 600)),
+                api_key_env=job.server.get("api_key_env"),
             )
 
 

@@ -46,7 +46,8 @@ class RetryPolicy:
 
 
 class ChatClient:
-    """Chat completions against one server or several data-parallel replicas.
+    """OpenAI-compatible completions (chat and plain) against one server or several
+    data-parallel replicas, with retries.
 
     With several endpoints each request goes to the one with the fewest requests in flight,
     and a retry prefers another endpoint than the one that just failed.
@@ -100,6 +101,13 @@ class ChatClient:
 
     async def chat(self, payload: dict[str, Any]) -> dict[str, Any]:
         """POST /v1/chat/completions with retries; return the decoded JSON body."""
+        return await self._post("/v1/chat/completions", payload)
+
+    async def completion(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """POST /v1/completions (a prompt of text or token ids) with retries; return the body."""
+        return await self._post("/v1/completions", payload)
+
+    async def _post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         last, failed = "no attempt made", None
         for attempt in range(self.retry.max_attempts):
             if attempt:
@@ -108,7 +116,7 @@ class ChatClient:
             url = self.base_urls[i]
             self._in_flight[i] += 1
             try:
-                resp = await self._clients[i].post("/v1/chat/completions", json=payload)
+                resp = await self._clients[i].post(path, json=payload)
             except (httpx.TimeoutException, httpx.TransportError) as exc:
                 last, failed = f"{type(exc).__name__}: {exc or 'no detail'} ({url})", i
                 continue
