@@ -100,3 +100,38 @@ def test_draft_for_each_verifier_trains_exports_and_reloads(tiny_verifier, tmp_p
         torch.testing.assert_close(model.verifier_lm_head.weight.float(), lm_head[t2d].float())
         for name, tensor in saved.items():
             assert torch.equal(state[name].to(tensor.dtype), tensor), name
+
+
+def test_draft_targets_are_the_verifiers_own_logits(tiny_verifier, tmp_path):
+    """The trainer's target logits, verifier_lm_head(verifier_norm(final pre-norm state)), must
+    be the verifier's logits on the draft vocabulary. The verifier's final norm gets random
+    weights first: with the all-ones norm of a fresh model, forgetting to load it would pass."""
+    import shutil
+
+    from workflow_scripts.hidden_states import default_aux_layer_ids, extract, load_verifier
+    from workflow_scripts.train.draft import FINAL_NORM_NAMES, build_draft, safetensors_weight_map
+
+    family, source = tiny_verifier
+    verifier = tmp_path / "verifier"
+    shutil.copytree(source, verifier)
+    weights = safetensors_weight_map(str(verifier))
+    (name,) = [n for n in FINAL_NORM_NAMES if n in weights]
+    shard = load_file(str(weights[name]))
+    shard[name] = 1.0 + 0.5 * torch.randn_like(shard[name])
+    save_file(shard, str(weights[name]), metadata={"format": "pt"})
+
+    trust = family == "kimi_k2"
+    model = load_verifier(str(verifier), "cpu", torch.float32, trust_remote_code=trust)
+    num_layers = verifier_text_config(str(verifier))["num_hidden_layers"]
+    ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0]
+    ((_, final),) = extract(model, [{"input_ids": ids[0].tolist()}], default_aux_layer_ids(num_layers), 256, torch.float32)
+
+    t2d = torch.zeros(128, dtype=torch.bool)
+    t2d[torch.arange(0, 128, 2)] = True
+    d2t = torch.nonzero(t2d).flatten() - torch.arange(DRAFT_VOCAB)
+    draft = build_draft(str(verifier), d2t, t2d, num_layers=1, ttt_steps=2, aux_layer_ids=default_aux_layer_ids(num_layers), attn_impl="sdpa")
+    with torch.no_grad():
+        targets = draft.verifier_lm_head(draft.verifier_norm(final.float()))
+    torch.testing.assert_close(targets, logits[:, t2d], rtol=1e-4, atol=1e-4)

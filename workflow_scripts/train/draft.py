@@ -100,6 +100,7 @@ def draft_layer_config(verifier_dir: str, num_layers: int, attn_impl: str, slidi
 # Multimodal wrappers (Kimi-K2.5) prefix the language model's weights.
 EMBED_NAMES = ("model.embed_tokens.weight", "language_model.model.embed_tokens.weight", "model.language_model.embed_tokens.weight", "transformer.wte.weight")
 LM_HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight", "model.language_model.lm_head.weight")
+FINAL_NORM_NAMES = ("model.norm.weight", "language_model.model.norm.weight", "model.language_model.norm.weight")
 
 
 def safetensors_weight_map(verifier_dir: str) -> dict[str, Path]:
@@ -123,18 +124,10 @@ def load_verifier_embeddings(verifier_dir: str) -> tuple[torch.Tensor, torch.Ten
     tensor; SmolLM2) reuse embed_tokens as lm_head.
     """
     weights = safetensors_weight_map(verifier_dir)
-
-    def read(names: tuple[str, ...]) -> torch.Tensor | None:
-        for name in names:
-            if name in weights:
-                with safe_open(str(weights[name]), framework="pt") as f:
-                    return f.get_tensor(name)
-        return None
-
-    embed = read(EMBED_NAMES)
+    embed = _read_first(weights, EMBED_NAMES)
     if embed is None:
         raise KeyError(f"{verifier_dir}: no embedding tensor among {EMBED_NAMES}")
-    lm_head = read(LM_HEAD_NAMES)
+    lm_head = _read_first(weights, LM_HEAD_NAMES)
     if lm_head is None:
         top = json.loads((Path(verifier_dir) / "config.json").read_text())
         if not (top.get("tie_word_embeddings") or verifier_text_config(verifier_dir).get("tie_word_embeddings")):
@@ -143,9 +136,28 @@ def load_verifier_embeddings(verifier_dir: str) -> tuple[torch.Tensor, torch.Ten
     return embed, lm_head
 
 
+def _read_first(weights: dict[str, Path], names: tuple[str, ...]) -> torch.Tensor | None:
+    for name in names:
+        if name in weights:
+            with safe_open(str(weights[name]), framework="pt") as f:
+                return f.get_tensor(name)
+    return None
+
+
+def load_verifier_final_norm(verifier_dir: str) -> torch.Tensor:
+    """The weight of the verifier's final norm. The trainer recomputes the verifier's logits
+    as lm_head(norm(final pre-norm state)): without this weight the draft learns to match
+    logits the verifier never produces."""
+    norm = _read_first(safetensors_weight_map(verifier_dir), FINAL_NORM_NAMES)
+    if norm is None:
+        raise KeyError(f"{verifier_dir}: no final norm tensor among {FINAL_NORM_NAMES}")
+    return norm
+
+
 def load_verifier_weights(model, verifier_dir: str, t2d: torch.Tensor) -> None:
     """What speculators' Eagle3DraftModel.load_verifier_weights does, without model code:
-    embeddings as they are, lm_head rows of the draft vocabulary (t2d), both frozen."""
+    embeddings as they are, lm_head rows of the draft vocabulary (t2d) and the final norm
+    (verifier_norm), all frozen."""
     embed, lm_head = load_verifier_embeddings(verifier_dir)
     if embed.shape != model.embed_tokens.weight.shape:
         raise ValueError(f"{verifier_dir}: embeddings {tuple(embed.shape)}, the draft expects {tuple(model.embed_tokens.weight.shape)}")
@@ -155,7 +167,8 @@ def load_verifier_weights(model, verifier_dir: str, t2d: torch.Tensor) -> None:
         model.embed_tokens.weight.copy_(embed.to(dtype))
         model.lm_head.weight.copy_(draft_head.to(dtype))
         model.verifier_lm_head.weight.copy_(draft_head.to(dtype))
-    for p in (model.embed_tokens.weight, model.lm_head.weight, model.verifier_lm_head.weight):
+        model.verifier_norm.weight.copy_(load_verifier_final_norm(verifier_dir).to(dtype))
+    for p in (model.embed_tokens.weight, model.lm_head.weight, model.verifier_lm_head.weight, model.verifier_norm.weight):
         p.requires_grad_(False)
     model.embed_tokens.weight.requires_grad_(model.config.embed_requires_grad)
 
@@ -212,7 +225,7 @@ def load_draft(draft_dir: str, verifier_dir: str | None = None):
     verifiers such as kimi_k2 fail), and resolves default layer ids the same way. Here the
     config and weights load through transformers' PreTrainedModel path, layer ids must be
     explicit (eagleflow always writes them), and the frozen verifier_lm_head (not saved in
-    the checkpoint) is read from `verifier_dir` (default: the path the checkpoint names)
+    the checkpoint) and verifier_norm are read from `verifier_dir` (default: the path the checkpoint names)
     by tensor name.
     """
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
@@ -229,6 +242,7 @@ def load_draft(draft_dir: str, verifier_dir: str | None = None):
     rows = lm_head[model.t2d.to(torch.bool)] if model.use_draft_vocab else lm_head
     with torch.no_grad():
         model.verifier_lm_head.weight.copy_(rows.to(model.verifier_lm_head.weight.dtype))
-    for p in (model.embed_tokens.weight, model.lm_head.weight, model.verifier_lm_head.weight):
+        model.verifier_norm.weight.copy_(load_verifier_final_norm(verifier_dir).to(model.verifier_norm.weight.dtype))
+    for p in (model.embed_tokens.weight, model.lm_head.weight, model.verifier_lm_head.weight, model.verifier_norm.weight):
         p.requires_grad_(False)
     return model
