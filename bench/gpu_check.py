@@ -12,7 +12,7 @@
    vocab 128256) in bf16; tokens/s of the hf backend's capture path (`hidden_states.extract`)
    against a plain forward of the same batches (capture overhead as a ratio).
 
-Only the embedding and lm_head tensors of the 8B verifier are written (the draft reads
+Only the embedding, lm_head and final-norm tensors of the 8B verifier are written (the draft reads
 nothing else); nothing is downloaded. Results go to --out as JSON and to stdout.
 """
 
@@ -61,14 +61,16 @@ def llama_config(geometry: dict, **extra):
 
 
 def embeddings_only_verifier(out: Path, geometry: dict) -> Path:
-    """config.json plus the two tensors a draft takes from its verifier, random, bf16."""
+    """config.json plus the tensors a draft takes from its verifier (embeddings, lm_head,
+    final norm), random, bf16."""
     out.mkdir(parents=True, exist_ok=True)
     config = llama_config(geometry)
     config.architectures = ["LlamaForCausalLM"]
     config.save_pretrained(out)
     shape = (geometry["vocab_size"], geometry["hidden_size"])
     save_file({"model.embed_tokens.weight": torch.randn(shape, dtype=torch.bfloat16) * 0.02,
-               "lm_head.weight": torch.randn(shape, dtype=torch.bfloat16) * 0.02}, str(out / "model.safetensors"))  # fmt: skip
+               "lm_head.weight": torch.randn(shape, dtype=torch.bfloat16) * 0.02,
+               "model.norm.weight": 1 + 0.1 * torch.randn(geometry["hidden_size"], dtype=torch.bfloat16)}, str(out / "model.safetensors"))  # fmt: skip
     return out
 
 
