@@ -17,6 +17,6 @@ rule benchmark:
     params:
         server=section("server"),
         benchmark=section("benchmark"),
-        code=code("benchmark.run"),
+        code=code("benchmark"),
     script:
         "../workflow_scripts/entry/benchmark.py"

@@ -3,6 +3,7 @@ from pathlib import Path
 
 from workflow_scripts.common.config import validate_config
 from workflow_scripts.common.fingerprint import code_fingerprint
+from workflow_scripts.generate.requests import REPLY_SHAPING_FLAGS
 
 validate_config(config)
 
@@ -28,13 +29,17 @@ def benchmarks(name):
     return f"results/{RUN}/benchmarks/{name}.tsv"
 
 
-def code(module):
-    """Fingerprint of a stage's code (its module and every workflow_scripts module it imports).
+def code(script):
+    """Fingerprint of the code that runs in a job: its `script:` (workflow_scripts/entry/<script>.py)
+    and every workflow_scripts module it imports, transitively.
 
     Passed as a param: Snakemake only tracks the `script:` file itself, so without this an
     edit to the stage module would not restale the rule. Comments and docstrings do not count.
     """
-    return code_fingerprint(f"workflow_scripts.{module}", SCRIPTS_DIR)
+    fingerprint = code_fingerprint(f"workflow_scripts.entry.{script}", SCRIPTS_DIR)
+    # Worded so that `snakemake -n` says what changed: "Params have changed ... before:
+    # 'code <old> of entry/x.py and its imports' now: 'code <new> ...'".
+    return f"code {fingerprint} of entry/{script}.py and its imports"
 
 
 def section(name):
@@ -69,7 +74,7 @@ def gpus(stage):
     (local-gpu: --resources gpu=N) or requests them (slurm). A stage that uses an already
     running server takes none; a vllm-backend shard job takes what its server takes."""
     server_gpus = config["server"].get("gpus", 0)
-    if stage == "synth":
+    if stage == "generate":
         return 0 if config["server"].get("endpoint") else server_gpus
     if stage == "benchmark":
         return server_gpus
@@ -95,10 +100,40 @@ def serve_verifier_path():
     return config["verifier"].get("serve_path") or str(Path(VERIFIER_DIR).resolve())
 
 
-def verifier_identity():
-    """What identifies the verifier for synth's resume cache (its config, not its mtime)."""
+def generate_requests():
+    """What generate asks the verifier (the settings that change a request)."""
+    synth = config["synth"]
+    sampling = {
+        k: synth[k]
+        for k in ("max_tokens", "temperature", "top_p", "seed")
+        if synth.get(k) is not None
+    }
+    return _sorted(
+        {
+            "model": config["server"]["served_model_name"],
+            "sampling": sampling | (synth.get("extra_body") or {}),
+            "chat_template_kwargs": synth.get("chat_template_kwargs") or {},
+        }
+    )
+
+
+def reply_shaping_server_flags():
+    """The server flags that change a reply (they are part of every response store key)."""
+    return _sorted({flag: config["server"].get(flag) for flag in REPLY_SHAPING_FLAGS})
+
+
+def response_store():
+    """The response store generate reads and fills: synth.store, else one per run."""
+    return config["synth"].get("store") or results("generate/store.sqlite")
+
+
+def synth_parsing():
+    """How synth reads replies; none of it reaches a request."""
+    synth = config["synth"]
     return {
-        "name": config["verifier"]["name"],
-        "source": config["verifier"]["source"],
-        "path": config["verifier"].get("path"),
+        "expect_reasoning": synth["expect_reasoning"],
+        "think_markers": synth.get("think_markers"),
+        "chat_template_kwargs": synth.get("chat_template_kwargs") or {},
+        "verify_token_ids": synth["verify_token_ids"],
+        "trust_remote_code": config["verifier"].get("trust_remote_code", False),
     }

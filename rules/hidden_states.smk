@@ -34,6 +34,6 @@ rule hidden_states_index:
     conda:
         "../envs/train.yaml"
     params:
-        code=code("hidden_states"),
+        code=code("hidden_states_index"),
     script:
         "../workflow_scripts/entry/hidden_states_index.py"

@@ -4,6 +4,7 @@ rule report:
         metrics=results("train/metrics.jsonl"),
         quality=results("synth/quality.json"),
         vocab_stats=results("vocab/stats.json"),
+        generate=results("generate/stats.json"),
     output:
         md=results("benchmark/report.md"),
         html=report(

@@ -1,27 +1,19 @@
 rule synth:
     input:
         verifier=VERIFIER_DIR,
-        prompts=results("prompts/train.jsonl"),
+        replies=results("generate/replies.parquet"),
     output:
         responses=results("synth/responses.parquet"),
         errors=results("synth/errors.jsonl"),
         quality=results("synth/quality.json"),
     log:
-        main=logs("synth"),
-        vllm=logs("synth.vllm"),
+        logs("synth"),
     benchmark:
         benchmarks("synth")
     conda:
-        "../envs/serve.yaml"
-    threads: all_cores()
-    resources:
-        gpu=gpus("synth"),
+        "../envs/train.yaml"
     params:
-        server=section("server"),
-        synth=section("synth"),
-        verifier_identity=verifier_identity(),
-        trust_remote_code=config["verifier"].get("trust_remote_code", False),
-        cache_dir=results("synth/cache"),
-        code=code("synth.generate"),
+        parsing=synth_parsing(),
+        code=code("synth"),
     script:
         "../workflow_scripts/entry/synth.py"

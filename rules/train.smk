@@ -21,6 +21,6 @@ rule train:
         serve_verifier_path=serve_verifier_path(),
         # Not an output: a failed or killed job's checkpoints must survive for the rerun to resume.
         checkpoint_dir=results("train/checkpoints"),
-        code=code("train.launch"),
+        code=code("train"),
     script:
         "../workflow_scripts/entry/train.py"

@@ -112,6 +112,7 @@ def tiny_think_dir(tmp_path_factory) -> Path:
 
 def copy_workflow(dst: Path) -> Path:
     """A copy of the workflow (Snakefile, rules, config, package) to run in isolation."""
+    dst.mkdir(parents=True, exist_ok=True)
     for name in ("Snakefile", "rules", "config", "envs", "profiles", "workflow_scripts"):
         src = REPO / name
         if src.is_dir():

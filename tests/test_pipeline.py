@@ -33,6 +33,8 @@ def test_every_stage_output_meets_its_contract(finished_run):
     r = finished_run / "results/small"
     responses = pq.read_table(r / "synth/responses.parquet").to_pylist()
     assert len(responses) >= 24  # every train prompt, plus extra turns of multi-turn prompts
+    generated = json.loads((r / "generate/stats.json").read_text())
+    assert generated["requests"] == generated["sent"] == len(responses) and generated["reused"] == 0
     for s in responses:
         assert s["prompt_token_ids"] and s["completion_token_ids"]
         assert len(s["completion_token_ids"]) == s["completion_tokens"]
@@ -85,6 +87,7 @@ def test_every_stage_output_meets_its_contract(finished_run):
     assert 0.0 <= report["outputs_identical_fraction"] <= 1.0
     md = (r / "benchmark/report.md").read_text()
     assert "mean acceptance length" in md and "speedup" in md
+    assert f"{len(responses)} sent / 0 reused from the store" in md
     for plot in ("acceptance_per_position", "training_curves", "data_quality", "vocab_coverage"):
         assert (r / f"benchmark/{plot}.png").read_bytes()[:4] == b"\x89PNG", plot
         assert f"({plot}.png)" in md
@@ -127,8 +130,9 @@ DOWNSTREAM_OF_SYNTH = {"synth", "dataset", "vocab", "hidden_states", "hidden_sta
 @pytest.mark.parametrize(
     "module, expected",
     [
-        ("synth/generate.py", DOWNSTREAM_OF_SYNTH),
+        ("generate/run.py", DOWNSTREAM_OF_SYNTH | {"generate"}),
         ("synth/assemble.py", DOWNSTREAM_OF_SYNTH),
+        ("synth/quality.py", DOWNSTREAM_OF_SYNTH),
         ("dataset.py", DOWNSTREAM_OF_SYNTH - {"synth"}),
         ("vocab.py", {"vocab", "train", "benchmark", "report"}),
         ("hidden_states.py", {"hidden_states", "hidden_states_index", "train", "benchmark", "report"}),
@@ -149,10 +153,10 @@ def test_editing_a_stage_module_restales_exactly_it_and_downstream(finished_run,
 
 
 def test_comments_and_docs_restale_nothing(finished_run):
-    path = finished_run / "workflow_scripts/synth/generate.py"
+    path = finished_run / "workflow_scripts/generate/run.py"
     original = path.read_text()
     try:
-        path.write_text("# a comment about the generator\n" + original.replace('"""The synth stage', '"""The synth (reworded) stage', 1))
+        path.write_text("# a comment about the generator\n" + original.replace('"""The generate stage', '"""The generate (reworded) stage', 1))
         (finished_run / "README.md").write_text("edited\n")
         assert stale_rules(finished_run) == set()
     finally:
@@ -164,8 +168,11 @@ def test_comments_and_docs_restale_nothing(finished_run):
     [
         ({"train": {"lr": 0.001}}, {"train", "benchmark", "report"}),
         ({"vocab": {"draft_vocab_size": 512}}, {"vocab", "train", "benchmark", "report"}),
+        ({"synth": {"expect_reasoning": True}}, DOWNSTREAM_OF_SYNTH),
+        ({"synth": {"concurrency": 3, "max_attempts": 2}}, set()),
+        ({"synth": {"max_tokens": 40}}, DOWNSTREAM_OF_SYNTH | {"generate"}),
     ],
-    ids=["train.lr", "vocab.draft_vocab_size"],
+    ids=["train.lr", "vocab.draft_vocab_size", "synth.expect_reasoning", "synth.concurrency", "synth.max_tokens"],
 )
 def test_a_parameter_change_restales_exactly_its_stage_and_downstream(finished_run, tmp_path, override, expected):
     import yaml

@@ -10,9 +10,10 @@ import yaml
 
 from tests.conftest import copy_workflow
 from workflow_scripts.common.atomic import write_json, write_jsonl
+from workflow_scripts.common.replies import write_replies
 from workflow_scripts.dataset import QualityGateError, run_dataset
 from workflow_scripts.synth.assemble import parse_completion
-from workflow_scripts.synth.generate import _samples_table
+from workflow_scripts.synth.run import samples_table
 from workflow_scripts.synth.quality import quality_report
 
 
@@ -35,7 +36,7 @@ def reasoning_dropped_samples(n: int) -> list[dict]:
 
 def write_synth_outputs(d, samples):
     d.mkdir(parents=True, exist_ok=True)
-    pq.write_table(_samples_table(samples), d / "responses.parquet")
+    pq.write_table(samples_table(samples), d / "responses.parquet")
     write_jsonl(d / "errors.jsonl", [])
     write_json(d / "quality.json", quality_report(samples, [], num_prompts=len(samples)))
 
@@ -60,6 +61,8 @@ def test_the_gate_stops_the_dag_before_anything_downstream(tmp_path):
     (verifier / "config.json").write_text(json.dumps({"vocab_size": 64}))
     write_jsonl(run / "prompts/train.jsonl", [{"id": f"p{i}", "turns": ["q"]} for i in range(20)])
     write_jsonl(run / "prompts/eval.jsonl", [{"id": "e0", "turns": ["q"]}])
+    write_replies(run / "generate/replies.parquet", [])
+    write_json(run / "generate/stats.json", {})
     write_synth_outputs(run / "synth", reasoning_dropped_samples(20))
     config = {"run": "gate", "synth": {"expect_reasoning": True}, "dataset": {"max_defect_fraction": {"empty_reasoning": 0.05}}}
     (wf / "gate.yaml").write_text(yaml.safe_dump(config))
@@ -70,4 +73,4 @@ def test_the_gate_stops_the_dag_before_anything_downstream(tmp_path):
     assert "quality gate refused" in log and "empty_reasoning: 20 samples (100.0%)" in log
     for downstream in ("dataset/train.parquet", "vocab/vocab_map.safetensors", "hidden_states", "draft", "benchmark"):
         assert not (run / downstream).exists(), f"{downstream} was built from refused data"
-    assert not (run / "logs/synth.log").exists(), "synth should not have rerun"
+    assert not (run / "logs/synth.log").exists() and not (run / "logs/generate.log").exists(), "synth should not have rerun"

@@ -10,7 +10,8 @@ import time
 import pytest
 
 from tests.conftest import vllm_available
-from workflow_scripts.common.server import ServerError, ServerSpec, VllmServer, group_alive
+from workflow_scripts.common.process import group_alive
+from workflow_scripts.common.server import ServerError, ServerSpec, VllmServer
 
 # A stand-in for vLLM's process tree: a parent serving /health, plus a forked worker that
 # ignores SIGTERM (as a wedged engine worker does), so the SIGKILL path is exercised too.
@@ -78,7 +79,8 @@ def test_command_binds_loopback_and_uses_python_m():
 JOB = textwrap.dedent(
     """
     import sys, time
-    from workflow_scripts.common.server import ServerSpec, VllmServer, terminate_on_sigterm
+    from workflow_scripts.common.process import terminate_on_sigterm
+    from workflow_scripts.common.server import ServerSpec, VllmServer
     terminate_on_sigterm()
     spec = ServerSpec(model=sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=512,
                       env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "1"})

@@ -68,7 +68,7 @@ def test_production_profile_asks_for_nodes_gpus_and_cluster_settings(repo):
     for rule, resources in jobs:
         by_rule.setdefault(rule, []).append(resources)
     kimi = yaml.safe_load(KIMI.read_text())
-    for rule in ("synth", "benchmark"):
+    for rule in ("generate", "benchmark"):
         (resources,) = by_rule[rule]
         assert resources["gpu"] == str(kimi["server"]["gpus"]) == "8" and resources["slurm_extra"] == "--exclusive"
     shards = by_rule["hidden_states"]
@@ -77,7 +77,7 @@ def test_production_profile_asks_for_nodes_gpus_and_cluster_settings(repo):
     assert kimi["hidden_states"]["backend"] == "vllm"
     assert all(r["gpu"] == str(kimi["server"]["gpus"]) for r in shards)
     assert by_rule["train"][0]["gpu"] == str(kimi["train"]["gpus"])
-    assert all("gpu" not in r for rule in ("prepare_verifier", "prompts", "dataset", "vocab", "report") for r in by_rule[rule])
+    assert all("gpu" not in r for rule in ("prepare_verifier", "prompts", "synth", "dataset", "vocab", "report") for r in by_rule[rule])
     assert all(r["slurm_partition"] == "<your-partition>" and r["slurm_account"] == "<your-account>" for _, r in jobs)
     profile = real_profile()
     assert profile["executor"] == "slurm" and profile["slurm-status-command"] == "squeue"
@@ -85,7 +85,7 @@ def test_production_profile_asks_for_nodes_gpus_and_cluster_settings(repo):
 
 def test_cpu_config_requests_no_gpus(repo):
     jobs = dry_run_jobs(repo, "--configfile", str(SMALL))
-    gpu_rules = ("synth", "hidden_states", "train", "benchmark")
+    gpu_rules = ("generate", "hidden_states", "train", "benchmark")
     assert [r["gpu"] for rule, r in jobs if rule in gpu_rules] == ["0"] * 5
 
 
@@ -137,7 +137,7 @@ def profile_for_test_cluster(real: dict, partition: str, cpus: int) -> dict:
 def expected_jobs() -> set[str]:
     """The SLURM job comment of every job of the small DAG: rule_<rule>[_wildcards_<values>]."""
     shards = yaml.safe_load(SMALL.read_text())["hidden_states"]["num_shards"]
-    rules = {"prepare_verifier", "prompts", "synth", "dataset", "vocab", "hidden_states_index", "train", "benchmark", "report"}
+    rules = {"prepare_verifier", "prompts", "generate", "synth", "dataset", "vocab", "hidden_states_index", "train", "benchmark", "report"}
     return {f"rule_{r}" for r in rules} | {f"rule_hidden_states_wildcards_{i:05d}" for i in range(shards)}
 
 
@@ -199,7 +199,7 @@ def test_every_job_of_the_dag_ran_as_a_completed_slurm_job(slurm_run, slurm_jobs
 @pytest.mark.vllm
 def test_jobs_got_what_the_profile_asks(slurm_run, slurm_jobs):
     _, _, profile = slurm_run
-    for rule in ("synth", "benchmark"):
+    for rule in ("generate", "benchmark"):
         job = slurm_jobs[f"rule_{rule}"]
         assert job["oversubscribe"] == "NO", job  # --exclusive: the whole node
         assert job["time_limit"] == minutes(profile["set-resources"][rule]["runtime"])

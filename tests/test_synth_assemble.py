@@ -1,6 +1,7 @@
 import pytest
 
-from workflow_scripts.synth.assemble import parse_completion, reasoning_of, sequence_of
+from workflow_scripts.dataset import sequence_of
+from workflow_scripts.synth.assemble import parse_completion, reasoning_of
 
 
 def body(message, token_ids=(5, 6, 2), prompt_ids=(1, 2, 3), finish="stop", usage=True):

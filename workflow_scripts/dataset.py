@@ -18,8 +18,7 @@ import pyarrow.parquet as pq
 
 from workflow_scripts.common.atomic import write_parquet
 from workflow_scripts.common.fingerprint import stable_fraction
-from workflow_scripts.synth.assemble import sequence_of
-from workflow_scripts.synth.quality import EXCLUDING, gate_failures
+from workflow_scripts.common.defects import EXCLUDING
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +33,31 @@ SCHEMA = pa.schema([
 
 class QualityGateError(RuntimeError):
     pass
+
+
+def sequence_of(prompt_token_ids: list[int], completion_token_ids: list[int], max_len: int | None = None) -> tuple[list[int], list[int]]:
+    """input_ids and loss_mask (1 on verifier-generated tokens) of one sample, cut to max_len."""
+    input_ids = list(prompt_token_ids) + list(completion_token_ids)
+    loss_mask = [0] * len(prompt_token_ids) + [1] * len(completion_token_ids)
+    if max_len is not None:
+        input_ids, loss_mask = input_ids[:max_len], loss_mask[:max_len]
+    return input_ids, loss_mask
+
+
+def gate_failures(report: dict[str, Any], thresholds: dict[str, float]) -> list[str]:
+    """Human-readable reasons the data must not be trained on; empty when it passes."""
+    failures = []
+    for key, limit in thresholds.items():
+        if key == "request_errors":
+            frac, count, ex = report["request_error_fraction"], report["request_errors"], report["error_examples"]
+        else:
+            frac, count, ex = report["fractions"][key], report["counts"][key], report["examples"].get(key, [])
+        if frac > limit:
+            failures.append(
+                f"{key}: {count} samples ({frac:.1%}) exceed the limit of {limit:.1%} "
+                f"(dataset.max_defect_fraction.{key}); examples: {', '.join(ex) or '-'}"
+            )
+    return failures
 
 
 def build_rows(samples: list[dict[str, Any]], max_seq_len: int, excluded_defects: frozenset[str]) -> list[dict[str, Any]]:

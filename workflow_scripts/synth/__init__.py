@@ -1,1 +1,1 @@
-"""synth: generate the verifier's own responses to the train prompts through its OpenAI-compatible server."""
+"""synth: parse the verifier's raw replies (from generate) into samples with exact token streams, and account for their defects."""

@@ -87,15 +87,6 @@ def defects_of(c: Completion, *, expect_reasoning: bool, think_markers: Sequence
     return defects
 
 
-def sequence_of(prompt_token_ids: list[int], completion_token_ids: list[int], max_len: int | None = None) -> tuple[list[int], list[int]]:
-    """input_ids and loss_mask (1 on verifier-generated tokens) of one sample, cut to max_len."""
-    input_ids = list(prompt_token_ids) + list(completion_token_ids)
-    loss_mask = [0] * len(prompt_token_ids) + [1] * len(completion_token_ids)
-    if max_len is not None:
-        input_ids, loss_mask = input_ids[:max_len], loss_mask[:max_len]
-    return input_ids, loss_mask
-
-
 @dataclass(frozen=True)
 class StreamTokens:
     """The special tokens that frame a completion in the verifier's token stream."""

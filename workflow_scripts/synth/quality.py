@@ -1,22 +1,11 @@
-"""Pure quality accounting for synth output, and the gate the dataset stage applies."""
+"""Pure quality accounting for synth output: defect counts, fractions and examples."""
 
 from __future__ import annotations
 
 from collections import Counter
 from typing import Any
 
-DEFECTS = (
-    "missing_token_ids",
-    "token_count_mismatch",
-    "token_mismatch",
-    "empty_content",
-    "empty_reasoning",
-    "unterminated_reasoning",
-    "truncated",
-    "duplicate",
-)
-# Defects that make a sample unusable for training whatever the thresholds say.
-EXCLUDING = frozenset({"missing_token_ids", "token_count_mismatch", "token_mismatch", "duplicate"})
+from workflow_scripts.common.defects import DEFECTS
 
 
 def mark_duplicates(samples: list[dict[str, Any]]) -> None:
@@ -50,19 +39,3 @@ def quality_report(samples: list[dict[str, Any]], errors: list[dict[str, Any]], 
         "examples": examples,
         "error_examples": [e["conversation_id"] for e in errors[:5]],
     }
-
-
-def gate_failures(report: dict[str, Any], thresholds: dict[str, float]) -> list[str]:
-    """Human-readable reasons the data must not be trained on; empty when it passes."""
-    failures = []
-    for key, limit in thresholds.items():
-        if key == "request_errors":
-            frac, count, ex = report["request_error_fraction"], report["request_errors"], report["error_examples"]
-        else:
-            frac, count, ex = report["fractions"][key], report["counts"][key], report["examples"].get(key, [])
-        if frac > limit:
-            failures.append(
-                f"{key}: {count} samples ({frac:.1%}) exceed the limit of {limit:.1%} "
-                f"(dataset.max_defect_fraction.{key}); examples: {', '.join(ex) or '-'}"
-            )
-    return failures

@@ -8,7 +8,7 @@ import json
 import logging
 import sys
 
-from workflow_scripts.common.server import terminate_on_sigterm
+from workflow_scripts.common.process import terminate_on_sigterm
 from workflow_scripts.train.loop import run_from_json
 
 if __name__ == "__main__":

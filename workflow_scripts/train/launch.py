@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from workflow_scripts.common.atomic import write_text
-from workflow_scripts.common.server import kill_group
+from workflow_scripts.common.process import kill_group
 from workflow_scripts.train.loop import run_from_json
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,260 @@
+"""generate against a fault-injecting local server: retries, the errors it hands to synth,
+kill-and-resume through the response store, and what the store is keyed by."""
+
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import httpx2
+import pytest
+import yaml
+
+from tests.conftest import REPO, fake_openai
+from workflow_scripts.common.atomic import write_jsonl
+from workflow_scripts.common.replies import read_replies
+from workflow_scripts.generate.run import Client, Requests, run_generate
+from workflow_scripts.generate.store import ResponseStore, StoreError
+
+SERVER = yaml.safe_load((REPO / "config/config.yaml").read_text())["server"]
+REQUESTS = Requests(model="verifier", sampling={"max_tokens": 12, "temperature": 0.0}, chat_template_kwargs={})
+CLIENT = Client(concurrency=8, request_timeout_s=1.0, max_attempts=8)
+
+
+def write_prompts(path: Path, n: int, poison: int | None = None) -> list[dict]:
+    prompts = []
+    for i in range(n):
+        turns = [f"question {i}"] + ([f"follow-up {i}"] if i % 5 == 0 else [])
+        if i == poison:
+            turns = [f"POISON {i}"]
+        prompts.append({"id": f"p{i:03d}", "category": "t", "system": None, "turns": turns})
+    write_jsonl(path, prompts)
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def verifier(tmp_path_factory) -> Path:
+    """Generate fingerprints the verifier's files; the fake server ignores them."""
+    d = tmp_path_factory.mktemp("verifier")
+    (d / "config.json").write_text(json.dumps({"model_type": "fake"}))
+    return d
+
+
+def generate(prompts: Path, url, d: Path, verifier: Path, requests=REQUESTS, client=CLIENT) -> dict:
+    d.mkdir(parents=True, exist_ok=True)
+    run_generate(str(prompts), str(verifier), str(d / "store.sqlite"), str(d / "replies.parquet"), str(d / "stats.json"),
+                 requests=requests, client=client, server=SERVER, server_log=str(d / "vllm.log"), endpoint=url)  # fmt: skip
+    return json.loads((d / "stats.json").read_text())
+
+
+def served(url: str) -> int:
+    return int(float(httpx2.get(f"{url}/metrics").text.split()[-1]))
+
+
+def test_faults_end_with_every_turn_replied_or_in_errors_and_none_twice(tmp_path, verifier):
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 60, poison=7)
+    with fake_openai("--fault-rate", "0.3", "--hang", "3", "--seed", "1", "--lifetime", "240") as url:
+        stats = generate(tmp_path / "prompts.jsonl", url, tmp_path / "run", verifier)
+    rows = read_replies(tmp_path / "run/replies.parquet")
+    ids = [r["id"] for r in rows]
+    assert len(ids) == len(set(ids)), "a turn was written twice"
+    failed = {r["prompt_id"] for r in rows if r["error"]}
+    assert failed == {"p007"}  # with 30% faults and 8 attempts, only the poisoned prompt fails
+    poison = next(r for r in rows if r["error"])
+    assert "HTTP 500" in poison["error"] and poison["attempts"] == CLIENT.max_attempts and poison["response"] is None
+    for p in prompts:
+        if p["id"] != "p007":
+            turns = [r for r in rows if r["prompt_id"] == p["id"]]
+            assert [r["turn"] for r in turns] == list(range(len(p["turns"])))
+            assert all(r["response"]["choices"] for r in turns)
+    assert stats["sent"] == len(rows) - 1 and stats["reused"] == 0 and stats["failed_conversations"] == 1
+
+
+def test_a_later_turn_carries_the_servers_own_message(tmp_path, verifier):
+    write_prompts(tmp_path / "prompts.jsonl", 6)
+    with fake_openai("--lifetime", "60") as url:
+        generate(tmp_path / "prompts.jsonl", url, tmp_path / "run", verifier)
+    rows = {r["id"]: r for r in read_replies(tmp_path / "run/replies.parquet")}
+    first, second = rows["p000#t0"], rows["p000#t1"]
+    carried = second["request"]["messages"][-2]
+    sent = first["response"]["choices"][0]["message"]
+    # The fake server sends `reasoning: null`: empty fields are left out, the rest is verbatim.
+    assert carried == {"role": "assistant", "content": sent["content"]}
+    assert second["request"]["messages"][:1] == first["request"]["messages"]
+
+
+def test_a_rerun_retries_failed_conversations_and_reuses_every_stored_reply(tmp_path, verifier):
+    write_prompts(tmp_path / "prompts.jsonl", 12)
+    with fake_openai("--fault-rate", "1.0", "--hang", "3", "--lifetime", "60") as down:
+        stats = generate(tmp_path / "prompts.jsonl", down, tmp_path / "run", verifier, client=Client(8, 1.0, 1))
+    assert stats["failed_conversations"] == 12 and stats["sent"] == 0
+    with fake_openai("--lifetime", "60") as up:
+        stats = generate(tmp_path / "prompts.jsonl", up, tmp_path / "run", verifier)
+        assert (stats["sent"], served(up)) == (15, 15)  # prompts 0, 5, 10 have two turns
+        again = generate(tmp_path / "prompts.jsonl", up, tmp_path / "run", verifier)
+        assert served(up) == 15, "a rerun sent a request the store holds"
+    assert again == {**again, "sent": 0, "reused": 15, "failed_conversations": 0, "store_entries": 15, "store_entries_unused": 0}
+
+
+def test_the_store_is_keyed_by_the_request_not_by_eagleflows_code(tmp_path, verifier):
+    """Another max_tokens changes every request; an edited later turn changes only that turn;
+    a copy of the code with a changed parser reuses everything."""
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 10)  # p000 and p005 have two turns
+    with fake_openai("--lifetime", "120") as url:
+        assert generate(tmp_path / "prompts.jsonl", url, tmp_path / "run", verifier)["sent"] == 12
+        prompts[5]["turns"][1] = "another follow-up"
+        write_jsonl(tmp_path / "prompts.jsonl", prompts)
+        stats = generate(tmp_path / "prompts.jsonl", url, tmp_path / "run", verifier)
+        assert (stats["sent"], stats["reused"], stats["store_entries_unused"]) == (1, 11, 1)
+        longer = Requests(model="verifier", sampling={"max_tokens": 13, "temperature": 0.0}, chat_template_kwargs={})
+        assert generate(tmp_path / "prompts.jsonl", url, tmp_path / "run", verifier, requests=longer)["sent"] == 12
+
+        copy = tmp_path / "code"
+        shutil.copytree(REPO / "workflow_scripts", copy / "workflow_scripts", ignore=shutil.ignore_patterns("__pycache__"))
+        assemble = copy / "workflow_scripts/synth/assemble.py"
+        assemble.write_text(assemble.read_text().replace('REASONING_FIELDS = ("reasoning", "reasoning_content")', 'REASONING_FIELDS = ("reasoning_content",)'))
+        job = synth_job(tmp_path / "prompts.jsonl", url, tmp_path / "run", verifier, env={**os.environ, "PYTHONPATH": str(copy)})
+        _, err = job.communicate(timeout=120)
+        assert job.returncode == 0, err
+    assert json.loads((tmp_path / "run/stats.json").read_text())["sent"] == 0
+
+
+def test_another_verifier_or_server_flag_is_another_key(tmp_path, verifier):
+    from workflow_scripts.generate.requests import request_key, server_identity, verifier_fingerprint
+
+    payload = {"model": "verifier", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    base = server_identity(verifier, SERVER)
+    assert request_key(payload, base) == request_key(json.loads(json.dumps(payload)), server_identity(verifier, dict(SERVER)))
+    assert request_key(payload, base) != request_key(payload, server_identity(verifier, {**SERVER, "dtype": "bfloat16"}))
+    assert request_key(payload, base) == request_key(payload, server_identity(verifier, {**SERVER, "host": "0.0.0.0", "enforce_eager": False}))
+    other = tmp_path / "other"
+    shutil.copytree(verifier, other)
+    assert verifier_fingerprint(other) == verifier_fingerprint(verifier)  # a copy is the same verifier
+    (other / "README.md").write_text("docs do not change replies")
+    assert verifier_fingerprint(other) == verifier_fingerprint(verifier)
+    (other / "config.json").write_text(json.dumps({"model_type": "fake", "rope_theta": 1.0}))
+    assert verifier_fingerprint(other) != verifier_fingerprint(verifier)
+
+
+def test_several_endpoints_share_the_load(tmp_path, verifier):
+    write_prompts(tmp_path / "prompts.jsonl", 40)
+    with fake_openai("--latency", "0.05", "--lifetime", "120") as a, fake_openai("--latency", "0.05", "--lifetime", "120") as b:
+        stats = generate(tmp_path / "prompts.jsonl", [a, b], tmp_path / "run", verifier)
+        load = [served(u) for u in (a, b)]
+    assert stats["sent"] == 48
+    assert min(load) >= 0.3 * sum(load), f"load was not shared: {load}"
+
+
+def test_a_corrupt_store_is_refused_with_what_to_do(tmp_path):
+    bad = tmp_path / "store.sqlite"
+    bad.write_bytes(b"this is not a database" * 100)
+    with pytest.raises(StoreError, match="Move it aside"):
+        ResponseStore(bad).get("k")
+
+
+def test_prune_keeps_exactly_the_entries_current_replies_use(tmp_path, verifier):
+    write_prompts(tmp_path / "prompts.jsonl", 10)
+    with fake_openai("--lifetime", "60") as url:
+        generate(tmp_path / "prompts.jsonl", url, tmp_path / "run", verifier)
+        write_prompts(tmp_path / "prompts.jsonl", 4)  # a smaller prompt set: 6 conversations unused
+        stats = generate(tmp_path / "prompts.jsonl", url, tmp_path / "run", verifier)
+    assert (stats["sent"], stats["store_entries_unused"]) == (0, 12 - 5)
+    store, replies = tmp_path / "run/store.sqlite", tmp_path / "run/replies.parquet"
+    cli = [sys.executable, "-m", "workflow_scripts.generate"]
+    out = subprocess.run([*cli, "prune", str(store), "--keep", str(replies)], cwd=REPO, capture_output=True, text=True, check=True)
+    assert "removed 7 of 12 replies; 5 kept" in out.stdout
+    with ResponseStore(store) as s:
+        assert s.keys() == {r["key"] for r in read_replies(replies)}
+    missing = subprocess.run([*cli, "stats", str(tmp_path / "nope.sqlite")], cwd=REPO, capture_output=True, text=True)
+    assert missing.returncode != 0 and "no such response store" in missing.stderr
+
+
+GENERATE_JOB = textwrap.dedent(
+    """
+    import json, logging, sys, yaml
+    from workflow_scripts.common.process import terminate_on_sigterm
+    from workflow_scripts.generate.run import Client, Requests, run_generate
+    logging.basicConfig(level=logging.INFO)
+    terminate_on_sigterm()  # as every Snakemake entry point does
+    prompts, url, out, verifier = sys.argv[1:5]
+    server = yaml.safe_load(open(sys.argv[5]))["server"]
+    run_generate(prompts, verifier, out + "/store.sqlite", out + "/replies.parquet", out + "/stats.json",
+                 requests=Requests("verifier", {"max_tokens": 12, "temperature": 0.0}, {}), client=Client(8, 5.0, 4),
+                 server=server, server_log=out + "/vllm.log", endpoint=url)
+    """
+)
+
+
+def synth_job(prompts: Path, url: str, d: Path, verifier: Path, env=None) -> subprocess.Popen:
+    d.mkdir(parents=True, exist_ok=True)
+    args = [sys.executable, "-c", GENERATE_JOB, str(prompts), url, str(d), str(verifier), str(REPO / "config/config.yaml")]
+    return subprocess.Popen(args, cwd=REPO if env is None else d, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def stored(d: Path) -> int:
+    """Replies committed to the store, read as a second process would (WAL: readers see commits)."""
+    if not (d / "store.sqlite").exists():
+        return 0
+    with sqlite3.connect(d / "store.sqlite", timeout=10) as db:
+        try:
+            return db.execute("SELECT COUNT(*) FROM replies").fetchone()[0]
+        except sqlite3.OperationalError:
+            return 0
+
+
+def interrupt(job: subprocess.Popen, out: Path, after: int, sig: int) -> float:
+    """Send `sig` once `after` replies are stored; return seconds until the job ended."""
+    deadline = time.monotonic() + 60
+    while stored(out) < after and time.monotonic() < deadline:
+        time.sleep(0.05)
+    job.send_signal(sig)
+    sent = time.monotonic()
+    job.wait(timeout=30)
+    return time.monotonic() - sent
+
+
+def test_sigkill_then_rerun_gives_the_same_replies_and_sends_each_request_once(tmp_path, verifier):
+    prompts = tmp_path / "prompts.jsonl"
+    write_prompts(prompts, 80)  # 96 requests
+    with fake_openai("--latency", "0.1", "--lifetime", "300") as url:
+        full = tmp_path / "full"
+        assert synth_job(prompts, url, full, verifier).wait(timeout=120) == 0
+
+        killed = tmp_path / "killed"
+        before = served(url)
+        interrupt(synth_job(prompts, url, killed, verifier), killed, 20, signal.SIGKILL)
+        partial = stored(killed)
+        assert 20 <= partial < 96, f"kill landed at {partial} of 96 replies"
+        assert not (killed / "replies.parquet").exists()
+
+        rerun = synth_job(prompts, url, killed, verifier)
+        _, err = rerun.communicate(timeout=120)
+        assert rerun.returncode == 0, err
+        # At most the requests in flight at the kill (concurrency 8) are sent twice.
+        assert served(url) - before <= 96 + 8
+    stats = json.loads((killed / "stats.json").read_text())
+    assert stats["reused"] == partial and stats["sent"] == 96 - partial
+    strip = lambda rows: sorted((r["id"], r["key"], json.dumps(r["response"], sort_keys=True)) for r in rows)  # noqa: E731
+    assert strip(read_replies(killed / "replies.parquet")) == strip(read_replies(full / "replies.parquet"))
+
+
+def test_sigterm_stops_promptly_and_loses_nothing(tmp_path, verifier):
+    prompts = tmp_path / "prompts.jsonl"
+    write_prompts(prompts, 80)
+    with fake_openai("--latency", "0.1", "--lifetime", "300") as url:
+        out = tmp_path / "run"
+        job = synth_job(prompts, url, out, verifier)
+        assert interrupt(job, out, 10, signal.SIGTERM) < 10
+        assert job.returncode != 0
+        kept = stored(out)
+        rerun = synth_job(prompts, url, out, verifier)
+        _, err = rerun.communicate(timeout=120)
+    assert rerun.returncode == 0, err
+    stats = json.loads((out / "stats.json").read_text())
+    assert kept >= 10 and stats["reused"] == kept and stats["sent"] == 96 - kept

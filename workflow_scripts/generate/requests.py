@@ -1,0 +1,100 @@
+"""Pure functions that decide what is asked of the verifier, and under which store key.
+
+A key is the sha256 of the canonical request (model, messages with their history, sampling,
+per-sample seed, chat template kwargs) together with the server identity: a fingerprint of
+the verifier's files and the server flags that change its replies. Nothing of eagleflow's
+code is in it: a reply stays valid for as long as the same question goes to the same server.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+# Server flags that change what a reply says. Others (host, port, tensor parallelism, eager
+# mode, KV-cache size, timeouts) change how fast it comes, not what it is.
+REPLY_SHAPING_FLAGS = ("dtype", "max_model_len", "reasoning_parser", "extra_args")
+
+# Files read whole into the verifier fingerprint; larger ones by name, size, head and tail.
+SMALL_FILE_BYTES = 1 << 20
+EDGE_BYTES = 1 << 20
+
+
+def sample_seed(run_seed: int, prompt_id: str, turn: int) -> int:
+    """One seed per sample: the same seed on every request would correlate all samples, and a
+    derived one keeps a resumed run reproducible."""
+    digest = hashlib.sha256(f"{run_seed}:{prompt_id}:{turn}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def request_payload(
+    messages: list[dict[str, Any]], prompt_id: str, turn: int, *, model: str, sampling: dict[str, Any],
+    chat_template_kwargs: dict[str, Any],
+) -> dict[str, Any]:  # fmt: skip
+    """The /v1/chat/completions body for one assistant turn."""
+    payload = {"model": model, "messages": messages, **sampling, "return_token_ids": True}
+    if payload.get("seed") is not None:
+        payload["seed"] = sample_seed(payload["seed"], prompt_id, turn)
+    if chat_template_kwargs:
+        payload["chat_template_kwargs"] = chat_template_kwargs
+    return payload
+
+
+def canonical_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def request_key(payload: dict[str, Any], server_identity: dict[str, Any]) -> str:
+    return hashlib.sha256(canonical_json({"request": payload, "server": server_identity}).encode()).hexdigest()
+
+
+def history_message(body: dict[str, Any]) -> dict[str, Any]:
+    """The assistant message that the next turn's request carries: the server's own message,
+    field names included, with empty fields left out.
+
+    Nothing is interpreted here, on purpose: each server reads back the reasoning field it
+    writes (vLLM >= 0.16 reads only `reasoning` from a request's assistant message, older vLLM
+    and SGLang `reasoning_content`), and no fix to how synth reads replies can change a later
+    turn's request.
+    """
+    message = body["choices"][0].get("message") or {}
+    carried = {k: v for k, v in message.items() if k != "role" and v not in (None, [], {})}
+    return {"role": "assistant", **carried, "content": message.get("content") or ""}
+
+
+def server_identity(verifier_dir: str | os.PathLike, server: dict[str, Any]) -> dict[str, Any]:
+    """What decides the server's replies besides the request: the verifier's files and the
+    reply-shaping flags of the `server` config section."""
+    return {"verifier": verifier_fingerprint(verifier_dir), **{flag: server.get(flag) for flag in REPLY_SHAPING_FLAGS}}
+
+
+def verifier_fingerprint(model_dir: str | os.PathLike) -> str:
+    """A cheap content fingerprint of a model directory (symlinks followed).
+
+    Config, tokenizer, chat template and custom code are hashed whole; weight files by name,
+    size and their first and last MiB, which is seconds for a terabyte checkpoint. Copying or
+    re-linking the same files keeps the fingerprint; mtimes do not count.
+    """
+    root = Path(model_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"verifier directory {root} does not exist (prepare_verifier makes it)")
+    h = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and not _ignored(p.relative_to(root))):
+        size = path.stat().st_size
+        h.update(f"{path.relative_to(root).as_posix()}\0{size}\0".encode())
+        with open(path, "rb") as fh:
+            if size <= SMALL_FILE_BYTES:
+                h.update(fh.read())
+            else:
+                h.update(fh.read(EDGE_BYTES))
+                fh.seek(size - EDGE_BYTES)
+                h.update(fh.read(EDGE_BYTES))
+    return h.hexdigest()[:32]
+
+
+def _ignored(rel: Path) -> bool:
+    """Files that cannot change a reply: docs, VCS metadata, caches."""
+    return any(part.startswith(".") or part == "__pycache__" for part in rel.parts) or rel.suffix.lower() in (".md", ".png", ".jpg")

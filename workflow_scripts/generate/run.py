@@ -1,0 +1,173 @@
+"""The generate stage's shell: walk every conversation through the response store, send
+only the requests it lacks, and write the raw replies (`replies.parquet`) and what the run
+cost (`stats.json`).
+
+A conversation is walked turn by turn: turn k+1's request carries the user turns and the
+verifier's replies to turns 1..k. The walk first runs on the store alone; a server is
+started (or an endpoint used) only when some request is missing, so a rerun that the store
+fully answers starts no server at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tqdm import tqdm
+
+from workflow_scripts.common.atomic import read_jsonl, write_json
+from workflow_scripts.common.replies import write_replies
+from workflow_scripts.common.client import ChatClient, RequestFailed, RetryPolicy
+from workflow_scripts.common.server import ServerSpec, serve
+from workflow_scripts.generate.requests import history_message, request_key, request_payload, server_identity
+from workflow_scripts.generate.store import ResponseStore
+
+log = logging.getLogger(__name__)
+
+Send = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+@dataclass(frozen=True)
+class Requests:
+    """What is asked: the served model name, sampling (incl. extra_body), chat template kwargs."""
+
+    model: str
+    sampling: dict[str, Any]
+    chat_template_kwargs: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Client:
+    """How it is asked: these change speed and robustness, never a reply."""
+
+    concurrency: int
+    request_timeout_s: float
+    max_attempts: int
+    api_key_env: str | None = None
+
+
+class Missing(Exception):
+    """A request the store does not hold (raised by the store-only walk)."""
+
+
+@dataclass
+class Counts:
+    sent: int = 0
+    reused: int = 0
+    failed_conversations: int = 0
+
+
+async def walk_conversation(prompt: dict[str, Any], requests: Requests, identity: dict[str, Any], store: ResponseStore,
+                            send: Send, counts: Counts) -> list[dict[str, Any]]:  # fmt: skip
+    """One row per assistant turn (request, reply body, store key), in order. A failed request
+    ends the conversation with an error row; `Missing` from `send` propagates."""
+    messages: list[dict[str, Any]] = []
+    if prompt.get("system"):
+        messages.append({"role": "system", "content": prompt["system"]})
+    rows = []
+    for turn, user_text in enumerate(prompt["turns"]):
+        messages = [*messages, {"role": "user", "content": user_text}]
+        payload = request_payload(messages, prompt["id"], turn, model=requests.model, sampling=requests.sampling,
+                                  chat_template_kwargs=requests.chat_template_kwargs)  # fmt: skip
+        key = request_key(payload, identity)
+        row = {"id": f"{prompt['id']}#t{turn}", "prompt_id": prompt["id"], "turn": turn, "category": prompt.get("category"),
+               "key": key, "request": payload, "response": None, "error": None, "attempts": None}  # fmt: skip
+        body = store.get(key)
+        if body is None:
+            try:
+                body = await send(payload)
+            except RequestFailed as exc:
+                counts.failed_conversations += 1
+                rows.append({**row, "error": exc.reason, "attempts": exc.attempts})
+                return rows
+            store.put(key, payload, body)
+            counts.sent += 1
+        else:
+            counts.reused += 1
+        rows.append({**row, "response": body})
+        messages = [*messages, history_message(body)]
+    return rows
+
+
+async def _from_store(prompts, requests, identity, store) -> tuple[dict[str, list], list[dict]]:
+    async def missing(payload):
+        raise Missing
+
+    done, todo = {}, []
+    for p in prompts:
+        try:
+            done[p["id"]] = await walk_conversation(p, requests, identity, store, missing, Counts())
+        except Missing:
+            todo.append(p)
+    return done, todo
+
+
+async def _from_server(base_url, todo, requests, identity, store, client_cfg: Client, counts: Counts) -> dict[str, list]:
+    done: dict[str, list] = {}
+    bar = tqdm(total=len(todo), desc="generate", unit="conv", mininterval=2.0)
+    started, tokens = time.monotonic(), 0
+    sem = asyncio.Semaphore(client_cfg.concurrency)
+    retry = RetryPolicy(max_attempts=client_cfg.max_attempts)
+    async with ChatClient(base_url, concurrency=client_cfg.concurrency, request_timeout_s=client_cfg.request_timeout_s,
+                          retry=retry, api_key_env=client_cfg.api_key_env) as client:  # fmt: skip
+
+        async def one(prompt):
+            nonlocal tokens
+            async with sem:
+                rows = await walk_conversation(prompt, requests, identity, store, client.chat, counts)
+            done[prompt["id"]] = rows
+            tokens += sum(((r["response"] or {}).get("usage") or {}).get("completion_tokens") or 0 for r in rows)
+            elapsed = time.monotonic() - started
+            bar.set_postfix(sent=counts.sent, reused=counts.reused, tok_s=f"{tokens / elapsed:.0f}",
+                            failed=counts.failed_conversations, refresh=False)  # fmt: skip
+            bar.update()
+
+        await asyncio.gather(*(one(p) for p in todo))
+    bar.close()
+    return done
+
+
+def run_generate(
+    prompts_path: str, verifier_dir: str, store_path: str, replies_out: str, stats_out: str, *,
+    requests: Requests, client: Client, server: dict[str, Any], server_log: str, endpoint: str | list[str] | None = None,
+) -> None:  # fmt: skip
+    """`server` is the validated `server` config section: its reply-shaping flags go into
+    every store key, and a vLLM is launched from it when a request is missing and no
+    `endpoint` is given."""
+    started = time.monotonic()
+    prompts = read_jsonl(prompts_path)
+    identity = server_identity(verifier_dir, server)
+    with ResponseStore(store_path) as store:
+        entries_before = len(store)
+        done, todo = asyncio.run(_from_store(prompts, requests, identity, store))
+        counts = Counts(reused=sum(len(rows) for rows in done.values()))
+        log.info("%d of %d conversations answered by the store %s (%d entries); %d need the server",
+                 len(done), len(prompts), store_path, entries_before, len(todo))  # fmt: skip
+        if todo:
+            spec = ServerSpec.from_config(server, verifier_dir)
+            with serve(spec, server_log, endpoint) as base_url:
+                done |= asyncio.run(_from_server(base_url, todo, requests, identity, store, client, counts))
+        rows = [row for p in prompts for row in done[p["id"]]]
+        used = {r["key"] for r in rows}
+        unused = len(store) - len(used & store.keys())
+    write_replies(replies_out, rows)
+    stats = {
+        "conversations": len(prompts),
+        "requests": len(rows),
+        "sent": counts.sent,
+        "reused": counts.reused,
+        "failed_conversations": counts.failed_conversations,
+        "server_started": bool(todo) and not endpoint,
+        "store": str(store_path),
+        "store_entries": len(used) + unused,
+        "store_entries_unused": unused,
+        "wall_s": round(time.monotonic() - started, 3),
+    }
+    write_json(stats_out, stats)
+    log.info("generate: %d requests, %d sent to the server, %d reused from the store, %d failed conversations; "
+             "%d store entries no current request uses (prune: python -m workflow_scripts.generate prune)",
+             len(rows), counts.sent, counts.reused, counts.failed_conversations, unused)  # fmt: skip
