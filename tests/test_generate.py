@@ -137,6 +137,7 @@ def test_another_verifier_or_server_flag_is_another_key(tmp_path, verifier):
     shutil.copytree(verifier, other)
     assert verifier_fingerprint(other) == verifier_fingerprint(verifier)  # a copy is the same verifier
     (other / "README.md").write_text("docs do not change replies")
+    (other / "eagleflow_source.json").write_text('{"file": "/another/venv/model.gguf"}')  # where it was found
     assert verifier_fingerprint(other) == verifier_fingerprint(verifier)
     (other / "config.json").write_text(json.dumps({"model_type": "fake", "rope_theta": 1.0}))
     assert verifier_fingerprint(other) != verifier_fingerprint(verifier)

@@ -96,5 +96,10 @@ def verifier_fingerprint(model_dir: str | os.PathLike) -> str:
 
 
 def _ignored(rel: Path) -> bool:
-    """Files that cannot change a reply: docs, VCS metadata, caches."""
-    return any(part.startswith(".") or part == "__pycache__" for part in rel.parts) or rel.suffix.lower() in (".md", ".png", ".jpg")
+    """Files that cannot change a reply: docs, VCS metadata, caches, and eagleflow's own notes
+    (`eagleflow_source.json` names where the embedded GGUF was found: a path, not weights)."""
+    return (
+        any(part.startswith(".") or part == "__pycache__" for part in rel.parts)
+        or rel.name.startswith("eagleflow_")
+        or rel.suffix.lower() in (".md", ".png", ".jpg")
+    )

@@ -152,8 +152,8 @@ def run_generate(
             with serve(spec, server_log, endpoint) as base_url:
                 done |= asyncio.run(_from_server(base_url, todo, requests, identity, store, client, counts))
         rows = [row for p in prompts for row in done[p["id"]]]
-        used = {r["key"] for r in rows}
-        unused = len(store) - len(used & store.keys())
+        keys = store.keys()
+        unused = len(keys - {r["key"] for r in rows})
     write_replies(replies_out, rows)
     stats = {
         "conversations": len(prompts),
@@ -163,7 +163,7 @@ def run_generate(
         "failed_conversations": counts.failed_conversations,
         "server_started": bool(todo) and not endpoint,
         "store": str(store_path),
-        "store_entries": len(used) + unused,
+        "store_entries": len(keys),
         "store_entries_unused": unused,
         "wall_s": round(time.monotonic() - started, 3),
     }
