@@ -6,7 +6,7 @@ forward of the same base model over the same padded batches, side by side in one
 
 VERIFIER_DIR defaults to the embedded SmolLM2 in resources/verifier (prepared by `make
 demo`; read only), else a 12-layer Llama (hidden 576) built from a config. Compute dtype float32 on
-CPU (DESIGN.md: bf16 matmuls take slow paths here), storage bf16. Passes alternate
+CPU (docs/facts.md: bf16 matmuls take slow paths here), storage bf16. Passes alternate
 A B B A per round so drift hits both. Target: capture/plain time ratio <= 1.10.
 """
 

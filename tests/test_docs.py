@@ -1,0 +1,44 @@
+"""The docs stay true to the repository: every config key is documented, every relative
+link resolves, and nothing points outside the repository."""
+
+import re
+from pathlib import Path
+
+import yaml
+
+from tests.conftest import REPO
+
+DOCS = [REPO / "README.md", REPO / "BENCHMARKS.md", REPO / "config/README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def schema_keys(props: dict, prefix: str = "") -> list[str]:
+    keys = []
+    for name, spec in props.items():
+        key = prefix + name
+        if spec.get("type") == "object" and "properties" in spec and key != "dataset.max_defect_fraction":
+            keys += schema_keys(spec["properties"], key + ".")
+        else:
+            keys.append(key)
+    return keys
+
+
+def test_every_config_key_is_in_the_reference():
+    schema = yaml.safe_load((REPO / "config/schema.yaml").read_text())
+    reference = (REPO / "config/README.md").read_text()
+    missing = [k for k in schema_keys(schema["properties"]) if f"| `{k}` |" not in reference]
+    assert not missing, f"config/README.md lacks {missing}"
+
+
+def test_relative_links_resolve():
+    broken = []
+    for doc in DOCS:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", doc.read_text()):
+            if not target.startswith(("http://", "https://")) and not (doc.parent / target).exists():
+                broken.append(f"{doc.relative_to(REPO)} -> {target}")
+    assert not broken, broken
+
+
+def test_nothing_points_outside_the_repository():
+    places = [*DOCS, *REPO.glob("envs/*"), *REPO.glob("bench/*.py"), *REPO.glob("config/*.yaml"), *REPO.rglob("workflow_scripts/**/*.py")]
+    offenders = [str(p.relative_to(REPO)) for p in places if re.search(r"shared folder|\.\./shared|DESIGN\.md", p.read_text())]
+    assert not offenders, offenders
