@@ -31,9 +31,12 @@ test: setup
 test-fast: setup
 	$(BIN)/python -m pytest -v -m "not vllm"
 
-# Formatting of the Snakefile and rules, Snakemake's own lints, and dry runs of the default
-# config (schema validation, DAG construction). tests/test_config.py validates the examples.
+# Python lint and formatting (ruff), formatting of the Snakefile and rules, Snakemake's own
+# lints, and a dry run of the default config (schema validation, DAG construction).
+# tests/test_config.py validates the examples.
 lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/snakefmt --check Snakefile rules/
 	$(BIN)/snakemake --lint
 	$(BIN)/snakemake -n --quiet rules

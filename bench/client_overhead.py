@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import platform
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Awaitable, Callable
 
 from openai import AsyncOpenAI
 
@@ -139,9 +140,11 @@ async def measure_row(base_url: str, concurrency: int, n: int) -> tuple[Sample, 
 
             async def send_oai(p: dict) -> object:
                 return await oai_client.chat.completions.create(
-                    model=p["model"], messages=p["messages"], max_tokens=p["max_tokens"],
+                    model=p["model"],
+                    messages=p["messages"],
+                    max_tokens=p["max_tokens"],
                     extra_body={"return_token_ids": p["return_token_ids"]},
-                )  # fmt: skip
+                )
 
             # Warm-up opens the connection pools and fills lazy imports and caches of both clients.
             await run_bounded(ef_client.chat, warmup, concurrency)
@@ -192,10 +195,8 @@ def header() -> str:
     # Both clients now run on httpx2 + httpcore2 (openai ships it); name the versions.
     versions = []
     for dist in ("httpx", "httpcore", "openai", "httpx2", "httpcore2"):
-        try:
+        with contextlib.suppress(metadata.PackageNotFoundError):
             versions.append(f"{dist} {metadata.version(dist)}")
-        except metadata.PackageNotFoundError:
-            pass
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     return (
         f"Python {platform.python_version()}, {', '.join(versions)}; {os.cpu_count()} cores, "

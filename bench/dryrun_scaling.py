@@ -35,7 +35,10 @@ def prepare(workdir: Path, samples: int, shard_counts: list[int]) -> dict[int, P
     prompts = workdir / "prompts.jsonl"
     with open(prompts, "w") as fh:
         for i in range(samples):
-            fh.write(json.dumps({"id": f"p{i:06d}", "messages": [{"role": "user", "content": f"Question number {i}?"}]}) + "\n")
+            fh.write(
+                json.dumps({"id": f"p{i:06d}", "messages": [{"role": "user", "content": f"Question number {i}?"}]})
+                + "\n"
+            )
     verifier = workdir / "models/verifier"
     verifier.mkdir(parents=True)
     config = yaml.safe_load((REPO / "config/kimi-k2.5-8xgpu.yaml").read_text())
@@ -82,7 +85,10 @@ def main() -> None:
     # CPU time is what the dry run costs; wall time on a shared machine adds whatever else runs.
     base = rows[0][5]
     print(f"`snakemake -n`, production example with {args.samples} prompts, median of {args.repeats} fresh processes\n")
-    print(f"| hidden-state shards | jobs | wall s (median) | wall min–max | CPU s (median) | CPU vs. {rows[0][0]} shards |")
+    print(
+        "| hidden-state shards | jobs | wall s (median) | wall "
+        f"min–max | CPU s (median) | CPU vs. {rows[0][0]} shards |"
+    )
     print("| ---: | ---: | ---: | ---: | ---: | ---: |")
     for shards, jobs, median, lo, hi, cpu in rows:
         print(f"| {shards} | {jobs} | {median:.2f} | {lo:.2f}–{hi:.2f} | {cpu:.2f} | {cpu / base:.2f}x |")

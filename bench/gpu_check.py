@@ -43,12 +43,36 @@ from workflow_scripts.train.data import Sample, collate, pack  # noqa: E402
 from workflow_scripts.train.draft import build_draft  # noqa: E402
 from workflow_scripts.train.loop import init_runtime, metric_keys, train_step  # noqa: E402
 
-LLAMA_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-            "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "rope_theta": 500000.0}  # fmt: skip
-LLAMA_1B = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
-            "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256, "rope_theta": 500000.0}  # fmt: skip
-TINY = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 8, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 4096, "rope_theta": 10000.0}  # fmt: skip
+LLAMA_8B = {
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 128256,
+    "rope_theta": 500000.0,
+}
+LLAMA_1B = {
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "vocab_size": 128256,
+    "rope_theta": 500000.0,
+}
+TINY = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 4096,
+    "rope_theta": 10000.0,
+}
 
 
 def llama_config(geometry: dict, **extra):
@@ -56,8 +80,14 @@ def llama_config(geometry: dict, **extra):
 
     g = dict(geometry)
     theta = g.pop("rope_theta")
-    return LlamaConfig(**g, max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                       rope_parameters={"rope_type": "default", "rope_theta": theta}, **extra)  # fmt: skip
+    return LlamaConfig(
+        **g,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": theta},
+        **extra,
+    )
 
 
 def embeddings_only_verifier(out: Path, geometry: dict) -> Path:
@@ -68,9 +98,14 @@ def embeddings_only_verifier(out: Path, geometry: dict) -> Path:
     config.architectures = ["LlamaForCausalLM"]
     config.save_pretrained(out)
     shape = (geometry["vocab_size"], geometry["hidden_size"])
-    save_file({"model.embed_tokens.weight": torch.randn(shape, dtype=torch.bfloat16) * 0.02,
-               "lm_head.weight": torch.randn(shape, dtype=torch.bfloat16) * 0.02,
-               "model.norm.weight": 1 + 0.1 * torch.randn(geometry["hidden_size"], dtype=torch.bfloat16)}, str(out / "model.safetensors"))  # fmt: skip
+    save_file(
+        {
+            "model.embed_tokens.weight": torch.randn(shape, dtype=torch.bfloat16) * 0.02,
+            "lm_head.weight": torch.randn(shape, dtype=torch.bfloat16) * 0.02,
+            "model.norm.weight": 1 + 0.1 * torch.randn(geometry["hidden_size"], dtype=torch.bfloat16),
+        },
+        str(out / "model.safetensors"),
+    )
     return out
 
 
@@ -81,13 +116,22 @@ def draft_vocab(vocab_size: int, draft_vocab_size: int) -> tuple[torch.Tensor, t
     return chosen - torch.arange(draft_vocab_size), t2d
 
 
-def random_batches(count: int, batch_tokens: int, lengths: tuple[int, int], hidden: int, num_aux: int, vocab: int) -> list[dict]:
+def random_batches(
+    count: int, batch_tokens: int, lengths: tuple[int, int], hidden: int, num_aux: int, vocab: int
+) -> list[dict]:
     """`count` packed batches of random samples, float32 on the host as the loop loads shards."""
     rng = random.Random(0)
     samples = []
     while sum(map(len, samples)) < count * batch_tokens:
         t = rng.randint(*lengths)
-        samples.append(Sample(torch.randint(vocab, (t,)), torch.randn(t, num_aux * hidden), torch.randn(t, hidden), torch.ones(t, dtype=torch.bool)))
+        samples.append(
+            Sample(
+                torch.randint(vocab, (t,)),
+                torch.randn(t, num_aux * hidden),
+                torch.randn(t, hidden),
+                torch.ones(t, dtype=torch.bool),
+            )
+        )
     return [collate([samples[i] for i in b], batch_tokens) for b in pack(samples, batch_tokens, shuffle_seed=0)][:count]
 
 
@@ -96,27 +140,48 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def check_training(geometry: dict, draft_vocab_size: int, batch_sizes: list[int], steps: int, workdir: Path) -> list[dict]:
+def check_training(
+    geometry: dict, draft_vocab_size: int, batch_sizes: list[int], steps: int, workdir: Path
+) -> list[dict]:
     from speculators.losses import resolve_loss_config
 
-    cfg = yaml.safe_load((REPO / "config/config.yaml").read_text())["train"] | {"attn_impl": "auto", "loss_implementation": "auto"}
+    cfg = yaml.safe_load((REPO / "config/config.yaml").read_text())["train"] | {
+        "attn_impl": "auto",
+        "loss_implementation": "auto",
+    }
     rt = init_runtime(cfg)
     verifier = embeddings_only_verifier(workdir / "verifier-8b", geometry)
     d2t, t2d = draft_vocab(geometry["vocab_size"], draft_vocab_size)
     aux = default_aux_layer_ids(geometry["num_hidden_layers"])
-    model = build_draft(str(verifier), d2t, t2d, num_layers=1, ttt_steps=cfg["ttt_steps"], aux_layer_ids=aux,
-                        attn_impl=rt.attn_impl, sliding_window=None).to(rt.device)  # fmt: skip
+    model = build_draft(
+        str(verifier),
+        d2t,
+        t2d,
+        num_layers=1,
+        ttt_steps=cfg["ttt_steps"],
+        aux_layer_ids=aux,
+        attn_impl=rt.attn_impl,
+        sliding_window=None,
+    ).to(rt.device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95))
-    fwd = {"ttt_steps": cfg["ttt_steps"], "ttt_step_loss_decay": cfg["ttt_step_loss_decay"],
-           "loss_config": resolve_loss_config(cfg["loss"], rt.loss_implementation)}  # fmt: skip
+    fwd = {
+        "ttt_steps": cfg["ttt_steps"],
+        "ttt_step_loss_decay": cfg["ttt_step_loss_decay"],
+        "loss_config": resolve_loss_config(cfg["loss"], rt.loss_implementation),
+    }
     keys = metric_keys(cfg["ttt_steps"])
     rows = []
-    print(f"training: draft {sum(p.numel() for p in params) / 1e6:.0f}M trainable params, attention {rt.attn_impl}, "
-          f"loss {rt.loss_implementation}, device {rt.device}", flush=True)  # fmt: skip
+    print(
+        f"training: draft {sum(p.numel() for p in params) / 1e6:.0f}M trainable params, attention {rt.attn_impl}, "
+        f"loss {rt.loss_implementation}, device {rt.device}",
+        flush=True,
+    )
     for batch_tokens in batch_sizes:
         # Three distinct batches, cycled: the values do not matter for speed, host memory does.
-        distinct = random_batches(3, batch_tokens, (256, 2048), geometry["hidden_size"], len(aux), geometry["vocab_size"])
+        distinct = random_batches(
+            3, batch_tokens, (256, 2048), geometry["hidden_size"], len(aux), geometry["vocab_size"]
+        )
         batches = [distinct[i % len(distinct)] for i in range(steps + 2)]
         if rt.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(rt.device)
@@ -126,12 +191,19 @@ def check_training(geometry: dict, draft_vocab_size: int, batch_sizes: list[int]
             sync(rt.device)
             start, tokens = time.perf_counter(), 0
             for batch in batches[2:]:
-                _, metrics = train_step(model, params, optimizer, batch, rt, fwd, lr=1e-4, loss_scale=1.0, grad_clip=1.0, keys=keys)
+                _, metrics = train_step(
+                    model, params, optimizer, batch, rt, fwd, lr=1e-4, loss_scale=1.0, grad_clip=1.0, keys=keys
+                )
                 tokens += batch["input_ids"].shape[1]
             sync(rt.device)
             elapsed = time.perf_counter() - start
-            row = {"batch_tokens": batch_tokens, "steps": len(batches) - 2, "tokens_per_s": tokens / elapsed,
-                   "s_per_step": elapsed / (len(batches) - 2), "finite_metrics": bool(torch.isfinite(metrics).all())}  # fmt: skip
+            row = {
+                "batch_tokens": batch_tokens,
+                "steps": len(batches) - 2,
+                "tokens_per_s": tokens / elapsed,
+                "s_per_step": elapsed / (len(batches) - 2),
+                "finite_metrics": bool(torch.isfinite(metrics).all()),
+            }
         except torch.OutOfMemoryError as exc:
             row = {"batch_tokens": batch_tokens, "error": f"out of memory: {str(exc).splitlines()[0]}"}
             optimizer.zero_grad(set_to_none=True)
@@ -150,8 +222,15 @@ def check_extraction(geometry: dict, batch_tokens: int, num_samples: int, rounds
     with torch.device(device):
         model = LlamaForCausalLM(llama_config(geometry, attn_implementation="sdpa")).to(dtype).eval()
     rng = random.Random(0)
-    samples = [{"input_ids": [rng.randrange(geometry["vocab_size"]) for _ in range(rng.randint(256, 4096 if device.type == "cuda" else 256))]}
-               for _ in range(num_samples)]  # fmt: skip
+    samples = [
+        {
+            "input_ids": [
+                rng.randrange(geometry["vocab_size"])
+                for _ in range(rng.randint(256, 4096 if device.type == "cuda" else 256))
+            ]
+        }
+        for _ in range(num_samples)
+    ]
     tokens = sum(len(s["input_ids"]) for s in samples)
     aux = default_aux_layer_ids(geometry["num_hidden_layers"])
     with torch.inference_mode():  # warm-up
@@ -170,9 +249,14 @@ def check_extraction(geometry: dict, batch_tokens: int, num_samples: int, rounds
             sync(device)
             times[name] += time.perf_counter() - t
     passes = 2 * rounds
-    row = {"params_b": sum(p.numel() for p in model.parameters()) / 1e9, "tokens": tokens, "batch_tokens": batch_tokens,
-           "plain_tokens_per_s": tokens * passes / times["plain"], "capture_tokens_per_s": tokens * passes / times["capture"],
-           "capture_over_plain_time": times["capture"] / times["plain"]}  # fmt: skip
+    row = {
+        "params_b": sum(p.numel() for p in model.parameters()) / 1e9,
+        "tokens": tokens,
+        "batch_tokens": batch_tokens,
+        "plain_tokens_per_s": tokens * passes / times["plain"],
+        "capture_tokens_per_s": tokens * passes / times["capture"],
+        "capture_over_plain_time": times["capture"] / times["plain"],
+    }
     print(f"extraction: {row}", flush=True)
     return row
 
@@ -186,10 +270,12 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     report = {
-        "torch": torch.__version__, "python": platform.python_version(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
         "device": torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu",
-        "triton": importlib.util.find_spec("triton") is not None, "tiny": args.tiny,
-    }  # fmt: skip
+        "triton": importlib.util.find_spec("triton") is not None,
+        "tiny": args.tiny,
+    }
     print(report, flush=True)
     with tempfile.TemporaryDirectory(prefix="eagleflow-gpu-check-") as tmp:
         if args.tiny:

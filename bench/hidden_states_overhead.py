@@ -2,7 +2,8 @@
 (`hidden_states.extract`: hooks, gather, bf16 copy to host, unpadding) against a plain
 forward of the same base model over the same padded batches, side by side in one run.
 
-    .venv/bin/python bench/hidden_states_overhead.py [VERIFIER_DIR] [--samples 24] [--max-len 512] [--rounds 2] [--threads 2]
+    .venv/bin/python bench/hidden_states_overhead.py [VERIFIER_DIR] \
+        [--samples 24] [--max-len 512] [--rounds 2] [--threads 2]
 
 VERIFIER_DIR defaults to the embedded SmolLM2 in resources/verifier (prepared by `make
 demo`; read only), else a 12-layer Llama (hidden 576) built from a config. Compute dtype float32 on
@@ -22,7 +23,13 @@ from pathlib import Path
 
 import torch
 
-from workflow_scripts.hidden_states import decoder_parts, default_aux_layer_ids, extract, load_verifier, token_budget_batches
+from workflow_scripts.hidden_states import (
+    decoder_parts,
+    default_aux_layer_ids,
+    extract,
+    load_verifier,
+    token_budget_batches,
+)
 
 EMBEDDED = Path(__file__).resolve().parents[1] / "resources/verifier/smollm2-135m-instruct"
 
@@ -31,8 +38,16 @@ def fallback_verifier(out: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=12,
-                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=12,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        tie_word_embeddings=True,
+    )
     LlamaForCausalLM(config).save_pretrained(out)
     return out
 
@@ -61,11 +76,19 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    verifier = Path(args.verifier) if args.verifier else EMBEDDED if EMBEDDED.exists() else fallback_verifier(Path(tempfile.mkdtemp()) / "llama")
+    verifier = (
+        Path(args.verifier)
+        if args.verifier
+        else EMBEDDED
+        if EMBEDDED.exists()
+        else fallback_verifier(Path(tempfile.mkdtemp()) / "llama")
+    )
     model = load_verifier(str(verifier), "cpu", torch.float32)
     vocab = json.loads((verifier / "config.json").read_text())["vocab_size"]
     rng = random.Random(0)
-    samples = [{"input_ids": [rng.randrange(vocab) for _ in range(rng.randint(64, args.max_len))]} for _ in range(args.samples)]
+    samples = [
+        {"input_ids": [rng.randrange(vocab) for _ in range(rng.randint(64, args.max_len))]} for _ in range(args.samples)
+    ]
     tokens = sum(len(s["input_ids"]) for s in samples)
     aux = default_aux_layer_ids(model.config.num_hidden_layers)
 
@@ -88,15 +111,23 @@ def main() -> None:
         round_ratios.append(sum(times["capture"][-2:]) / sum(times["plain"][-2:]))
     p, c = sum(times["plain"]), sum(times["capture"])
     n = len(times["plain"])
-    print(f"verifier {verifier} ({model.config.num_hidden_layers} layers, hidden {model.config.hidden_size}); "
-          f"{args.samples} samples, {tokens} tokens; batch_tokens {args.batch_tokens}; {args.threads} threads; aux {aux}")  # fmt: skip
+    print(
+        f"verifier {verifier} ({model.config.num_hidden_layers} layers, hidden {model.config.hidden_size}); "
+        f"{args.samples} samples, {tokens} tokens; batch_tokens {args.batch_tokens}; {args.threads} threads; aux {aux}"
+    )
     print("| path | passes | tokens/s | s/pass (min-max) |")
     print("| --- | ---: | ---: | --- |")
     for name in ("plain", "capture"):
         ts = times[name]
-        print(f"| {name} | {len(ts)} | {tokens * len(ts) / sum(ts):.0f} | {sum(ts) / len(ts):.2f} ({min(ts):.2f}-{max(ts):.2f}) |")
-    print(f"capture / plain time ratio: {c / p:.3f} (overhead {100 * (c / p - 1):+.1f}%, {n} passes each); "
-          f"per round (A B B A): median {statistics.median(round_ratios):.3f}, range {min(round_ratios):.3f}-{max(round_ratios):.3f}")  # fmt: skip
+        print(
+            f"| {name} | {len(ts)} | {tokens * len(ts) / sum(ts):.0f} "
+            f"| {sum(ts) / len(ts):.2f} ({min(ts):.2f}-{max(ts):.2f}) |"
+        )
+    print(
+        f"capture / plain time ratio: {c / p:.3f} (overhead {100 * (c / p - 1):+.1f}%, {n} passes each); "
+        f"per round (A B B A): median {statistics.median(round_ratios):.3f}, "
+        f"range {min(round_ratios):.3f}-{max(round_ratios):.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -42,7 +42,15 @@ def main() -> None:
     results = Path("results") / a.run
     targets = [str(results / "dataset/train.parquet"), str(results / "dataset/eval.parquet")]
     # Targets first: --configfile takes every word after it.
-    cmd = [sys.executable, "-m", "snakemake", *targets, "--cores", a.cores, *(["--configfile", a.configfile] if a.configfile else [])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "snakemake",
+        *targets,
+        "--cores",
+        a.cores,
+        *(["--configfile", a.configfile] if a.configfile else []),
+    ]
     if plan(cmd):
         sys.exit(f"{results}: the run is not finished up to dataset/ ({', '.join(plan(cmd))} planned); finish it first")
     stats_path = results / "generate/stats.json"
@@ -60,7 +68,9 @@ def main() -> None:
     generated = stats_path.exists() and stats_path.stat().st_mtime != stats_before
     sent = json.loads(stats_path.read_text())["sent"] if generated else 0
     samples = json.loads((results / "synth/quality.json").read_text())["num_samples"]
-    print(json.dumps({"planned": planned, "wall_s": round(wall, 1), "requests_sent": sent, "samples": samples}, indent=2))
+    print(
+        json.dumps({"planned": planned, "wall_s": round(wall, 1), "requests_sent": sent, "samples": samples}, indent=2)
+    )
     print("note: the edit is reverted; the next run rebuilds from synth again (nothing is sent)", file=sys.stderr)
 
 

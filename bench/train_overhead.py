@@ -35,20 +35,29 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.train_inputs import make_train_inputs  # noqa: E402
-from workflow_scripts.common.atomic import read_jsonl  # noqa: E402
-from workflow_scripts.train.data import collate, load_shards, pack  # noqa: E402
-from workflow_scripts.train.draft import build_draft  # noqa: E402
-from workflow_scripts.train.loop import run_train  # noqa: E402
+from tests.train_inputs import make_train_inputs
+from workflow_scripts.common.atomic import read_jsonl
+from workflow_scripts.train.data import collate, load_shards, pack
+from workflow_scripts.train.draft import build_draft
+from workflow_scripts.train.loop import run_train
 
 
 def smollm2_geometry_verifier(out: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=9,
-                         num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5,
-                         tie_word_embeddings=False)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=4,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
     LlamaForCausalLM(config).save_pretrained(out)
     return out
 
@@ -73,9 +82,18 @@ def rates(token_counts: list[int]) -> tuple[float, float]:
 
 def run_loop(inputs, verifier: Path, cfg: dict, threads: int, out: Path) -> int:
     STAMPS.clear()
-    run_train(inputs["shards"], inputs["vocab_map"], str(verifier), str(out / "draft"), str(out / "metrics.jsonl"),
-              index=inputs["index"], checkpoint_dir=str(out / "checkpoints"), serve_verifier_path=str(verifier),
-              cfg=cfg, threads=threads)  # fmt: skip
+    run_train(
+        inputs["shards"],
+        inputs["vocab_map"],
+        str(verifier),
+        str(out / "draft"),
+        str(out / "metrics.jsonl"),
+        index=inputs["index"],
+        checkpoint_dir=str(out / "checkpoints"),
+        serve_verifier_path=str(verifier),
+        cfg=cfg,
+        threads=threads,
+    )
     return max(r["step"] for r in read_jsonl(out / "metrics.jsonl"))
 
 
@@ -87,14 +105,27 @@ def run_bare(inputs, verifier: Path, cfg: dict, threads: int) -> list[int]:
     torch.manual_seed(cfg["seed"])
     train, _, aux = load_shards(inputs["shards"])
     vocab = load_file(inputs["vocab_map"])
-    model = build_draft(str(verifier), vocab["d2t"], vocab["t2d"], num_layers=cfg["num_layers"], ttt_steps=cfg["ttt_steps"],
-                        aux_layer_ids=aux, attn_impl="sdpa")  # fmt: skip
+    model = build_draft(
+        str(verifier),
+        vocab["d2t"],
+        vocab["t2d"],
+        num_layers=cfg["num_layers"],
+        ttt_steps=cfg["ttt_steps"],
+        aux_layer_ids=aux,
+        attn_impl="sdpa",
+    )
     params = [p for p in model.parameters() if p.requires_grad]
     opt = StampedAdamW(params, lr=cfg["lr"], betas=(0.9, 0.95), weight_decay=cfg["weight_decay"])
-    kwargs = {"ttt_steps": cfg["ttt_steps"], "ttt_step_loss_decay": cfg["ttt_step_loss_decay"],
-              "loss_config": resolve_loss_config(cfg["loss"], "eager")}  # fmt: skip
-    batches = [collate([train[i] for i in b], cfg["batch_tokens"])
-               for e in range(cfg["epochs"]) for b in pack(train, cfg["batch_tokens"], shuffle_seed=cfg["seed"] * 1000 + e)]  # fmt: skip
+    kwargs = {
+        "ttt_steps": cfg["ttt_steps"],
+        "ttt_step_loss_decay": cfg["ttt_step_loss_decay"],
+        "loss_config": resolve_loss_config(cfg["loss"], "eager"),
+    }
+    batches = [
+        collate([train[i] for i in b], cfg["batch_tokens"])
+        for e in range(cfg["epochs"])
+        for b in pack(train, cfg["batch_tokens"], shuffle_seed=cfg["seed"] * 1000 + e)
+    ]
     model.train()
     STAMPS.clear()
     for batch in batches:
@@ -110,7 +141,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--samples", type=int, default=48, help="train samples (lengths 128-512 tokens)")
-    ap.add_argument("--checkpoint-every", type=int, default=None, help="default: config/config.yaml's train.checkpoint_every")
+    ap.add_argument(
+        "--checkpoint-every", type=int, default=None, help="default: config/config.yaml's train.checkpoint_every"
+    )
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -126,10 +159,15 @@ def main() -> None:
         tmp = Path(tmp)
         verifier = smollm2_geometry_verifier(tmp / "verifier")
         inputs = make_train_inputs(tmp / "in", verifier, lengths, [256, 256], draft_vocab=8192)
-        print(f"train config: batch_tokens {cfg['batch_tokens']}, log_every {cfg['log_every']}, checkpoint_every "
-              f"{cfg['checkpoint_every']}, attn {cfg['attn_impl']}, loss {cfg['loss_implementation']}; "
-              f"{args.samples} samples, {args.epochs} epoch(s), {args.threads} threads\n")  # fmt: skip
-        print("| round | steps | timed tokens | loop wall tok/s | bare wall tok/s | wall loop/bare | loop CPU tok/s | bare CPU tok/s | CPU loop/bare |")
+        print(
+            f"train config: batch_tokens {cfg['batch_tokens']}, log_every {cfg['log_every']}, checkpoint_every "
+            f"{cfg['checkpoint_every']}, attn {cfg['attn_impl']}, loss {cfg['loss_implementation']}; "
+            f"{args.samples} samples, {args.epochs} epoch(s), {args.threads} threads\n"
+        )
+        print(
+            "| round | steps | timed tokens | loop wall tok/s | bare wall tok/s "
+            "| wall loop/bare | loop CPU tok/s | bare CPU tok/s | CPU loop/bare |"
+        )
         print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         wall, cpu = [], []
         for r in range(args.rounds):
@@ -148,10 +186,16 @@ def main() -> None:
             assert steps == len(counts), f"loop took {steps} steps, bare {len(counts)}"
             wall.append(got["loop"][0] / got["bare"][0])
             cpu.append(got["loop"][1] / got["bare"][1])
-            print(f"| {r} | {steps} | {sum(counts[1:])} | {got['loop'][0]:.0f} | {got['bare'][0]:.0f} | {wall[-1]:.3f} "
-                  f"| {got['loop'][1]:.0f} | {got['bare'][1]:.0f} | {cpu[-1]:.3f} |", flush=True)  # fmt: skip
+            print(
+                f"| {r} | {steps} | {sum(counts[1:])} | {got['loop'][0]:.0f} | {got['bare'][0]:.0f} | {wall[-1]:.3f} "
+                f"| {got['loop'][1]:.0f} | {got['bare'][1]:.0f} | {cpu[-1]:.3f} |",
+                flush=True,
+            )
         mw, mc = statistics.median(wall), statistics.median(cpu)
-        print(f"\nmedian loop/bare: wall {mw:.3f} (overhead {100 * (1 / mw - 1):.1f}%), CPU {mc:.3f} (overhead {100 * (1 / mc - 1):.1f}%)")
+        print(
+            f"\nmedian loop/bare: wall {mw:.3f} (overhead {100 * (1 / mw - 1):.1f}%), "
+            f"CPU {mc:.3f} (overhead {100 * (1 / mc - 1):.1f}%)"
+        )
         checkpoint_cost(inputs, verifier, cfg, args.threads, tmp / "ckpt-cost", sum(counts) / len(counts))
 
 
@@ -163,8 +207,15 @@ def checkpoint_cost(inputs, verifier: Path, cfg: dict, threads: int, out: Path, 
     (w0, _), (w1, _) = STAMPS[0], STAMPS[-1]
     step_s = (w1 - w0) / (len(STAMPS) - 1)
     vocab = load_file(inputs["vocab_map"])
-    model = build_draft(str(verifier), vocab["d2t"], vocab["t2d"], num_layers=cfg["num_layers"], ttt_steps=cfg["ttt_steps"],
-                        aux_layer_ids=load_shards(inputs["shards"])[2], attn_impl="sdpa")  # fmt: skip
+    model = build_draft(
+        str(verifier),
+        vocab["d2t"],
+        vocab["t2d"],
+        num_layers=cfg["num_layers"],
+        ttt_steps=cfg["ttt_steps"],
+        aux_layer_ids=load_shards(inputs["shards"])[2],
+        attn_impl="sdpa",
+    )
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params)
     for p in params:
@@ -179,8 +230,10 @@ def checkpoint_cost(inputs, verifier: Path, cfg: dict, threads: int, out: Path, 
     size = sum(f.stat().st_size for f in (out / f"step-{3:08d}").iterdir()) / 2**20
     every = cfg["checkpoint_every"]
     cost = statistics.median(times)
-    print(f"one checkpoint: {size:.0f} MiB in {cost:.2f} s; a step ({tokens_per_step:.0f} tokens) {step_s:.2f} s; "
-          f"at checkpoint_every {every}: {100 * cost / (every * step_s) if every else 0:.1f}% of training time")
+    print(
+        f"one checkpoint: {size:.0f} MiB in {cost:.2f} s; a step ({tokens_per_step:.0f} tokens) {step_s:.2f} s; "
+        f"at checkpoint_every {every}: {100 * cost / (every * step_s) if every else 0:.1f}% of training time"
+    )
 
 
 if __name__ == "__main__":

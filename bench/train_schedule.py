@@ -33,14 +33,26 @@ def main(run_dir: str, schedules: list[str]) -> None:
         cfg = {**base["train"], **json.loads(spec)}
         out = Path(tempfile.mkdtemp(prefix="eagleflow-schedule-"))
         started = time.perf_counter()
-        run_train(shards, str(run / "vocab/vocab_map.safetensors"), verifier, str(out / "draft"), str(out / "metrics.jsonl"),
-                  index=str(run / "hidden_states/index.json"), checkpoint_dir=str(out / "checkpoints"),
-                  serve_verifier_path=verifier, cfg=cfg, threads=2)  # fmt: skip
+        run_train(
+            shards,
+            str(run / "vocab/vocab_map.safetensors"),
+            verifier,
+            str(out / "draft"),
+            str(out / "metrics.jsonl"),
+            index=str(run / "hidden_states/index.json"),
+            checkpoint_dir=str(out / "checkpoints"),
+            serve_verifier_path=verifier,
+            cfg=cfg,
+            threads=2,
+        )
         wall = time.perf_counter() - started
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         best = min((r for r in rows if r["split"] == "eval"), key=lambda r: r["loss"])
         steps = max(r["step"] for r in rows)
-        print(f"| {spec} | {steps} | {wall:.0f} | {best['loss']:.3f} | {best['estimated_acceptance_length']:.3f} |", flush=True)
+        print(
+            f"| {spec} | {steps} | {wall:.0f} | {best['loss']:.3f} | {best['estimated_acceptance_length']:.3f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -68,7 +68,9 @@ def char_tokenizer(think: bool = False):
     assert len(vocab) == TINY_VOCAB
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
     tok.add_special_tokens({"additional_special_tokens": specials})
     tok.chat_template = THINK_CHATML if think else CHATML
     return tok
@@ -82,11 +84,19 @@ def _save_tiny(out: Path, config_cls, model_cls, *, seed: int, tie: bool, think:
     torch.manual_seed(seed)
     tokenizer = char_tokenizer(think=think)
     config = config_cls(
-        vocab_size=TINY_VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=8,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=512,
-        tie_word_embeddings=tie, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        vocab_size=TINY_VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=8,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
+    )
     model_cls(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
@@ -130,7 +140,9 @@ def clean_env():
 @contextlib.contextmanager
 def fake_openai(*args: str):
     """Start tests/fake_openai.py in its own process; yield its base URL; stop it."""
-    proc = subprocess.Popen([sys.executable, "-m", "tests.fake_openai", *args], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.fake_openai", *args], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
     try:
         line = proc.stdout.readline()
         assert line.startswith("READY"), f"fake server did not start: {line!r}"
@@ -154,13 +166,30 @@ def deepseek_v3_config():
 
     tokenizer = char_tokenizer()
     return DeepseekV3Config(
-        vocab_size=TINY_VOCAB, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
-        num_hidden_layers=8, num_attention_heads=2, num_key_value_heads=2,
-        q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=64,
-        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
-        n_group=1, topk_group=1, max_position_embeddings=512, tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
+        vocab_size=TINY_VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=8,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        q_lora_rank=64,
+        kv_lora_rank=32,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
 
 
 def save_tiny_deepseek_v3(out: Path) -> Path:
@@ -176,15 +205,15 @@ def save_tiny_deepseek_v3(out: Path) -> Path:
     return out
 
 
-KIMI_CONFIGURATION = '''
+KIMI_CONFIGURATION = """
 from transformers import DeepseekV3Config
 
 
 class KimiK2Config(DeepseekV3Config):
     model_type = "kimi_k2"
-'''
+"""
 
-KIMI_MODELING = '''
+KIMI_MODELING = """
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3Model
 
 from .configuration_kimi import KimiK2Config
@@ -201,7 +230,7 @@ class KimiK2ForCausalLM(DeepseekV3ForCausalLM):
         super().__init__(config)
         self.model = KimiK2Model(config)
         self.post_init()
-'''
+"""
 
 
 def save_tiny_kimi(out: Path) -> Path:
@@ -221,19 +250,29 @@ def save_tiny_kimi(out: Path) -> Path:
     config.update(
         model_type="kimi_k2",
         architectures=["KimiK2ForCausalLM"],
-        auto_map={"AutoConfig": "configuration_kimi.KimiK2Config", "AutoModelForCausalLM": "modeling_kimi.KimiK2ForCausalLM"},
+        auto_map={
+            "AutoConfig": "configuration_kimi.KimiK2Config",
+            "AutoModelForCausalLM": "modeling_kimi.KimiK2ForCausalLM",
+        },
     )
     (out / "config.json").write_text(json.dumps(config, indent=2))
     torch.manual_seed(3)
     # Built and saved through the custom class, so the checkpoint's tensor names are the
     # custom code's (transformers' DeepSeek-V3 save-time renaming does not apply to it).
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(out, trust_remote_code=True), trust_remote_code=True)
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.from_pretrained(out, trust_remote_code=True), trust_remote_code=True
+    )
     model.save_pretrained(out, max_shard_size="200KB")
     char_tokenizer().save_pretrained(out)
     return out
 
 
-VERIFIER_BUILDERS = {"llama": save_tiny_llama, "qwen3": save_tiny_qwen3, "deepseek_v3": save_tiny_deepseek_v3, "kimi_k2": save_tiny_kimi}
+VERIFIER_BUILDERS = {
+    "llama": save_tiny_llama,
+    "qwen3": save_tiny_qwen3,
+    "deepseek_v3": save_tiny_deepseek_v3,
+    "kimi_k2": save_tiny_kimi,
+}
 
 
 @pytest.fixture(scope="session", params=sorted(VERIFIER_BUILDERS))

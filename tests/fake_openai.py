@@ -42,15 +42,20 @@ def reply_for(messages: list[dict], max_tokens: int) -> dict:
         "model": "verifier",
         "system_fingerprint": "fake-openai",
         "prompt_token_ids": prompt_ids,
-        "choices": [{
-            "index": 0,
-            "message": {"role": "assistant", "content": "reply " + digest.hex()[:n_out * 2], "reasoning": None},
-            "finish_reason": finish,
-            "token_ids": completion_ids,
-        }],
-        "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(completion_ids),
-                  "total_tokens": len(prompt_ids) + len(completion_ids)},
-    }  # fmt: skip
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "reply " + digest.hex()[: n_out * 2], "reasoning": None},
+                "finish_reason": finish,
+                "token_ids": completion_ids,
+            }
+        ],
+        "usage": {
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": len(completion_ids),
+            "total_tokens": len(prompt_ids) + len(completion_ids),
+        },
+    }
 
 
 class FakeServer:

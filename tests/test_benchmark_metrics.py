@@ -45,6 +45,8 @@ def test_no_drafts_is_an_error_not_a_result():
 
 
 def test_counters_sum_over_engines():
-    text = render(drafts=1, draft_tokens=3, accepted=1, p0=1, p1=0, p2=0) + render(drafts=2, draft_tokens=6, accepted=2, p0=2, p1=0, p2=0).replace('engine="0"', 'engine="1"')
+    text = render(drafts=1, draft_tokens=3, accepted=1, p0=1, p1=0, p2=0) + render(
+        drafts=2, draft_tokens=6, accepted=2, p0=2, p1=0, p2=0
+    ).replace('engine="0"', 'engine="1"')
     c = spec_decode_counters(text)
     assert c["num_drafts"] == 3 and c["per_pos"][0] == 3

@@ -2,7 +2,6 @@
 link resolves, and nothing points outside the repository."""
 
 import re
-from pathlib import Path
 
 import yaml
 
@@ -39,6 +38,14 @@ def test_relative_links_resolve():
 
 
 def test_nothing_points_outside_the_repository():
-    places = [*DOCS, *REPO.glob("envs/*"), *REPO.glob("bench/*.py"), *REPO.glob("config/*.yaml"), *REPO.rglob("workflow_scripts/**/*.py")]
-    offenders = [str(p.relative_to(REPO)) for p in places if re.search(r"shared folder|\.\./shared|DESIGN\.md", p.read_text())]
+    places = [
+        *DOCS,
+        *REPO.glob("envs/*"),
+        *REPO.glob("bench/*.py"),
+        *REPO.glob("config/*.yaml"),
+        *REPO.rglob("workflow_scripts/**/*.py"),
+    ]
+    offenders = [
+        str(p.relative_to(REPO)) for p in places if re.search(r"shared folder|\.\./shared|DESIGN\.md", p.read_text())
+    ]
     assert not offenders, offenders

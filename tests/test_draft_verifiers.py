@@ -20,15 +20,36 @@ from workflow_scripts.train.draft import (
 from workflow_scripts.train.loop import run_train
 
 TRAIN_CFG = {
-    "num_layers": 1, "ttt_steps": 2, "ttt_step_loss_decay": 1.0, "loss": "kl_div", "loss_implementation": "eager",
-    "attn_impl": "sdpa", "lr": 1e-3, "weight_decay": 0.0, "warmup_steps": 1, "grad_clip": 1.0, "epochs": 1,
-    "batch_tokens": 64, "log_every": 1, "eval_every": 0, "checkpoint_every": 2, "seed": 0,
-}  # fmt: skip
+    "num_layers": 1,
+    "ttt_steps": 2,
+    "ttt_step_loss_decay": 1.0,
+    "loss": "kl_div",
+    "loss_implementation": "eager",
+    "attn_impl": "sdpa",
+    "lr": 1e-3,
+    "weight_decay": 0.0,
+    "warmup_steps": 1,
+    "grad_clip": 1.0,
+    "epochs": 1,
+    "batch_tokens": 64,
+    "log_every": 1,
+    "eval_every": 0,
+    "checkpoint_every": 2,
+    "seed": 0,
+}
 DRAFT_VOCAB = 64
 
 
 def test_mla_geometry_is_derived_from_the_latent_attention_config():
-    kimi = {"hidden_size": 7168, "num_attention_heads": 64, "num_key_value_heads": 64, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}
+    kimi = {
+        "hidden_size": 7168,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 64,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+    }
     assert draft_attention_geometry(kimi) == (64, 64, 128)
     llama = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3}
     assert draft_attention_geometry(llama) == (9, 3, 64)
@@ -59,12 +80,35 @@ def test_draft_for_each_verifier_trains_exports_and_reloads(tiny_verifier, tmp_p
         with pytest.raises(ValueError):  # why speculators' own loader cannot be used
             AutoConfig.from_pretrained(verifier, trust_remote_code=False)
     g = torch.Generator().manual_seed(0)
-    rows = [{"id": f"s{i:02d}", "input_ids": torch.randint(3, 128, (24,), generator=g).tolist(), "loss_mask": [0] * 4 + [1] * 20} for i in range(10)]
+    rows = [
+        {
+            "id": f"s{i:02d}",
+            "input_ids": torch.randint(3, 128, (24,), generator=g).tolist(),
+            "loss_mask": [0] * 4 + [1] * 20,
+        }
+        for i in range(10)
+    ]
     pq.write_table(pa.Table.from_pylist(rows[:8]), tmp_path / "train.parquet")
     pq.write_table(pa.Table.from_pylist(rows[8:]), tmp_path / "eval.parquet")
-    settings = {"backend": "hf", "aux_layer_ids": None, "batch_tokens": 256, "dtype": "bfloat16", "device": "cpu", "compute_dtype": "auto"}
+    settings = {
+        "backend": "hf",
+        "aux_layer_ids": None,
+        "batch_tokens": 256,
+        "dtype": "bfloat16",
+        "device": "cpu",
+        "compute_dtype": "auto",
+    }
     shard = str(tmp_path / "shard-00000.safetensors")
-    run_shard(str(tmp_path / "train.parquet"), str(tmp_path / "eval.parquet"), str(verifier), 0, 1, shard, settings=settings, trust_remote_code=trust)
+    run_shard(
+        str(tmp_path / "train.parquet"),
+        str(tmp_path / "eval.parquet"),
+        str(verifier),
+        0,
+        1,
+        shard,
+        settings=settings,
+        trust_remote_code=trust,
+    )
 
     t2d = torch.zeros(128, dtype=torch.bool)
     t2d[torch.arange(0, 128, 2)] = True  # draft vocab: the even target ids
@@ -73,8 +117,18 @@ def test_draft_for_each_verifier_trains_exports_and_reloads(tiny_verifier, tmp_p
     draft_dir = tmp_path / "draft"
     index = str(tmp_path / "index.json")
     write_index([shard], str(verifier), index)
-    run_train([shard], str(tmp_path / "vocab_map.safetensors"), str(verifier), str(draft_dir), str(tmp_path / "metrics.jsonl"),
-              index=index, checkpoint_dir=str(tmp_path / "checkpoints"), serve_verifier_path=str(verifier), cfg=TRAIN_CFG, threads=1)  # fmt: skip
+    run_train(
+        [shard],
+        str(tmp_path / "vocab_map.safetensors"),
+        str(verifier),
+        str(draft_dir),
+        str(tmp_path / "metrics.jsonl"),
+        index=index,
+        checkpoint_dir=str(tmp_path / "checkpoints"),
+        serve_verifier_path=str(verifier),
+        cfg=TRAIN_CFG,
+        threads=1,
+    )
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert any("loss" in m and m["loss"] == m["loss"] for m in metrics)
 
@@ -83,7 +137,9 @@ def test_draft_for_each_verifier_trains_exports_and_reloads(tiny_verifier, tmp_p
     layer = config["transformer_layer_config"]
     v = verifier_text_config(str(verifier))
     assert layer["hidden_size"] == v["hidden_size"]
-    assert (layer["num_attention_heads"], layer["num_key_value_heads"], layer["head_dim"]) == draft_attention_geometry(v)
+    assert (layer["num_attention_heads"], layer["num_key_value_heads"], layer["head_dim"]) == draft_attention_geometry(
+        v
+    )
     assert layer["head_dim"] == 64  # v_head_dim for the MLA verifiers
 
     saved = load_file(str(draft_dir / "model.safetensors"))
@@ -126,12 +182,22 @@ def test_draft_targets_are_the_verifiers_own_logits(tiny_verifier, tmp_path):
     ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0]
-    ((_, final),) = extract(model, [{"input_ids": ids[0].tolist()}], default_aux_layer_ids(num_layers), 256, torch.float32)
+    ((_, final),) = extract(
+        model, [{"input_ids": ids[0].tolist()}], default_aux_layer_ids(num_layers), 256, torch.float32
+    )
 
     t2d = torch.zeros(128, dtype=torch.bool)
     t2d[torch.arange(0, 128, 2)] = True
     d2t = torch.nonzero(t2d).flatten() - torch.arange(DRAFT_VOCAB)
-    draft = build_draft(str(verifier), d2t, t2d, num_layers=1, ttt_steps=2, aux_layer_ids=default_aux_layer_ids(num_layers), attn_impl="sdpa")
+    draft = build_draft(
+        str(verifier),
+        d2t,
+        t2d,
+        num_layers=1,
+        ttt_steps=2,
+        aux_layer_ids=default_aux_layer_ids(num_layers),
+        attn_impl="sdpa",
+    )
     with torch.no_grad():
         targets = draft.verifier_lm_head(draft.verifier_norm(final.float()))
     torch.testing.assert_close(targets, logits[:, t2d], rtol=1e-4, atol=1e-4)

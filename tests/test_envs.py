@@ -53,7 +53,11 @@ def third_party_imports(script: Path) -> set[str]:
                 if top == "workflow_scripts":
                     parts = mod.split(".")
                     # importing a.b.c runs a/__init__.py and a/b/__init__.py first
-                    todo += [REPO.joinpath(*parts[:i], "__init__.py") for i in range(1, len(parts)) if REPO.joinpath(*parts[:i], "__init__.py").is_file()]
+                    todo += [
+                        REPO.joinpath(*parts[:i], "__init__.py")
+                        for i in range(1, len(parts))
+                        if REPO.joinpath(*parts[:i], "__init__.py").is_file()
+                    ]
                     base = REPO.joinpath(*parts)
                     todo += [p for p in (base.with_suffix(".py"), base / "__init__.py") if p.is_file()]
                 elif top not in sys.stdlib_module_names and top != "__future__":
@@ -89,7 +93,11 @@ def closure(requirements: list[Requirement]) -> set[str]:
 def test_every_rule_runs_in_a_conda_env():
     missing = [name for name, r in rules().items() if "script" in r and "conda" not in r]
     assert not missing, f"rules without a conda: directive: {missing}"
-    assert {Path(r["conda"]).name for r in rules().values() if "conda" in r} == {"serve.yaml", "train.yaml", "data.yaml"}
+    assert {Path(r["conda"]).name for r in rules().values() if "conda" in r} == {
+        "serve.yaml",
+        "train.yaml",
+        "data.yaml",
+    }
 
 
 @pytest.mark.parametrize("rule", sorted(n for n, r in rules().items() if "script" in r))
@@ -121,4 +129,6 @@ def test_env_pins_agree_with_pyproject():
             )
             for s in req.specifier:
                 if s.operator == "==":
-                    assert s.version == pins[req.name.lower()], f"{env.name}: {req} but pyproject.toml pins {pins[req.name.lower()]}"
+                    assert s.version == pins[req.name.lower()], (
+                        f"{env.name}: {req} but pyproject.toml pins {pins[req.name.lower()]}"
+                    )

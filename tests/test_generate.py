@@ -48,8 +48,18 @@ def verifier(tmp_path_factory) -> Path:
 
 def generate(prompts: Path, url, d: Path, verifier: Path, requests=REQUESTS, client=CLIENT) -> dict:
     d.mkdir(parents=True, exist_ok=True)
-    run_generate(str(prompts), str(verifier), str(d / "store.sqlite"), str(d / "replies.parquet"), str(d / "stats.json"),
-                 requests=requests, client=client, server=SERVER, server_log=str(d / "vllm.log"), endpoint=url)  # fmt: skip
+    run_generate(
+        str(prompts),
+        str(verifier),
+        str(d / "store.sqlite"),
+        str(d / "replies.parquet"),
+        str(d / "stats.json"),
+        requests=requests,
+        client=client,
+        server=SERVER,
+        server_log=str(d / "vllm.log"),
+        endpoint=url,
+    )
     return json.loads((d / "stats.json").read_text())
 
 
@@ -99,7 +109,14 @@ def test_a_rerun_retries_failed_conversations_and_reuses_every_stored_reply(tmp_
         assert (stats["sent"], served(up)) == (15, 15)  # prompts 0, 5, 10 have two turns
         again = generate(tmp_path / "prompts.jsonl", up, tmp_path / "run", verifier)
         assert served(up) == 15, "a rerun sent a request the store holds"
-    assert again == {**again, "sent": 0, "reused": 15, "failed_conversations": 0, "store_entries": 15, "store_entries_unused": 0}
+    assert again == {
+        **again,
+        "sent": 0,
+        "reused": 15,
+        "failed_conversations": 0,
+        "store_entries": 15,
+        "store_entries_unused": 0,
+    }
 
 
 def test_the_store_is_keyed_by_the_request_not_by_eagleflows_code(tmp_path, verifier):
@@ -116,10 +133,18 @@ def test_the_store_is_keyed_by_the_request_not_by_eagleflows_code(tmp_path, veri
         assert generate(tmp_path / "prompts.jsonl", url, tmp_path / "run", verifier, requests=longer)["sent"] == 12
 
         copy = tmp_path / "code"
-        shutil.copytree(REPO / "workflow_scripts", copy / "workflow_scripts", ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(
+            REPO / "workflow_scripts", copy / "workflow_scripts", ignore=shutil.ignore_patterns("__pycache__")
+        )
         assemble = copy / "workflow_scripts/synth/assemble.py"
-        assemble.write_text(assemble.read_text().replace('REASONING_FIELDS = ("reasoning", "reasoning_content")', 'REASONING_FIELDS = ("reasoning_content",)'))
-        job = synth_job(tmp_path / "prompts.jsonl", url, tmp_path / "run", verifier, env={**os.environ, "PYTHONPATH": str(copy)})
+        assemble.write_text(
+            assemble.read_text().replace(
+                'REASONING_FIELDS = ("reasoning", "reasoning_content")', 'REASONING_FIELDS = ("reasoning_content",)'
+            )
+        )
+        job = synth_job(
+            tmp_path / "prompts.jsonl", url, tmp_path / "run", verifier, env={**os.environ, "PYTHONPATH": str(copy)}
+        )
         _, err = job.communicate(timeout=120)
         assert job.returncode == 0, err
     assert json.loads((tmp_path / "run/stats.json").read_text())["sent"] == 0
@@ -130,9 +155,15 @@ def test_another_verifier_or_server_flag_is_another_key(tmp_path, verifier):
 
     payload = {"model": "verifier", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     base = server_identity(verifier, SERVER)
-    assert request_key(payload, base) == request_key(json.loads(json.dumps(payload)), server_identity(verifier, dict(SERVER)))
-    assert request_key(payload, base) != request_key(payload, server_identity(verifier, {**SERVER, "dtype": "bfloat16"}))
-    assert request_key(payload, base) == request_key(payload, server_identity(verifier, {**SERVER, "host": "0.0.0.0", "enforce_eager": False}))
+    assert request_key(payload, base) == request_key(
+        json.loads(json.dumps(payload)), server_identity(verifier, dict(SERVER))
+    )
+    assert request_key(payload, base) != request_key(
+        payload, server_identity(verifier, {**SERVER, "dtype": "bfloat16"})
+    )
+    assert request_key(payload, base) == request_key(
+        payload, server_identity(verifier, {**SERVER, "host": "0.0.0.0", "enforce_eager": False})
+    )
     other = tmp_path / "other"
     shutil.copytree(verifier, other)
     assert verifier_fingerprint(other) == verifier_fingerprint(verifier)  # a copy is the same verifier
@@ -145,7 +176,10 @@ def test_another_verifier_or_server_flag_is_another_key(tmp_path, verifier):
 
 def test_several_endpoints_share_the_load(tmp_path, verifier):
     write_prompts(tmp_path / "prompts.jsonl", 40)
-    with fake_openai("--latency", "0.05", "--lifetime", "120") as a, fake_openai("--latency", "0.05", "--lifetime", "120") as b:
+    with (
+        fake_openai("--latency", "0.05", "--lifetime", "120") as a,
+        fake_openai("--latency", "0.05", "--lifetime", "120") as b,
+    ):
         stats = generate(tmp_path / "prompts.jsonl", [a, b], tmp_path / "run", verifier)
         load = [served(u) for u in (a, b)]
     assert stats["sent"] == 48
@@ -168,7 +202,9 @@ def test_prune_keeps_exactly_the_entries_current_replies_use(tmp_path, verifier)
     assert (stats["sent"], stats["store_entries_unused"]) == (0, 12 - 5)
     store, replies = tmp_path / "run/store.sqlite", tmp_path / "run/replies.parquet"
     cli = [sys.executable, "-m", "workflow_scripts.generate"]
-    out = subprocess.run([*cli, "prune", str(store), "--keep", str(replies)], cwd=REPO, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [*cli, "prune", str(store), "--keep", str(replies)], cwd=REPO, capture_output=True, text=True, check=True
+    )
     assert "removed 7 of 12 replies; 5 kept" in out.stdout
     with ResponseStore(store) as s:
         assert s.keys() == {r["key"] for r in read_replies(replies)}
@@ -194,8 +230,19 @@ GENERATE_JOB = textwrap.dedent(
 
 def synth_job(prompts: Path, url: str, d: Path, verifier: Path, env=None) -> subprocess.Popen:
     d.mkdir(parents=True, exist_ok=True)
-    args = [sys.executable, "-c", GENERATE_JOB, str(prompts), url, str(d), str(verifier), str(REPO / "config/config.yaml")]
-    return subprocess.Popen(args, cwd=REPO if env is None else d, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    args = [
+        sys.executable,
+        "-c",
+        GENERATE_JOB,
+        str(prompts),
+        url,
+        str(d),
+        str(verifier),
+        str(REPO / "config/config.yaml"),
+    ]
+    return subprocess.Popen(
+        args, cwd=REPO if env is None else d, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def stored(d: Path) -> int:

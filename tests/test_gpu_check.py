@@ -10,8 +10,12 @@ from tests.conftest import REPO
 
 def test_gpu_check_script_runs_end_to_end_in_tiny_mode(tmp_path):
     out = tmp_path / "gpu_check.json"
-    proc = subprocess.run([sys.executable, str(REPO / "bench/gpu_check.py"), "--tiny", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench/gpu_check.py"), "--tiny", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     (training,) = report["training"]

@@ -36,16 +36,21 @@ def test_claims_are_disjoint_and_die_with_the_process(tmp_path):
 
     # A SIGKILLed holder frees its devices: the kernel drops flock locks with the process.
     holder = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(f"""
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
             import sys, time
             from pathlib import Path
             from workflow_scripts.common.gpus import claim_gpus
             claim_gpus(1, ["7"], Path({str(tmp_path)!r}))
             print("held", flush=True)
             time.sleep(60)
-        """)],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        """),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert holder.stdout.readline().strip() == "held"
     with pytest.raises(RuntimeError):
         claim_gpus(1, ["7"], tmp_path, timeout_s=0.2)
@@ -110,10 +115,23 @@ def test_local_gpu_profile_gives_parallel_jobs_disjoint_devices(tmp_path):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(pool), "EAGLEFLOW_GPU_LOCK_DIR": str(tmp_path / "locks")}
     env.pop("SLURM_JOB_ID", None)
     proc = subprocess.run(
-        [sys.executable, "-m", "snakemake", "--workflow-profile", str(REPO / "profiles/local-gpu"),
-         "--cores", "8", "--resources", "gpu=4"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "--workflow-profile",
+            str(REPO / "profiles/local-gpu"),
+            "--cores",
+            "8",
+            "--resources",
+            "gpu=4",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {p.stem: json.loads(p.read_text()) for p in (tmp_path / "seen").glob("*.json")}
     assert len(rows) == 7

@@ -69,7 +69,7 @@ def test_captured_states_are_layer_inputs_and_prenorm_final(tiny_verifier):
     exact = extract(model, [{"input_ids": x} for x in ids], aux_ids, batch_tokens=64, store_dtype=torch.float32)
     stored = extract(model, [{"input_ids": x} for x in ids], aux_ids, batch_tokens=64, store_dtype=torch.bfloat16)
     _, _, norm = decoder_parts(model, model.config.num_hidden_layers)
-    for (aux, final), (aux16, final16), x in zip(exact, stored, ids):
+    for (aux, final), (aux16, final16), x in zip(exact, stored, ids, strict=True):
         layer_inputs, pre_norm = manual_residual_stream(model, torch.tensor([x]))
         expected_aux = torch.cat([layer_inputs[i][0] for i in aux_ids], dim=-1)
         torch.testing.assert_close(aux, expected_aux, rtol=1e-4, atol=1e-4)
@@ -105,7 +105,7 @@ def test_batched_and_single_extraction_agree(tiny_llama_dir):
     samples = [{"input_ids": list(range(3, 3 + n))} for n in (9, 4, 6)]
     batched = extract(model, samples, [1, 2, 4], batch_tokens=64, store_dtype=torch.float32)
     single = extract(model, samples, [1, 2, 4], batch_tokens=1, store_dtype=torch.float32)
-    for (a1, f1), (a2, f2) in zip(batched, single):
+    for (a1, f1), (a2, f2) in zip(batched, single, strict=True):
         torch.testing.assert_close(a1, a2, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(f1, f2, rtol=1e-4, atol=1e-4)
 
@@ -125,7 +125,9 @@ def test_aux_layer_ids_validation():
 
 
 def test_geometry_comes_from_config_json_including_text_config(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "kimi_k25", "text_config": {"num_hidden_layers": 61, "hidden_size": 7168}}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "kimi_k25", "text_config": {"num_hidden_layers": 61, "hidden_size": 7168}})
+    )
     geometry = verifier_geometry(str(tmp_path))
     assert (geometry.num_layers, geometry.hidden_size) == (61, 7168)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "x"}))
@@ -134,20 +136,44 @@ def test_geometry_comes_from_config_json_including_text_config(tmp_path):
 
 
 def write_dataset(tmp_path, n=7):
-    rows = [{"id": f"s{i}", "input_ids": list(range(1, 4 + i)), "loss_mask": [0] * 2 + [1] * (1 + i), "length": 3 + i, "num_loss_tokens": 1 + i} for i in range(n)]
+    rows = [
+        {
+            "id": f"s{i}",
+            "input_ids": list(range(1, 4 + i)),
+            "loss_mask": [0] * 2 + [1] * (1 + i),
+            "length": 3 + i,
+            "num_loss_tokens": 1 + i,
+        }
+        for i in range(n)
+    ]
     pq.write_table(pa.Table.from_pylist(rows[:5]), tmp_path / "train.parquet")
     pq.write_table(pa.Table.from_pylist(rows[5:]), tmp_path / "eval.parquet")
     return rows
 
 
-HF_SETTINGS = {"backend": "hf", "aux_layer_ids": None, "batch_tokens": 32, "dtype": "bfloat16", "device": "cpu", "compute_dtype": "auto"}
+HF_SETTINGS = {
+    "backend": "hf",
+    "aux_layer_ids": None,
+    "batch_tokens": 32,
+    "dtype": "bfloat16",
+    "device": "cpu",
+    "compute_dtype": "auto",
+}
 
 
 def test_shards_are_unpadded_and_partition_the_samples(tiny_llama_dir, tmp_path):
     rows = write_dataset(tmp_path)
     shards = [str(tmp_path / f"shard-{k:05d}.safetensors") for k in range(2)]
     for k, out in enumerate(shards):
-        run_shard(str(tmp_path / "train.parquet"), str(tmp_path / "eval.parquet"), str(tiny_llama_dir), k, 2, out, settings=HF_SETTINGS)
+        run_shard(
+            str(tmp_path / "train.parquet"),
+            str(tmp_path / "eval.parquet"),
+            str(tiny_llama_dir),
+            k,
+            2,
+            out,
+            settings=HF_SETTINGS,
+        )
     seen = []
     for out in shards:
         with safe_open(out, framework="pt") as f:
@@ -189,7 +215,15 @@ def test_run_shard_refuses_before_loading_the_verifier(tiny_llama_dir, tmp_path,
     monkeypatch.setattr(hs, "load_verifier", lambda *a, **k: pytest.fail("loaded the verifier before the disk check"))
     out = tmp_path / "shard-00000.safetensors"
     with pytest.raises(OSError, match="only 10 bytes"):
-        run_shard(str(tmp_path / "train.parquet"), str(tmp_path / "eval.parquet"), str(tiny_llama_dir), 0, 1, str(out), settings=HF_SETTINGS)
+        run_shard(
+            str(tmp_path / "train.parquet"),
+            str(tmp_path / "eval.parquet"),
+            str(tiny_llama_dir),
+            0,
+            1,
+            str(out),
+            settings=HF_SETTINGS,
+        )
     assert not out.exists()
 
 
@@ -205,7 +239,15 @@ def test_a_failed_extraction_leaves_no_shard(tiny_llama_dir, tmp_path, monkeypat
     monkeypatch.setattr(hs.HfBackend, "extract", dies)
     out = tmp_path / "shard-00000.safetensors"
     with pytest.raises(KeyboardInterrupt):
-        run_shard(str(tmp_path / "train.parquet"), str(tmp_path / "eval.parquet"), str(tiny_llama_dir), 0, 1, str(out), settings=HF_SETTINGS)
+        run_shard(
+            str(tmp_path / "train.parquet"),
+            str(tmp_path / "eval.parquet"),
+            str(tiny_llama_dir),
+            0,
+            1,
+            str(out),
+            settings=HF_SETTINGS,
+        )
     assert not out.exists()
     assert list(tmp_path.glob("*shard*")) == []
 
@@ -266,7 +308,9 @@ def test_read_connector_output_checks_and_removes_the_file(tmp_path):
     path = tmp_path / "req-1.safetensors"
     stacked = connector_file(path, [3, 4, 5])
     (tmp_path / "req-1.safetensors.lock").touch()
-    aux, final = read_connector_output(str(path), {"id": "s1", "input_ids": [3, 4, 5]}, 3, 8, torch.float32, timeout_s=5)
+    aux, final = read_connector_output(
+        str(path), {"id": "s1", "input_ids": [3, 4, 5]}, 3, 8, torch.float32, timeout_s=5
+    )
     assert aux.dtype == torch.float32 and aux.shape == (3, 24)
     torch.testing.assert_close(final, stacked[:, 3].float())
     assert list(tmp_path.iterdir()) == []
@@ -274,7 +318,7 @@ def test_read_connector_output_checks_and_removes_the_file(tmp_path):
 
 def test_read_connector_output_waits_for_the_writer_lock(tmp_path):
     path = tmp_path / "req-2.safetensors"
-    lock = open(f"{path}.lock", "w")
+    lock = open(f"{path}.lock", "w")  # noqa: SIM115 (held across the test's steps)
     fcntl.flock(lock, fcntl.LOCK_EX)
 
     def finish():
@@ -297,8 +341,10 @@ def test_read_connector_output_errors_name_the_sample(tmp_path):
     with pytest.raises(HiddenStatesFileError, match=r"sample s9: .*\(3, 4, 16\)"):
         read_connector_output(str(path), {"id": "s9", "input_ids": [1, 2, 3]}, 3, 16, torch.bfloat16, timeout_s=1)
     with pytest.raises(HiddenStatesFileError, match="does not exist"):
-        read_connector_output(str(tmp_path / "missing.safetensors"), {"id": "s9", "input_ids": [1]}, 3, 8, torch.bfloat16, timeout_s=0.1)
-    lock = open(tmp_path / "r.safetensors.lock", "w")
+        read_connector_output(
+            str(tmp_path / "missing.safetensors"), {"id": "s9", "input_ids": [1]}, 3, 8, torch.bfloat16, timeout_s=0.1
+        )
+    lock = open(tmp_path / "r.safetensors.lock", "w")  # noqa: SIM115 (held across the test's steps)
     fcntl.flock(lock, fcntl.LOCK_EX)
     try:
         with pytest.raises(HiddenStatesFileError, match="still writing"):
@@ -335,7 +381,10 @@ class FakeExtractionServer:
                 ids = body["prompt"]
                 path = fake.storage / f"cmpl-{len(list(fake.storage.iterdir()))}-{ids[0]}-{len(ids)}.safetensors"
                 save_file({"hidden_states": fake.states(ids), "token_ids": torch.tensor(ids)}, str(path))
-                reply = {"choices": [{"text": "x"}], "kv_transfer_params": None if ids == fake.drop_path_for else {"hidden_states_path": str(path)}}
+                reply = {
+                    "choices": [{"text": "x"}],
+                    "kv_transfer_params": None if ids == fake.drop_path_for else {"hidden_states_path": str(path)},
+                }
                 data = json.dumps(reply).encode()
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(data)))
@@ -348,7 +397,9 @@ class FakeExtractionServer:
 
     def states(self, ids):
         t = torch.tensor(ids, dtype=torch.float32)[:, None, None]
-        return (t + torch.arange(self.num_states)[None, :, None] * 1000 + torch.arange(self.hidden)[None, None, :] / 100).to(torch.bfloat16)
+        return (
+            t + torch.arange(self.num_states)[None, :, None] * 1000 + torch.arange(self.hidden)[None, None, :] / 100
+        ).to(torch.bfloat16)
 
     def close(self):
         self.server.shutdown()
@@ -359,12 +410,20 @@ def test_vllm_backend_reassembles_unpadded_states_in_sample_order(tmp_path):
 
     fake = FakeExtractionServer(tmp_path, num_states=4, hidden=8)
     try:
-        backend = VllmBackend(fake.url, "verifier", num_aux=3, hidden_size=8, store_dtype=torch.bfloat16, concurrency=4, request_timeout_s=10)
+        backend = VllmBackend(
+            fake.url,
+            "verifier",
+            num_aux=3,
+            hidden_size=8,
+            store_dtype=torch.bfloat16,
+            concurrency=4,
+            request_timeout_s=10,
+        )
         samples = [{"id": f"s{i}", "input_ids": list(range(10 * i + 1, 10 * i + 2 + i))} for i in range(6)]
         states = backend.extract(samples)
     finally:
         fake.close()
-    for s, (aux, final) in zip(samples, states):
+    for s, (aux, final) in zip(samples, states, strict=True):
         expected = fake.states(s["input_ids"])
         assert aux.shape == (len(s["input_ids"]), 24) and final.shape == (len(s["input_ids"]), 8)
         torch.testing.assert_close(aux, expected[:, :3].reshape(len(s["input_ids"]), 24))
@@ -377,8 +436,16 @@ def test_vllm_backend_retries_a_briefly_unavailable_server(tmp_path):
 
     fake = FakeExtractionServer(tmp_path, num_states=4, hidden=8, unavailable_first=2)
     try:
-        backend = VllmBackend(fake.url, "verifier", num_aux=3, hidden_size=8, store_dtype=torch.bfloat16, concurrency=1, request_timeout_s=10)
-        (aux, final), = backend.extract([{"id": "s0", "input_ids": [5, 6, 7]}])
+        backend = VllmBackend(
+            fake.url,
+            "verifier",
+            num_aux=3,
+            hidden_size=8,
+            store_dtype=torch.bfloat16,
+            concurrency=1,
+            request_timeout_s=10,
+        )
+        ((aux, final),) = backend.extract([{"id": "s0", "input_ids": [5, 6, 7]}])
     finally:
         fake.close()
     assert fake.requests == 3  # two 503s, then the answer
@@ -390,7 +457,15 @@ def test_vllm_backend_reply_without_states_path_is_an_error(tmp_path):
 
     fake = FakeExtractionServer(tmp_path, num_states=4, hidden=8, drop_path_for=[7, 8])
     try:
-        backend = VllmBackend(fake.url, "verifier", num_aux=3, hidden_size=8, store_dtype=torch.bfloat16, concurrency=2, request_timeout_s=10)
+        backend = VllmBackend(
+            fake.url,
+            "verifier",
+            num_aux=3,
+            hidden_size=8,
+            store_dtype=torch.bfloat16,
+            concurrency=2,
+            request_timeout_s=10,
+        )
         with pytest.raises(HiddenStatesFileError, match="sample bad: .*no kv_transfer_params.hidden_states_path"):
             backend.extract([{"id": "ok", "input_ids": [1, 2]}, {"id": "bad", "input_ids": [7, 8]}])
     finally:
@@ -404,13 +479,35 @@ def test_vllm_backend_matches_hf_backend_on_gpu(tiny_llama_dir, tmp_path):
     against the transformers backend on the same tokens (bf16 on both sides)."""
     pytest.importorskip("vllm")
     rows = write_dataset(tmp_path)
-    server = {"dtype": "bfloat16", "max_model_len": 512, "tensor_parallel_size": 1, "enforce_eager": True, "startup_timeout_s": 600, "extra_args": ["--gpu-memory-utilization", "0.3"]}
+    server = {
+        "dtype": "bfloat16",
+        "max_model_len": 512,
+        "tensor_parallel_size": 1,
+        "enforce_eager": True,
+        "startup_timeout_s": 600,
+        "extra_args": ["--gpu-memory-utilization", "0.3"],
+    }
     outs = {}
     for backend in ("hf", "vllm"):
-        settings = {**HF_SETTINGS, "backend": backend, "device": "cuda", "compute_dtype": "bfloat16", "vllm": {"storage_dir": str(tmp_path / "hs"), "concurrency": 4}}
+        settings = {
+            **HF_SETTINGS,
+            "backend": backend,
+            "device": "cuda",
+            "compute_dtype": "bfloat16",
+            "vllm": {"storage_dir": str(tmp_path / "hs"), "concurrency": 4},
+        }
         outs[backend] = str(tmp_path / f"{backend}.safetensors")
-        run_shard(str(tmp_path / "train.parquet"), str(tmp_path / "eval.parquet"), str(tiny_llama_dir), 0, 1, outs[backend],
-                  settings=settings, server=server, log_path=str(tmp_path / f"{backend}.log"))  # fmt: skip
+        run_shard(
+            str(tmp_path / "train.parquet"),
+            str(tmp_path / "eval.parquet"),
+            str(tiny_llama_dir),
+            0,
+            1,
+            outs[backend],
+            settings=settings,
+            server=server,
+            log_path=str(tmp_path / f"{backend}.log"),
+        )
     with safe_open(outs["hf"], framework="pt") as hf, safe_open(outs["vllm"], framework="pt") as vl:
         assert hf.metadata()["sample_ids"] == vl.metadata()["sample_ids"]
         assert torch.equal(hf.get_tensor("input_ids"), vl.get_tensor("input_ids"))

@@ -11,7 +11,9 @@ SNAKEMAKE = [sys.executable, "-m", "snakemake", "--configfile", str(REPO / "test
 
 def planned_jobs(wf, env) -> list[tuple[str, str]]:
     """(rule, wildcards line) of every job `snakemake -n` plans."""
-    out = subprocess.run(SNAKEMAKE + ["-n"], cwd=wf, env=env, capture_output=True, text=True, check=True, timeout=600).stdout
+    out = subprocess.run(
+        SNAKEMAKE + ["-n"], cwd=wf, env=env, capture_output=True, text=True, check=True, timeout=600
+    ).stdout
     jobs, rule = [], None
     for line in out.splitlines():
         if line.startswith(("rule ", "localrule ")):
@@ -26,7 +28,15 @@ def test_only_the_killed_shard_and_its_downstream_rerun(tmp_path, clean_env):
     wf = copy_workflow(tmp_path)
     # Every output of the DAG as a placeholder, then --touch so Snakemake records them as
     # produced by a finished run (no vLLM, no model: this is about the DAG and the files).
-    summary = subprocess.run(SNAKEMAKE + ["--summary", "--cores", "1"], cwd=wf, env=clean_env, capture_output=True, text=True, check=True, timeout=600).stdout
+    summary = subprocess.run(
+        SNAKEMAKE + ["--summary", "--cores", "1"],
+        cwd=wf,
+        env=clean_env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    ).stdout
     for line in summary.splitlines()[1:]:
         path, _, rule = line.split("\t")[:3]
         target = wf / path
@@ -35,7 +45,15 @@ def test_only_the_killed_shard_and_its_downstream_rerun(tmp_path, clean_env):
         else:
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text("placeholder\n")
-    subprocess.run(SNAKEMAKE + ["--touch", "--cores", "1"], cwd=wf, env=clean_env, capture_output=True, text=True, check=True, timeout=600)
+    subprocess.run(
+        SNAKEMAKE + ["--touch", "--cores", "1"],
+        cwd=wf,
+        env=clean_env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    )
     assert planned_jobs(wf, clean_env) == []
 
     # The state a SIGKILLed shard job leaves: its write never reached the rename, so only
@@ -45,7 +63,12 @@ def test_only_the_killed_shard_and_its_downstream_rerun(tmp_path, clean_env):
     partial = hs / ".shard-00001.safetensors.killed.tmp"
     partial.mkdir()
     (partial / "shard-00001.safetensors").write_text("half a shard")
-    for done_downstream in ("hidden_states/index.json", "train/metrics.jsonl", "benchmark/report.json", "benchmark/report.md"):
+    for done_downstream in (
+        "hidden_states/index.json",
+        "train/metrics.jsonl",
+        "benchmark/report.json",
+        "benchmark/report.md",
+    ):
         (wf / "results/small" / done_downstream).unlink()
 
     jobs = planned_jobs(wf, clean_env)

@@ -3,7 +3,6 @@
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 from tests.conftest import REPO
 from workflow_scripts.common.fingerprint import ROOT, _module_file, module_digests
@@ -20,15 +19,22 @@ def rule_scripts() -> dict[str, str]:
             script = re.search(r'script:\s*"\.\./workflow_scripts/entry/(\w+)\.py"', block)
             if rule and script:
                 code = re.search(r'code=code\("(\w+)"\)', block)
-                assert code and code.group(1) == script.group(1), f"rule {rule.group(1)}: code() must name its own script"
+                assert code and code.group(1) == script.group(1), (
+                    f"rule {rule.group(1)}: code() must name its own script"
+                )
                 found[rule.group(1)] = script.group(1)
     return found
 
 
 def downstream() -> dict[str, set[str]]:
     """{rule: itself and every rule downstream of it}, from Snakemake's own rule graph."""
-    dot = subprocess.run([sys.executable, "-m", "snakemake", "--rulegraph", "--quiet", "all"], cwd=REPO, capture_output=True,
-                         text=True, check=True).stdout  # fmt: skip
+    dot = subprocess.run(
+        [sys.executable, "-m", "snakemake", "--rulegraph", "--quiet", "all"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     names = dict(re.findall(r'^\s*(\d+)\[label = "(\w+)"', dot, re.M))
     edges = [(names[a], names[b]) for a, b in re.findall(r"^\s*(\d+) -> (\d+)", dot, re.M)]
     closure = {}
@@ -56,20 +62,28 @@ def expected_table() -> list[tuple[str, str, str]]:
     rows = []
     for module in sorted(m for m in runs if m not in ("__init__.py", "common/__init__.py")):
         rebuilt = set().union(*(after[r] for r in runs[module])) - runs[module]
-        rows.append((f"`{module}`", "every rule" if runs[module] == set(scripts) else fmt(runs[module]), fmt(rebuilt) or "-"))
+        rows.append(
+            (f"`{module}`", "every rule" if runs[module] == set(scripts) else fmt(runs[module]), fmt(rebuilt) or "-")
+        )
     return rows
 
 
 def documented_table() -> list[tuple[str, str, str]]:
     text = DOC.read_text()
     block = text.split("<!-- module-table -->")[1]
-    return [tuple(c.strip() for c in line.strip("|").split("|")) for line in block.strip().splitlines()[2:] if line.startswith("|")]
+    return [
+        tuple(c.strip() for c in line.strip("|").split("|"))
+        for line in block.strip().splitlines()[2:]
+        if line.startswith("|")
+    ]
 
 
 def test_the_documented_module_table_is_what_the_fingerprints_do():
     expected = expected_table()
-    table = "\n".join(["| module | rules that run it | also rebuilt downstream |", "| --- | --- | --- |"]
-                      + [f"| {a} | {b} | {c} |" for a, b, c in expected])  # fmt: skip
+    table = "\n".join(
+        ["| module | rules that run it | also rebuilt downstream |", "| --- | --- | --- |"]
+        + [f"| {a} | {b} | {c} |" for a, b, c in expected]
+    )
     assert documented_table() == expected, f"docs/invalidation.md is out of date; the table is now:\n{table}"
 
 

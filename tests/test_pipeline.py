@@ -102,7 +102,13 @@ def test_snakemake_report_embeds_every_plot(finished_run, tmp_path):
     proc = subprocess.run(cmd, cwd=finished_run, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = html.read_text()
-    for name in ("summary.html", "acceptance_per_position.png", "training_curves.png", "data_quality.png", "vocab_coverage.png"):
+    for name in (
+        "summary.html",
+        "acceptance_per_position.png",
+        "training_curves.png",
+        "data_quality.png",
+        "vocab_coverage.png",
+    ):
         assert name in text, f"{name} missing from the Snakemake report"
     assert "Per-position acceptance" in text  # a caption, rendered
     assert text.count("data:image/png;base64") >= 4 or text.count("iVBORw0KGgo") >= 4  # the PNGs themselves
@@ -120,11 +126,24 @@ def test_dry_run_after_a_full_run_has_nothing_to_do(finished_run):
 
 def stale_rules(wf: Path, config: Path = REPO / "tests/config/small.yaml") -> set[str]:
     """The rules `snakemake -n` would run (their `reason:` lines say why)."""
-    out = subprocess.run(SNAKEMAKE + ["-n", "--configfile", str(config)], cwd=wf, capture_output=True, text=True, check=True).stdout
-    return {line.split()[-1].rstrip(":") for line in out.splitlines() if line.startswith(("rule ", "localrule "))} - {"all"}
+    out = subprocess.run(
+        SNAKEMAKE + ["-n", "--configfile", str(config)], cwd=wf, capture_output=True, text=True, check=True
+    ).stdout
+    return {line.split()[-1].rstrip(":") for line in out.splitlines() if line.startswith(("rule ", "localrule "))} - {
+        "all"
+    }
 
 
-DOWNSTREAM_OF_SYNTH = {"synth", "dataset", "vocab", "hidden_states", "hidden_states_index", "train", "benchmark", "report"}
+DOWNSTREAM_OF_SYNTH = {
+    "synth",
+    "dataset",
+    "vocab",
+    "hidden_states",
+    "hidden_states_index",
+    "train",
+    "benchmark",
+    "report",
+}
 
 
 @pytest.mark.parametrize(
@@ -156,7 +175,10 @@ def test_comments_and_docs_restale_nothing(finished_run):
     path = finished_run / "workflow_scripts/generate/run.py"
     original = path.read_text()
     try:
-        path.write_text("# a comment about the generator\n" + original.replace('"""The generate stage', '"""The generate (reworded) stage', 1))
+        path.write_text(
+            "# a comment about the generator\n"
+            + original.replace('"""The generate stage', '"""The generate (reworded) stage', 1)
+        )
         (finished_run / "README.md").write_text("edited\n")
         assert stale_rules(finished_run) == set()
     finally:

@@ -9,8 +9,17 @@ from workflow_scripts.prompts import load_prompts, normalise, split_prompts
 def test_normalise_accepts_turns_prompt_and_messages():
     a = normalise({"id": "a", "turns": ["hi", "more"]}, "x")
     b = normalise({"prompt": "hi"}, "x")
-    c = normalise({"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
-                                {"role": "assistant", "content": "old reply"}, {"role": "user", "content": "more"}]}, "x")  # fmt: skip
+    c = normalise(
+        {
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "old reply"},
+                {"role": "user", "content": "more"},
+            ]
+        },
+        "x",
+    )
     assert a["turns"] == ["hi", "more"] and a["id"] == "a"
     assert b["turns"] == ["hi"] and b["id"].startswith("p-")
     assert c["turns"] == ["hi", "more"] and c["system"] == "be brief"
@@ -57,11 +66,19 @@ def test_load_prompts_names_the_bad_line(tmp_path):
 
 
 def sample(i, defects=()):
-    return {"id": f"p{i}#t0", "prompt_id": f"p{i}", "prompt_token_ids": [1, 2, 3], "completion_token_ids": [4, 5], "defects": list(defects)}
+    return {
+        "id": f"p{i}#t0",
+        "prompt_id": f"p{i}",
+        "prompt_token_ids": [1, 2, 3],
+        "completion_token_ids": [4, 5],
+        "defects": list(defects),
+    }
 
 
 def test_build_rows_masks_prompt_and_skips_excluded():
-    rows = build_rows([sample(0), sample(1, ["missing_token_ids"]), sample(2, ["truncated"])], 1024, frozenset({"missing_token_ids"}))
+    rows = build_rows(
+        [sample(0), sample(1, ["missing_token_ids"]), sample(2, ["truncated"])], 1024, frozenset({"missing_token_ids"})
+    )
     assert [r["id"] for r in rows] == ["p0#t0", "p2#t0"]
     assert rows[0]["input_ids"] == [1, 2, 3, 4, 5] and rows[0]["loss_mask"] == [0, 0, 0, 1, 1]
     assert rows[0]["num_loss_tokens"] == 2

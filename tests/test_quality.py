@@ -3,11 +3,20 @@ from workflow_scripts.synth.quality import quality_report
 
 
 def sample(i, defects=(), completion=(4, 5)):
-    return {"id": f"p{i}#t0", "prompt_token_ids": [1, 2], "completion_token_ids": list(completion), "defects": list(defects)}
+    return {
+        "id": f"p{i}#t0",
+        "prompt_token_ids": [1, 2],
+        "completion_token_ids": list(completion),
+        "defects": list(defects),
+    }
 
 
 def test_counts_fractions_and_examples():
-    samples = [sample(0, ["empty_content"]), sample(1, completion=(6,)), sample(2, ["truncated", "empty_content"], completion=(7,))]
+    samples = [
+        sample(0, ["empty_content"]),
+        sample(1, completion=(6,)),
+        sample(2, ["truncated", "empty_content"], completion=(7,)),
+    ]
     report = quality_report(samples, errors=[{"conversation_id": "p9"}], num_prompts=4)
     assert report["counts"]["empty_content"] == 2
     assert report["fractions"]["truncated"] == 1 / 3

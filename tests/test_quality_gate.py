@@ -13,8 +13,8 @@ from workflow_scripts.common.atomic import write_json, write_jsonl
 from workflow_scripts.common.replies import write_replies
 from workflow_scripts.dataset import QualityGateError, run_dataset
 from workflow_scripts.synth.assemble import parse_completion
-from workflow_scripts.synth.run import samples_table
 from workflow_scripts.synth.quality import quality_report
+from workflow_scripts.synth.run import samples_table
 
 
 def reasoning_dropped_samples(n: int) -> list[dict]:
@@ -23,14 +23,35 @@ def reasoning_dropped_samples(n: int) -> list[dict]:
     samples = []
     for i in range(n):
         # The server sent `reasoning`; the broken generator only looked at `reasoning_content`.
-        body = {"model": "v", "prompt_token_ids": [1, 2, 3], "usage": {"prompt_tokens": 3, "completion_tokens": 4},
-                "choices": [{"message": {"content": f"answer {i}"}, "finish_reason": "stop", "token_ids": [7, 8, 9 + i, 2]}]}  # fmt: skip
+        body = {
+            "model": "v",
+            "prompt_token_ids": [1, 2, 3],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 4},
+            "choices": [
+                {"message": {"content": f"answer {i}"}, "finish_reason": "stop", "token_ids": [7, 8, 9 + i, 2]}
+            ],
+        }
         c = parse_completion(body, expect_reasoning=True)
-        samples.append({"id": f"p{i}#t0", "prompt_id": f"p{i}", "turn": 0, "category": "t", "messages": "[]",
-                        "reasoning": c.reasoning, "content": c.content, "finish_reason": c.finish_reason,
-                        "prompt_token_ids": c.prompt_token_ids, "completion_token_ids": c.completion_token_ids,
-                        "prompt_tokens": 3, "completion_tokens": 4, "server_model": "v", "system_fingerprint": None,
-                        "token_source": "server", "defects": c.defects})  # fmt: skip
+        samples.append(
+            {
+                "id": f"p{i}#t0",
+                "prompt_id": f"p{i}",
+                "turn": 0,
+                "category": "t",
+                "messages": "[]",
+                "reasoning": c.reasoning,
+                "content": c.content,
+                "finish_reason": c.finish_reason,
+                "prompt_token_ids": c.prompt_token_ids,
+                "completion_token_ids": c.completion_token_ids,
+                "prompt_tokens": 3,
+                "completion_tokens": 4,
+                "server_model": "v",
+                "system_fingerprint": None,
+                "token_source": "server",
+                "defects": c.defects,
+            }
+        )
     return samples
 
 
@@ -44,9 +65,17 @@ def write_synth_outputs(d, samples):
 def test_run_dataset_refuses_and_names_defect_count_and_examples(tmp_path):
     write_synth_outputs(tmp_path, reasoning_dropped_samples(20))
     with pytest.raises(QualityGateError) as exc:
-        run_dataset(str(tmp_path / "responses.parquet"), str(tmp_path / "quality.json"), str(tmp_path / "train.parquet"),
-                    str(tmp_path / "eval.parquet"), max_seq_len=64, eval_fraction=0.2, seed=0,
-                    max_defect_fraction={"empty_reasoning": 0.05}, exclude_defects=[])  # fmt: skip
+        run_dataset(
+            str(tmp_path / "responses.parquet"),
+            str(tmp_path / "quality.json"),
+            str(tmp_path / "train.parquet"),
+            str(tmp_path / "eval.parquet"),
+            max_seq_len=64,
+            eval_fraction=0.2,
+            seed=0,
+            max_defect_fraction={"empty_reasoning": 0.05},
+            exclude_defects=[],
+        )
     msg = str(exc.value)
     assert "empty_reasoning: 20 samples (100.0%)" in msg and "p0#t0" in msg
     assert not (tmp_path / "train.parquet").exists()
@@ -64,7 +93,11 @@ def test_the_gate_stops_the_dag_before_anything_downstream(tmp_path):
     write_replies(run / "generate/replies.parquet", [])
     write_json(run / "generate/stats.json", {})
     write_synth_outputs(run / "synth", reasoning_dropped_samples(20))
-    config = {"run": "gate", "synth": {"expect_reasoning": True}, "dataset": {"max_defect_fraction": {"empty_reasoning": 0.05}}}
+    config = {
+        "run": "gate",
+        "synth": {"expect_reasoning": True},
+        "dataset": {"max_defect_fraction": {"empty_reasoning": 0.05}},
+    }
     (wf / "gate.yaml").write_text(yaml.safe_dump(config))
     cmd = [sys.executable, "-m", "snakemake", "--cores", "1", "--configfile", "gate.yaml", "--rerun-triggers", "mtime"]
     proc = subprocess.run(cmd, cwd=wf, capture_output=True, text=True, timeout=600)
@@ -73,4 +106,6 @@ def test_the_gate_stops_the_dag_before_anything_downstream(tmp_path):
     assert "quality gate refused" in log and "empty_reasoning: 20 samples (100.0%)" in log
     for downstream in ("dataset/train.parquet", "vocab/vocab_map.safetensors", "hidden_states", "draft", "benchmark"):
         assert not (run / downstream).exists(), f"{downstream} was built from refused data"
-    assert not (run / "logs/synth.log").exists() and not (run / "logs/generate.log").exists(), "synth should not have rerun"
+    assert not (run / "logs/synth.log").exists() and not (run / "logs/generate.log").exists(), (
+        "synth should not have rerun"
+    )

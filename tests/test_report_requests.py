@@ -3,12 +3,21 @@
 from workflow_scripts.report import describe_requests, render_markdown
 
 REPORT = {
-    "speculative": {"mean_acceptance_length": 1.6, "acceptance_rate": 0.2, "per_position_acceptance": [0.4, 0.15, 0.05],
-                    "output_tokens_per_s": 60.0},
+    "speculative": {
+        "mean_acceptance_length": 1.6,
+        "acceptance_rate": 0.2,
+        "per_position_acceptance": [0.4, 0.15, 0.05],
+        "output_tokens_per_s": 60.0,
+    },
     "baseline": {"output_tokens_per_s": 55.0},
-    "speedup": 1.09, "outputs_identical_fraction": 1.0, "verifier": "v", "draft": "d",
-    "prompts": {"count": 4}, "sampling": {"max_tokens": 32, "concurrency": 2}, "num_speculative_tokens": 3,
-}  # fmt: skip
+    "speedup": 1.09,
+    "outputs_identical_fraction": 1.0,
+    "verifier": "v",
+    "draft": "d",
+    "prompts": {"count": 4},
+    "sampling": {"max_tokens": 32, "concurrency": 2},
+    "num_speculative_tokens": 3,
+}
 METRICS = [{"split": "eval", "step": 10, "loss": 1.0, "estimated_acceptance_length": 1.7}]
 QUALITY = {"num_samples": 30, "num_prompts": 28, "request_errors": 0, "counts": {"truncated": 3}}
 VOCAB = {"draft_vocab_size": 1024, "verifier_vocab_size": 49152, "coverage_train": 1.0, "coverage_eval": 0.95}

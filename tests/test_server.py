@@ -39,7 +39,14 @@ FAKE_SERVER = textwrap.dedent(
 
 class FakeSpec(ServerSpec):
     def command(self, port):
-        return [sys.executable, "-c", FAKE_SERVER, str(port), str(self.env.get("DELAY", "0.5")), self.env.get("MODE", "ok")]
+        return [
+            sys.executable,
+            "-c",
+            FAKE_SERVER,
+            str(port),
+            str(self.env.get("DELAY", "0.5")),
+            self.env.get("MODE", "ok"),
+        ]
 
 
 def test_server_group_is_killed_including_workers_that_ignore_sigterm(tmp_path):
@@ -69,7 +76,12 @@ def test_server_that_never_gets_healthy_times_out_and_is_killed(tmp_path):
 
 
 def test_command_binds_loopback_and_uses_python_m():
-    cmd = ServerSpec(model="m", dtype="float32", enforce_eager=True, speculative_config={"method": "eagle3", "model": "d", "num_speculative_tokens": 3}).command(8000)
+    cmd = ServerSpec(
+        model="m",
+        dtype="float32",
+        enforce_eager=True,
+        speculative_config={"method": "eagle3", "model": "d", "num_speculative_tokens": 3},
+    ).command(8000)
     assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
     assert "--enforce-eager" in cmd
@@ -96,7 +108,9 @@ JOB = textwrap.dedent(
 def test_sigterm_to_the_job_kills_every_vllm_process(tiny_llama_dir, tmp_path):
     """A job holding a real vLLM gets SIGTERM (as Snakemake or SLURM send it): no vLLM
     process (API server, engine core, workers) may outlive it."""
-    job = subprocess.Popen([sys.executable, "-c", JOB, str(tiny_llama_dir), str(tmp_path / "vllm.log")], stdout=subprocess.PIPE, text=True)
+    job = subprocess.Popen(
+        [sys.executable, "-c", JOB, str(tiny_llama_dir), str(tmp_path / "vllm.log")], stdout=subprocess.PIPE, text=True
+    )
     try:
         line = job.stdout.readline()
         assert line.startswith("READY"), f"vLLM did not start: {line!r}\n{(tmp_path / 'vllm.log').read_text()[-3000:]}"

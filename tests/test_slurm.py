@@ -61,9 +61,14 @@ def test_production_profile_asks_for_nodes_gpus_and_cluster_settings(repo):
     hidden_states shard and training the GPUs their config gives them, and the partition and
     account are the placeholders a user fills in."""
     jobs = dry_run_jobs(
-        repo, "--workflow-profile", "profiles/slurm", "--configfile", str(KIMI),
-        "--config", "prompts={source: config/prompts/demo.jsonl}",
-    )  # fmt: skip
+        repo,
+        "--workflow-profile",
+        "profiles/slurm",
+        "--configfile",
+        str(KIMI),
+        "--config",
+        "prompts={source: config/prompts/demo.jsonl}",
+    )
     by_rule: dict[str, list[dict]] = {}
     for rule, resources in jobs:
         by_rule.setdefault(rule, []).append(resources)
@@ -77,7 +82,11 @@ def test_production_profile_asks_for_nodes_gpus_and_cluster_settings(repo):
     assert kimi["hidden_states"]["backend"] == "vllm"
     assert all(r["gpu"] == str(kimi["server"]["gpus"]) for r in shards)
     assert by_rule["train"][0]["gpu"] == str(kimi["train"]["gpus"])
-    assert all("gpu" not in r for rule in ("prepare_verifier", "prompts", "synth", "dataset", "vocab", "report") for r in by_rule[rule])
+    assert all(
+        "gpu" not in r
+        for rule in ("prepare_verifier", "prompts", "synth", "dataset", "vocab", "report")
+        for r in by_rule[rule]
+    )
     assert all(r["slurm_partition"] == "<your-partition>" and r["slurm_account"] == "<your-account>" for _, r in jobs)
     profile = real_profile()
     assert profile["executor"] == "slurm" and profile["slurm-status-command"] == "squeue"
@@ -133,11 +142,21 @@ def profile_for_test_cluster(real: dict, partition: str, cpus: int) -> dict:
     return profile
 
 
-
 def expected_jobs() -> set[str]:
     """The SLURM job comment of every job of the small DAG: rule_<rule>[_wildcards_<values>]."""
     shards = yaml.safe_load(SMALL.read_text())["hidden_states"]["num_shards"]
-    rules = {"prepare_verifier", "prompts", "generate", "synth", "dataset", "vocab", "hidden_states_index", "train", "benchmark", "report"}
+    rules = {
+        "prepare_verifier",
+        "prompts",
+        "generate",
+        "synth",
+        "dataset",
+        "vocab",
+        "hidden_states_index",
+        "train",
+        "benchmark",
+        "report",
+    }
     return {f"rule_{r}" for r in rules} | {f"rule_hidden_states_wildcards_{i:05d}" for i in range(shards)}
 
 
@@ -168,12 +187,22 @@ def slurm_run(tmp_path_factory):
 def slurm_jobs(slurm_run) -> dict[str, dict[str, str]]:
     """The run's SLURM jobs by comment (rule and wildcards), as the controller reports them."""
     _, run_id, _ = slurm_run
-    fields = {"id": "%i", "state": "%T", "comment": "%k", "workdir": "%Z", "time_limit": "%l", "cpus": "%C", "oversubscribe": "%h"}
+    fields = {
+        "id": "%i",
+        "state": "%T",
+        "comment": "%k",
+        "workdir": "%Z",
+        "time_limit": "%l",
+        "cpus": "%C",
+        "oversubscribe": "%h",
+    }
     out = subprocess.run(
         ["squeue", "-h", "--states=all", "--name", run_id, "-o", "|".join(fields.values())],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    jobs = [dict(zip(fields, line.split("|"))) for line in out.stdout.splitlines()]
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    jobs = [dict(zip(fields, line.split("|"), strict=True)) for line in out.stdout.splitlines()]
     by_comment = {j["comment"]: j for j in jobs}
     assert len(by_comment) == len(jobs), f"a job was submitted twice: {[j['comment'] for j in jobs]}"
     return by_comment

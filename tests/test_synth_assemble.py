@@ -5,7 +5,16 @@ from workflow_scripts.synth.assemble import parse_completion, reasoning_of
 
 
 def body(message, token_ids=(5, 6, 2), prompt_ids=(1, 2, 3), finish="stop", usage=True):
-    b = {"model": "verifier", "choices": [{"message": message, "finish_reason": finish, "token_ids": list(token_ids) if token_ids is not None else None}]}
+    b = {
+        "model": "verifier",
+        "choices": [
+            {
+                "message": message,
+                "finish_reason": finish,
+                "token_ids": list(token_ids) if token_ids is not None else None,
+            }
+        ],
+    }
     if prompt_ids is not None:
         b["prompt_token_ids"] = list(prompt_ids)
     if usage:
@@ -47,9 +56,13 @@ def test_reasoning_without_content_is_unterminated_unless_truncated():
 
 def test_content_with_an_unterminated_think_block():
     markers = ("<think>", "</think>")
-    c = parse_completion(body({"content": "<think>let me see, the answer"}), expect_reasoning=True, think_markers=markers)
+    c = parse_completion(
+        body({"content": "<think>let me see, the answer"}), expect_reasoning=True, think_markers=markers
+    )
     assert "unterminated_reasoning" in c.defects
-    ok = parse_completion(body({"content": "plain answer", "reasoning": "thought"}), expect_reasoning=True, think_markers=markers)
+    ok = parse_completion(
+        body({"content": "plain answer", "reasoning": "thought"}), expect_reasoning=True, think_markers=markers
+    )
     assert ok.defects == []
 
 
@@ -102,7 +115,9 @@ def test_rebuild_without_think_markers():
 
 
 def completion(prompt, comp):
-    return Completion(None, "x", "stop", prompt, comp, None, None, None, None, defects=["missing_token_ids"] if comp is None else [])
+    return Completion(
+        None, "x", "stop", prompt, comp, None, None, None, None, defects=["missing_token_ids"] if comp is None else []
+    )
 
 
 def test_verify_fills_missing_ids_from_the_rebuild():

@@ -28,14 +28,20 @@ SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 # few tokens, close the block, answer and stop. Greedy decoding cannot: the bias wins at the
 # first step or never. Seeded sampling is deterministic per request in vLLM.
 SAMPLING = {"max_tokens": 48, "temperature": 1.0, "seed": 0, "logit_bias": {str(THINK_END): 3.5, str(EOS): 3.0}}
-SERVER = {**yaml.safe_load((REPO / "config/config.yaml").read_text())["server"], "max_model_len": 512, "reasoning_parser": "kimi_k2"}
+SERVER = {
+    **yaml.safe_load((REPO / "config/config.yaml").read_text())["server"],
+    "max_model_len": 512,
+    "reasoning_parser": "kimi_k2",
+}
 
 
 @pytest.fixture(scope="module")
 def server(tiny_think_dir, tmp_path_factory):
     """One vLLM for the module: the DAG runs below use it as `server.endpoint`, so its own
     request counters count every request any of them sent."""
-    spec = ServerSpec.from_config(SERVER, str(tiny_think_dir), env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "1"})
+    spec = ServerSpec.from_config(
+        SERVER, str(tiny_think_dir), env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    )
     with VllmServer(spec, tmp_path_factory.mktemp("vllm") / "vllm.log") as srv:
         yield srv.base_url
 
@@ -43,12 +49,20 @@ def server(tiny_think_dir, tmp_path_factory):
 def requests_served(url: str) -> int:
     """vLLM's own count of finished requests (all finish reasons)."""
     text = httpx2.get(f"{url}/metrics").text
-    return round(sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:request_success_total{")))
+    return round(
+        sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:request_success_total{"))
+    )
 
 
 def prompts(n_single: int, n_multi: int) -> list[dict]:
-    single = [{"id": f"p{i:02d}", "category": "t", "system": None, "turns": [f"question number {i}?"]} for i in range(n_single)]
-    multi = [{"id": f"m{i}", "category": "multi-turn", "system": "be brief", "turns": [f"first {i}", f"second {i}"]} for i in range(n_multi)]
+    single = [
+        {"id": f"p{i:02d}", "category": "t", "system": None, "turns": [f"question number {i}?"]}
+        for i in range(n_single)
+    ]
+    multi = [
+        {"id": f"m{i}", "category": "multi-turn", "system": "be brief", "turns": [f"first {i}", f"second {i}"]}
+        for i in range(n_multi)
+    ]
     return single + multi
 
 
@@ -56,12 +70,29 @@ def prompts(n_single: int, n_multi: int) -> list[dict]:
 def samples(server, tiny_think_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("think")
     write_jsonl(tmp / "prompts.jsonl", prompts(48, 3))
-    run_generate(str(tmp / "prompts.jsonl"), str(tiny_think_dir), str(tmp / "store.sqlite"), str(tmp / "replies.parquet"),
-                 str(tmp / "stats.json"), requests=Requests("verifier", SAMPLING, {}), client=Client(8, 120, 2),
-                 server=SERVER, server_log=str(tmp / "vllm.log"), endpoint=server)  # fmt: skip
-    parsing = Parsing(expect_reasoning=True, think_markers=("<think>", "</think>"), chat_template_kwargs={}, verify_token_ids=True)
-    run_synth(str(tmp / "replies.parquet"), str(tmp / "responses.parquet"), str(tmp / "errors.jsonl"), str(tmp / "quality.json"),
-              parsing, verifier_dir=str(tiny_think_dir))  # fmt: skip
+    run_generate(
+        str(tmp / "prompts.jsonl"),
+        str(tiny_think_dir),
+        str(tmp / "store.sqlite"),
+        str(tmp / "replies.parquet"),
+        str(tmp / "stats.json"),
+        requests=Requests("verifier", SAMPLING, {}),
+        client=Client(8, 120, 2),
+        server=SERVER,
+        server_log=str(tmp / "vllm.log"),
+        endpoint=server,
+    )
+    parsing = Parsing(
+        expect_reasoning=True, think_markers=("<think>", "</think>"), chat_template_kwargs={}, verify_token_ids=True
+    )
+    run_synth(
+        str(tmp / "replies.parquet"),
+        str(tmp / "responses.parquet"),
+        str(tmp / "errors.jsonl"),
+        str(tmp / "quality.json"),
+        parsing,
+        verifier_dir=str(tiny_think_dir),
+    )
     rows = pq.read_table(tmp / "responses.parquet").to_pylist()
     assert len(rows) == 48 + 3 * 2
     return rows, json.loads((tmp / "quality.json").read_text())
@@ -139,13 +170,26 @@ def incident_config(wf: Path, verifier: Path, url: str) -> Path:
         "verifier": {"name": "tiny-think", "source": "path", "path": str(verifier)},
         "server": {"endpoint": url, "max_model_len": 512, "reasoning_parser": "kimi_k2"},
         "prompts": {"source": "prompts.jsonl", "eval_fraction": 0.25},
-        "synth": {"concurrency": 4, "expect_reasoning": True, "think_markers": ["<think>", "</think>"],
-                  **{k: v for k, v in SAMPLING.items() if k != "logit_bias"}, "extra_body": {"logit_bias": SAMPLING["logit_bias"]}},
-        "dataset": {"max_seq_len": 256, "eval_fraction": 0.3,
-                    # A random verifier often closes its think block and stops at once: only
-                    # the reasoning field, which the incident empties, is held to a limit.
-                    "max_defect_fraction": {"request_errors": 0.0, "empty_reasoning": 0.5, "empty_content": 1.0, "duplicate": 1.0}},
-    }  # fmt: skip
+        "synth": {
+            "concurrency": 4,
+            "expect_reasoning": True,
+            "think_markers": ["<think>", "</think>"],
+            **{k: v for k, v in SAMPLING.items() if k != "logit_bias"},
+            "extra_body": {"logit_bias": SAMPLING["logit_bias"]},
+        },
+        "dataset": {
+            "max_seq_len": 256,
+            "eval_fraction": 0.3,
+            # A random verifier often closes its think block and stops at once: only
+            # the reasoning field, which the incident empties, is held to a limit.
+            "max_defect_fraction": {
+                "request_errors": 0.0,
+                "empty_reasoning": 0.5,
+                "empty_content": 1.0,
+                "duplicate": 1.0,
+            },
+        },
+    }
     (wf / "incident.yaml").write_text(yaml.safe_dump(config))
     return wf / "incident.yaml"
 
@@ -158,7 +202,9 @@ def snakemake(wf: Path, *options: str, check: bool = True) -> subprocess.Complet
     cmd = [*SNAKEMAKE, *DATASET, "--cores", "2", *options, "--configfile", "incident.yaml"]
     proc = subprocess.run(cmd, cwd=wf, capture_output=True, text=True, timeout=900)
     if check and proc.returncode != 0:
-        logs = "\n".join(f"--- {p}\n{p.read_text()[-2000:]}" for p in sorted((wf / "results/incident/logs").glob("*.log")))
+        logs = "\n".join(
+            f"--- {p}\n{p.read_text()[-2000:]}" for p in sorted((wf / "results/incident/logs").glob("*.log"))
+        )
         pytest.fail(f"snakemake {' '.join(options)} failed:\n{proc.stderr[-3000:]}\n{logs}")
     return proc
 
@@ -168,9 +214,15 @@ def break_the_parser(wf: Path) -> str:
     and answer together as text, without the think markers. Returns the original source."""
     path = wf / "workflow_scripts/synth/assemble.py"
     original = path.read_text()
-    broken = original.replace('REASONING_FIELDS = ("reasoning", "reasoning_content")', 'REASONING_FIELDS = ("reasoning_content",)')
-    broken = broken.replace('content=message.get("content"),', 'content=(reasoning_of(message) or "") + (message.get("content") or ""),')
-    assert 'REASONING_FIELDS = ("reasoning_content",)' in broken and "+ (message.get" in broken, "the patch no longer applies"
+    broken = original.replace(
+        'REASONING_FIELDS = ("reasoning", "reasoning_content")', 'REASONING_FIELDS = ("reasoning_content",)'
+    )
+    broken = broken.replace(
+        'content=message.get("content"),', 'content=(reasoning_of(message) or "") + (message.get("content") or ""),'
+    )
+    assert 'REASONING_FIELDS = ("reasoning_content",)' in broken and "+ (message.get" in broken, (
+        "the patch no longer applies"
+    )
     path.write_text(broken)
     return original
 
@@ -195,19 +247,25 @@ def test_a_parser_fix_costs_no_inference_and_gives_the_data_of_a_fresh_run(serve
     before = requests_served(server)
     broken = snakemake(wf, check=False)
     sent_by_broken_run = requests_served(server) - before
-    train_prompts = [json.loads(line) for line in (wf / "results/incident/prompts/train.jsonl").read_text().splitlines()]
+    train_prompts = [
+        json.loads(line) for line in (wf / "results/incident/prompts/train.jsonl").read_text().splitlines()
+    ]
     turns = sum(len(p["turns"]) for p in train_prompts)
     assert sent_by_broken_run == turns
     assert broken.returncode != 0
     log = (wf / "results/incident/logs/dataset.log").read_text()
     assert "quality gate refused" in log and "empty_reasoning:" in log
     quality = json.loads((wf / "results/incident/synth/quality.json").read_text())
-    assert quality["counts"]["empty_reasoning"] + quality["counts"]["unterminated_reasoning"] == turns, quality["counts"]
+    assert quality["counts"]["empty_reasoning"] + quality["counts"]["unterminated_reasoning"] == turns, quality[
+        "counts"
+    ]
 
     (wf / "workflow_scripts/synth/assemble.py").write_text(original)  # the fix
     plan = planned(wf)
     # Snakemake tracks a script rule's code through the `code` param: the reason names it.
-    assert "generate" not in plan and "Params have changed" in plan["synth"] and "of entry/synth.py" in plan["synth"], plan
+    assert "generate" not in plan and "Params have changed" in plan["synth"] and "of entry/synth.py" in plan["synth"], (
+        plan
+    )
     before = requests_served(server)
     snakemake(wf)
     assert requests_served(server) - before == 0, "the fixed run sent requests the store holds"
@@ -237,5 +295,5 @@ def test_a_parser_fix_costs_no_inference_and_gives_the_data_of_a_fresh_run(serve
     for name in DATASET:
         fixed, scratch = pq.read_table(wf / name).to_pylist(), pq.read_table(fresh / name).to_pylist()
         assert [r["id"] for r in fixed] == [r["id"] for r in scratch]
-        differ = [a["id"] for a, b in zip(fixed, scratch) if a != b]
+        differ = [a["id"] for a, b in zip(fixed, scratch, strict=True) if a != b]
         assert not differ, f"{name}: samples differ between the fixed run and a fresh one: {differ}"

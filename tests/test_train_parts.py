@@ -49,8 +49,14 @@ def test_summarise_estimates_acceptance_length():
     t = torch.tensor
     m = {"loss_sum": t(1.0), "num_batches": t(1.0)}
     for k, (full, cond) in enumerate([(8, 8), (4, 4), (2, 2)]):
-        m |= {f"loss_{k}_sum": t(0.5), f"loss_{k}_total": t(1.0), f"full_acc_{k}_sum": t(float(full)), f"full_acc_{k}_total": t(10.0),
-              f"cond_acc_{k}_sum": t(float(cond)), f"cond_acc_{k}_total": t(float(full) if k == 0 else 8.0)}  # fmt: skip
+        m |= {
+            f"loss_{k}_sum": t(0.5),
+            f"loss_{k}_total": t(1.0),
+            f"full_acc_{k}_sum": t(float(full)),
+            f"full_acc_{k}_total": t(10.0),
+            f"cond_acc_{k}_sum": t(float(cond)),
+            f"cond_acc_{k}_total": t(float(full) if k == 0 else 8.0),
+        }
     out = summarise({k: float(v) for k, v in m.items()}, 3)
     assert out["full_acc_0"] == 0.8 and out["full_acc_2"] == 0.2
     assert math.isclose(out["estimated_acceptance_length"], 1 + 0.8 + 0.4 + 0.2)

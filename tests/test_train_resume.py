@@ -17,47 +17,96 @@ from tests.conftest import REPO
 from tests.train_inputs import make_train_inputs
 from workflow_scripts.common.atomic import read_jsonl
 from workflow_scripts.train.checkpoint import (
-    TrainState, checkpoints, flatten_state, latest_checkpoint, load_checkpoint, restore, save_checkpoint,
-    trainable_state, training_fingerprint, unflatten_state,
-)  # fmt: skip
+    TrainState,
+    checkpoints,
+    flatten_state,
+    latest_checkpoint,
+    load_checkpoint,
+    restore,
+    save_checkpoint,
+    trainable_state,
+    training_fingerprint,
+    unflatten_state,
+)
 from workflow_scripts.train.data import collate, load_shards, pack
 from workflow_scripts.train.draft import build_draft
 from workflow_scripts.train.launch import run_stage
 from workflow_scripts.train.loop import (
-    KILL_AT_STEP_ENV, Runtime, evaluate, lr_at, metric_keys, resolve_impls, run_from_json, steps_in,
-)  # fmt: skip
+    KILL_AT_STEP_ENV,
+    Runtime,
+    evaluate,
+    lr_at,
+    metric_keys,
+    resolve_impls,
+    run_from_json,
+    steps_in,
+)
 
 TRAIN_LENGTHS = [30, 25, 40, 20, 35, 28, 33, 22, 38, 26, 31, 24]
 EVAL_LENGTHS = [30, 35, 25]
 CFG = dict(
-    num_layers=1, ttt_steps=3, ttt_step_loss_decay=1.0, loss="kl_div", loss_implementation="auto", attn_impl="auto",
-    sliding_window=None, lr=0.002, weight_decay=0.0, warmup_steps=2, grad_clip=1.0, epochs=2, batch_tokens=64,
-    log_every=2, eval_every=3, checkpoint_every=4, keep_checkpoints=2, nproc_per_node=1, seed=0,
-)  # fmt: skip
+    num_layers=1,
+    ttt_steps=3,
+    ttt_step_loss_decay=1.0,
+    loss="kl_div",
+    loss_implementation="auto",
+    attn_impl="auto",
+    sliding_window=None,
+    lr=0.002,
+    weight_decay=0.0,
+    warmup_steps=2,
+    grad_clip=1.0,
+    epochs=2,
+    batch_tokens=64,
+    log_every=2,
+    eval_every=3,
+    checkpoint_every=4,
+    keep_checkpoints=2,
+    nproc_per_node=1,
+    seed=0,
+)
 NONDETERMINISTIC = {"tokens_per_s"}
 
 
 @pytest.fixture(scope="module")
 def inputs(tiny_llama_dir, tmp_path_factory):
-    return make_train_inputs(tmp_path_factory.mktemp("train-inputs"), tiny_llama_dir, TRAIN_LENGTHS, EVAL_LENGTHS, draft_vocab=64)
+    return make_train_inputs(
+        tmp_path_factory.mktemp("train-inputs"), tiny_llama_dir, TRAIN_LENGTHS, EVAL_LENGTHS, draft_vocab=64
+    )
 
 
 def spec(tmp: Path, inputs, verifier, **cfg) -> dict:
     return {
-        "shards": inputs["shards"], "vocab_map": inputs["vocab_map"], "index": inputs["index"], "verifier_dir": str(verifier),
-        "draft_out": str(tmp / "draft"), "metrics_out": str(tmp / "train" / "metrics.jsonl"),
-        "checkpoint_dir": str(tmp / "train" / "checkpoints"), "serve_verifier_path": str(verifier),
-        "cfg": {**CFG, **cfg}, "threads": 1,
-    }  # fmt: skip
+        "shards": inputs["shards"],
+        "vocab_map": inputs["vocab_map"],
+        "index": inputs["index"],
+        "verifier_dir": str(verifier),
+        "draft_out": str(tmp / "draft"),
+        "metrics_out": str(tmp / "train" / "metrics.jsonl"),
+        "checkpoint_dir": str(tmp / "train" / "checkpoints"),
+        "serve_verifier_path": str(verifier),
+        "cfg": {**CFG, **cfg},
+        "threads": 1,
+    }
 
 
 def run_subprocess(s: dict, tmp: Path, env_extra: dict | None = None) -> subprocess.CompletedProcess:
     """`python -m workflow_scripts.train SPEC.json`, as one torchrun rank (or a killed job) runs it."""
     path = tmp / f"spec-{os.urandom(4).hex()}.json"
     path.write_text(json.dumps(s))
-    env = {k: v for k, v in os.environ.items() if k not in (KILL_AT_STEP_ENV,)} | {"PYTHONPATH": str(REPO)} | (env_extra or {})
-    return subprocess.run([sys.executable, "-m", "workflow_scripts.train", str(path)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    env = (
+        {k: v for k, v in os.environ.items() if k not in (KILL_AT_STEP_ENV,)}
+        | {"PYTHONPATH": str(REPO)}
+        | (env_extra or {})
+    )
+    return subprocess.run(
+        [sys.executable, "-m", "workflow_scripts.train", str(path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def strip(rows):
@@ -94,8 +143,10 @@ def uninterrupted(inputs, tiny_llama_dir, tmp_path_factory):
 
 
 def test_flatten_state_round_trips_nested_structure():
-    state = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(2, 3)}, 7: {"m": torch.arange(4)}},
-             "param_groups": [{"lr": 0.1, "betas": (0.9, 0.95), "params": [0, 7], "foreach": None, "name": "x"}]}  # fmt: skip
+    state = {
+        "state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(2, 3)}, 7: {"m": torch.arange(4)}},
+        "param_groups": [{"lr": 0.1, "betas": (0.9, 0.95), "params": [0, 7], "foreach": None, "name": "x"}],
+    }
     skeleton, tensors = flatten_state(state)
     json.dumps(skeleton)  # the structure is JSON, the tensors are flat
     assert all(isinstance(v, torch.Tensor) for v in tensors.values()) and len(tensors) == 3
@@ -126,10 +177,22 @@ def test_steps_in_rounds_up():
 
 def test_fingerprint_tracks_what_determines_training(inputs, tmp_path):
     fp = training_fingerprint(CFG, inputs["index"], inputs["vocab_map"], inputs["shards"], "code1")
-    assert fp == training_fingerprint(dict(reversed(CFG.items())), inputs["index"], inputs["vocab_map"], inputs["shards"], "code1")
-    assert fp == training_fingerprint({**CFG, "checkpoint_every": 7, "keep_checkpoints": 1}, inputs["index"], inputs["vocab_map"], inputs["shards"], "code1")
-    assert fp != training_fingerprint({**CFG, "lr": 0.001}, inputs["index"], inputs["vocab_map"], inputs["shards"], "code1")
-    assert fp != training_fingerprint({**CFG, "nproc_per_node": 2}, inputs["index"], inputs["vocab_map"], inputs["shards"], "code1")
+    assert fp == training_fingerprint(
+        dict(reversed(CFG.items())), inputs["index"], inputs["vocab_map"], inputs["shards"], "code1"
+    )
+    assert fp == training_fingerprint(
+        {**CFG, "checkpoint_every": 7, "keep_checkpoints": 1},
+        inputs["index"],
+        inputs["vocab_map"],
+        inputs["shards"],
+        "code1",
+    )
+    assert fp != training_fingerprint(
+        {**CFG, "lr": 0.001}, inputs["index"], inputs["vocab_map"], inputs["shards"], "code1"
+    )
+    assert fp != training_fingerprint(
+        {**CFG, "nproc_per_node": 2}, inputs["index"], inputs["vocab_map"], inputs["shards"], "code1"
+    )
     assert fp != training_fingerprint(CFG, inputs["index"], inputs["vocab_map"], inputs["shards"], "code2")
     other_index = tmp_path / "index.json"
     other_index.write_text(Path(inputs["index"]).read_text().replace('"num_samples"', '"num_samples" ', 1))
@@ -143,7 +206,9 @@ def test_fingerprint_tracks_what_determines_training(inputs, tmp_path):
 def small_model(inputs, verifier, seed):
     torch.manual_seed(seed)
     vocab = load_file(inputs["vocab_map"])
-    model = build_draft(str(verifier), vocab["d2t"], vocab["t2d"], num_layers=1, ttt_steps=3, aux_layer_ids=[2, 4, 5], attn_impl="sdpa")
+    model = build_draft(
+        str(verifier), vocab["d2t"], vocab["t2d"], num_layers=1, ttt_steps=3, aux_layer_ids=[2, 4, 5], attn_impl="sdpa"
+    )
     params = [p for p in model.parameters() if p.requires_grad]
     return model, params, torch.optim.AdamW(params, lr=0.01, betas=(0.9, 0.95))
 
@@ -160,8 +225,15 @@ def test_checkpoint_round_trip_restores_every_state(inputs, tiny_llama_dir, tmp_
         opt.step()
         opt.zero_grad()
     torch.manual_seed(1234)
-    state = TrainState(step=2, epoch=0, batch_index=2, best_loss=0.5, best_step=1,
-                       rows=[{"step": 1, "split": "eval", "loss": 0.5}], window={"loss_sum": 1.25, "tokens": 40})  # fmt: skip
+    state = TrainState(
+        step=2,
+        epoch=0,
+        batch_index=2,
+        best_loss=0.5,
+        best_step=1,
+        rows=[{"step": 1, "split": "eval", "loss": 0.5}],
+        window={"loss_sum": 1.25, "tokens": 40},
+    )
     best = {k: v.clone() * 2 for k, v in trainable_state(model).items()}
     ckdir = tmp_path / "fp"
     for step in (2, 3, 4):  # keep=2 keeps the newest two
@@ -198,7 +270,9 @@ def test_killed_run_resumes_and_matches_uninterrupted(inputs, tiny_llama_dir, un
     s = spec(tmp_path, inputs, tiny_llama_dir)
     # Killed at step 6: the newest checkpoint is step 4, so steps 5-6 are trained twice.
     killed = run_subprocess(s, tmp_path, {KILL_AT_STEP_ENV: f"6:{signame}"})
-    assert killed.returncode == (-signal.SIGKILL if signame == "SIGKILL" else 128 + signal.SIGTERM), killed.stderr[-3000:]
+    assert killed.returncode == (-signal.SIGKILL if signame == "SIGKILL" else 128 + signal.SIGTERM), killed.stderr[
+        -3000:
+    ]
     assert not Path(s["metrics_out"]).exists() and not Path(s["draft_out"]).exists()
     (fp_dir,) = Path(s["checkpoint_dir"]).iterdir()
     assert [p.name for p in checkpoints(fp_dir)] == ["step-00000004"]
@@ -223,7 +297,9 @@ def test_changed_config_does_not_resume_stale_checkpoint(inputs, tiny_llama_dir,
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resuming from step" not in done.stderr
     assert "starting at step 0 of" in done.stderr
-    assert f"not resuming checkpoints of other configs/inputs/code in {s['checkpoint_dir']}: {stale.name}" in done.stderr
+    assert (
+        f"not resuming checkpoints of other configs/inputs/code in {s['checkpoint_dir']}: {stale.name}" in done.stderr
+    )
     rows = read_jsonl(s["metrics_out"])
     assert rows[0]["step"] == 2 and rows[0]["lr"] == lr_at(1, max(r["step"] for r in rows), 0.001, CFG["warmup_steps"])
     assert stale.exists(), "another config's checkpoints are left alone"
@@ -241,7 +317,9 @@ def test_torchrun_two_processes_equal_one_process_accumulating_both_batches(tiny
 
     torch.set_num_threads(1)  # as each rank: the same reduction order, bit-equal results
     inputs = make_train_inputs(tmp_path / "in", tiny_llama_dir, [40, 36], [30, 35, 25], draft_vocab=64, seed=1)
-    s = spec(tmp_path, inputs, tiny_llama_dir, epochs=1, nproc_per_node=2, eval_every=0, log_every=1, warmup_steps=0, lr=0.01)
+    s = spec(
+        tmp_path, inputs, tiny_llama_dir, epochs=1, nproc_per_node=2, eval_every=0, log_every=1, warmup_steps=0, lr=0.01
+    )
     run_stage(s, nproc=2)  # what the rule runs: torchrun, 2 gloo processes
     rows = read_jsonl(s["metrics_out"])
     train_row, eval_row = [r for r in rows if r["split"] == "train"], [r for r in rows if r["split"] == "eval"]
@@ -257,7 +335,15 @@ def test_torchrun_two_processes_equal_one_process_accumulating_both_batches(tiny
     def one_step(use_batches):
         torch.manual_seed(0)
         vocab = load_file(inputs["vocab_map"])
-        model = build_draft(str(tiny_llama_dir), vocab["d2t"], vocab["t2d"], num_layers=1, ttt_steps=3, aux_layer_ids=aux, attn_impl="sdpa")
+        model = build_draft(
+            str(tiny_llama_dir),
+            vocab["d2t"],
+            vocab["t2d"],
+            num_layers=1,
+            ttt_steps=3,
+            aux_layer_ids=aux,
+            attn_impl="sdpa",
+        )
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=lr_at(0, 1, 0.01, 0), betas=(0.9, 0.95), weight_decay=0.0)
         losses = []
@@ -274,7 +360,9 @@ def test_torchrun_two_processes_equal_one_process_accumulating_both_batches(tiny
     for k, v in ref_eval.items():
         assert math.isclose(eval_row[0][k], v, rel_tol=1e-5, abs_tol=1e-7), k
     _, _, rank0_only = one_step(batches[:1])
-    assert not math.isclose(rank0_only["loss"], ref_eval["loss"], rel_tol=1e-4), "the test cannot tell a missing all-reduce apart"
+    assert not math.isclose(rank0_only["loss"], ref_eval["loss"], rel_tol=1e-4), (
+        "the test cannot tell a missing all-reduce apart"
+    )
 
     draft = load_file(str(Path(s["draft_out"]) / "model.safetensors"))
     for name, value in trainable_state(model).items():
@@ -294,8 +382,16 @@ def test_exported_draft_attention_follows_sliding_window(inputs, tiny_llama_dir,
     from workflow_scripts.train.draft import export_draft
 
     vocab = load_file(inputs["vocab_map"])
-    model = build_draft(str(tiny_llama_dir), vocab["d2t"], vocab["t2d"], num_layers=2, ttt_steps=3, aux_layer_ids=[2, 4, 5],
-                        attn_impl="sdpa", sliding_window=window)  # fmt: skip
+    model = build_draft(
+        str(tiny_llama_dir),
+        vocab["d2t"],
+        vocab["t2d"],
+        num_layers=2,
+        ttt_steps=3,
+        aux_layer_ids=[2, 4, 5],
+        attn_impl="sdpa",
+        sliding_window=window,
+    )
     assert model.uses_sliding_window_attn == (window is not None) and model.uses_full_attn == (window is None)
     export_draft(model, model.state_dict(), tmp_path / "draft", str(tiny_llama_dir))
     layer = json.loads((tmp_path / "draft" / "config.json").read_text())["transformer_layer_config"]

@@ -24,16 +24,33 @@ train: {nproc_per_node: 2, epochs: 2, batch_tokens: 64, log_every: 1, eval_every
 
 def snakemake(wf: Path, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "snakemake", "--cores", "2", "--allowed-rules", "train", "--configfile", "over.yaml",
-         "--", "results/t/train/metrics.jsonl"],
-        cwd=wf, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "--cores",
+            "2",
+            "--allowed-rules",
+            "train",
+            "--configfile",
+            "over.yaml",
+            "--",
+            "results/t/train/metrics.jsonl",
+        ],
+        cwd=wf,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_killed_torchrun_job_resumes_on_rerun(tmp_path, clean_env):
     wf = copy_workflow(tmp_path)
     verifier = save_tiny_llama(wf / "resources/verifier/tiny")
-    inputs = make_train_inputs(wf / "results/t/hidden_states", verifier, [30, 25, 40, 20, 35, 28, 33, 22], [30, 35, 25], draft_vocab=64)
+    inputs = make_train_inputs(
+        wf / "results/t/hidden_states", verifier, [30, 25, 40, 20, 35, 28, 33, 22], [30, 35, 25], draft_vocab=64
+    )
     (wf / "results/t/vocab").mkdir(parents=True)
     shutil.move(inputs["vocab_map"], wf / "results/t/vocab/vocab_map.safetensors")
     (wf / "over.yaml").write_text(OVERRIDES)

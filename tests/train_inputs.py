@@ -20,9 +20,15 @@ AUX_LAYERS = 3
 
 
 def make_train_inputs(
-    out: Path, verifier_dir: Path, train_lengths: list[int], eval_lengths: list[int], *,
-    draft_vocab: int, num_shards: int = 2, seed: int = 0,
-) -> dict[str, object]:  # fmt: skip
+    out: Path,
+    verifier_dir: Path,
+    train_lengths: list[int],
+    eval_lengths: list[int],
+    *,
+    draft_vocab: int,
+    num_shards: int = 2,
+    seed: int = 0,
+) -> dict[str, object]:
     """Write shards, index.json and vocab_map.safetensors under `out`; return the paths in
     run_train's argument names. Samples are dealt round-robin over the shards."""
     cfg = AutoConfig.from_pretrained(verifier_dir)

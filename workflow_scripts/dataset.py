@@ -11,31 +11,36 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from workflow_scripts.common.atomic import write_parquet
-from workflow_scripts.common.fingerprint import stable_fraction
 from workflow_scripts.common.defects import EXCLUDING
+from workflow_scripts.common.fingerprint import stable_fraction
 
 log = logging.getLogger(__name__)
 
-SCHEMA = pa.schema([
-    ("id", pa.string()),
-    ("input_ids", pa.list_(pa.int32())),
-    ("loss_mask", pa.list_(pa.int8())),
-    ("length", pa.int32()),
-    ("num_loss_tokens", pa.int32()),
-])  # fmt: skip
+SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("input_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.int8())),
+        ("length", pa.int32()),
+        ("num_loss_tokens", pa.int32()),
+    ]
+)
 
 
 class QualityGateError(RuntimeError):
     pass
 
 
-def sequence_of(prompt_token_ids: list[int], completion_token_ids: list[int], max_len: int | None = None) -> tuple[list[int], list[int]]:
+def sequence_of(
+    prompt_token_ids: list[int], completion_token_ids: list[int], max_len: int | None = None
+) -> tuple[list[int], list[int]]:
     """input_ids and loss_mask (1 on verifier-generated tokens) of one sample, cut to max_len."""
     input_ids = list(prompt_token_ids) + list(completion_token_ids)
     loss_mask = [0] * len(prompt_token_ids) + [1] * len(completion_token_ids)
@@ -60,7 +65,9 @@ def gate_failures(report: dict[str, Any], thresholds: dict[str, float]) -> list[
     return failures
 
 
-def build_rows(samples: list[dict[str, Any]], max_seq_len: int, excluded_defects: frozenset[str]) -> list[dict[str, Any]]:
+def build_rows(
+    samples: list[dict[str, Any]], max_seq_len: int, excluded_defects: frozenset[str]
+) -> list[dict[str, Any]]:
     """Training rows from synth samples, skipping samples with an excluding defect. Pure."""
     rows = []
     for s in samples:
@@ -69,8 +76,16 @@ def build_rows(samples: list[dict[str, Any]], max_seq_len: int, excluded_defects
         input_ids, loss_mask = sequence_of(s["prompt_token_ids"], s["completion_token_ids"], max_seq_len)
         if sum(loss_mask) == 0:
             continue
-        rows.append({"id": s["id"], "prompt_id": s["prompt_id"], "input_ids": input_ids, "loss_mask": loss_mask,
-                     "length": len(input_ids), "num_loss_tokens": sum(loss_mask)})  # fmt: skip
+        rows.append(
+            {
+                "id": s["id"],
+                "prompt_id": s["prompt_id"],
+                "input_ids": input_ids,
+                "loss_mask": loss_mask,
+                "length": len(input_ids),
+                "num_loss_tokens": sum(loss_mask),
+            }
+        )
     return rows
 
 
@@ -79,16 +94,25 @@ def is_eval(prompt_id: str, eval_fraction: float, seed: int) -> bool:
 
 
 def run_dataset(
-    responses: str, quality: str, train_out: str, eval_out: str, *,
-    max_seq_len: int, eval_fraction: float, seed: int, max_defect_fraction: dict[str, float],
+    responses: str,
+    quality: str,
+    train_out: str,
+    eval_out: str,
+    *,
+    max_seq_len: int,
+    eval_fraction: float,
+    seed: int,
+    max_defect_fraction: dict[str, float],
     exclude_defects: list[str],
-) -> None:  # fmt: skip
-    report = json.loads(open(quality).read())
+) -> None:
+    report = json.loads(Path(quality).read_text())
     failures = gate_failures(report, max_defect_fraction)
     if failures:
         raise QualityGateError(
-            f"quality gate refused {responses} ({quality}):\n  " + "\n  ".join(failures)
-            + "\nFix the generator or the server and rerun synth; or raise the limit in config if the defect is expected."
+            f"quality gate refused {responses} ({quality}):\n  "
+            + "\n  ".join(failures)
+            + "\nFix the parser (synth) or the generator and rerun; or raise the limit in config if the defect is"
+            " expected."
         )
     samples = pq.read_table(responses).to_pylist()
     excluded = EXCLUDING | frozenset(exclude_defects)
@@ -96,10 +120,17 @@ def run_dataset(
     train = [r for r in rows if not is_eval(r["prompt_id"], eval_fraction, seed)]
     evals = [r for r in rows if is_eval(r["prompt_id"], eval_fraction, seed)]
     if not train or not evals:
-        raise ValueError(f"{responses}: {len(rows)} usable samples split into {len(train)} train / {len(evals)} eval; need both non-empty")
+        raise ValueError(
+            f"{responses}: {len(rows)} usable samples split into {len(train)} train / {len(evals)} eval; "
+            "need both non-empty"
+        )
     for out, part in ((train_out, train), (eval_out, evals)):
         write_parquet(out, pa.Table.from_pylist([{k: r[k] for k in SCHEMA.names} for r in part], schema=SCHEMA))
     log.info(
         "dataset: %d samples -> %d train (%d loss tokens), %d eval; %d excluded",
-        len(samples), len(train), sum(r["num_loss_tokens"] for r in train), len(evals), len(samples) - len(rows),
-    )  # fmt: skip
+        len(samples),
+        len(train),
+        sum(r["num_loss_tokens"] for r in train),
+        len(evals),
+        len(samples) - len(rows),
+    )

@@ -44,7 +44,10 @@ from workflow_scripts.common.server import ServerSpec, serve
 log = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-CONVENTION = "aux i = input of decoder layer i (vLLM/speculators); final = last layer output before the final norm (vLLM layer id L)"
+CONVENTION = (
+    "aux i = input of decoder layer i (vLLM/speculators); "
+    "final = last layer output before the final norm (vLLM layer id L)"
+)
 
 # (aux states [tokens, n_aux * hidden], final pre-norm state [tokens, hidden]) per sample
 States = tuple[torch.Tensor, torch.Tensor]
@@ -85,7 +88,9 @@ def resolve_aux_layer_ids(configured: list[int] | None, num_layers: int) -> list
     ids = list(configured) if configured else default_aux_layer_ids(num_layers)
     # Ascending because vLLM emits aux states in layer order whatever order they are listed in.
     if ids != sorted(set(ids)) or min(ids) < 0 or max(ids) >= num_layers:
-        raise ValueError(f"hidden_states.aux_layer_ids {ids} must be strictly ascending layer indices in 0..{num_layers - 1}")
+        raise ValueError(
+            f"hidden_states.aux_layer_ids {ids} must be strictly ascending layer indices in 0..{num_layers - 1}"
+        )
     return ids
 
 
@@ -114,8 +119,15 @@ def check_disk_space(out_dir: Path, num_tokens: int, num_states: int, hidden_siz
     free = shutil.disk_usage(out_dir).free
     log.info(
         "will write %d bytes (%.2f GB: %d tokens x %d states x %d hidden x %s); %d bytes free on %s",
-        need, need / 1e9, num_tokens, num_states, hidden_size, dtype, free, out_dir,
-    )  # fmt: skip
+        need,
+        need / 1e9,
+        num_tokens,
+        num_states,
+        hidden_size,
+        dtype,
+        free,
+        out_dir,
+    )
     if need > free:
         raise OSError(
             f"{out_dir}: the hidden states need {need} bytes ({need / 1e9:.2f} GB) but only {free} bytes "
@@ -173,7 +185,9 @@ def open_backend(name: str, job: ExtractionJob) -> contextlib.AbstractContextMan
 # --- hf --------------------------------------------------------------------------------
 
 
-def decoder_parts(model: torch.nn.Module, num_layers: int) -> tuple[torch.nn.Module, torch.nn.ModuleList, torch.nn.Module]:
+def decoder_parts(
+    model: torch.nn.Module, num_layers: int
+) -> tuple[torch.nn.Module, torch.nn.ModuleList, torch.nn.Module]:
     """(base model, its decoder layers, its final norm), wherever the architecture keeps them.
 
     Llama and Qwen3 use `model.layers` / `model.norm`; a multimodal wrapper such as
@@ -182,9 +196,10 @@ def decoder_parts(model: torch.nn.Module, num_layers: int) -> tuple[torch.nn.Mod
     final norm is the sibling module named like a norm; the base model is their parent.
     """
     candidates = [
-        (name, module) for name, module in model.named_modules()
+        (name, module)
+        for name, module in model.named_modules()
         if isinstance(module, torch.nn.ModuleList) and len(module) == num_layers
-    ]  # fmt: skip
+    ]
     if not candidates:
         raise ValueError(f"{type(model).__name__}: no ModuleList of {num_layers} decoder layers found")
     layers_name, layers = min(candidates, key=lambda c: c[0].count("."))
@@ -204,7 +219,9 @@ class StateCapture:
         self.aux: dict[int, torch.Tensor] = {}
         self.final: torch.Tensor | None = None
         self.aux_layer_ids = aux_layer_ids
-        self._handles = [layers[i].register_forward_pre_hook(self._aux_hook(i), with_kwargs=True) for i in aux_layer_ids]
+        self._handles = [
+            layers[i].register_forward_pre_hook(self._aux_hook(i), with_kwargs=True) for i in aux_layer_ids
+        ]
         self._handles.append(norm.register_forward_pre_hook(self._final_hook))
 
     def _aux_hook(self, i: int):
@@ -259,12 +276,23 @@ def load_verifier(verifier_dir: str, device: str, compute_dtype: torch.dtype, tr
 
 
 @torch.inference_mode()
-def extract(model, samples: list[dict[str, Any]], aux_layer_ids: list[int], batch_tokens: int, store_dtype: torch.dtype, pad_id: int = 0) -> list[States]:
+def extract(
+    model,
+    samples: list[dict[str, Any]],
+    aux_layer_ids: list[int],
+    batch_tokens: int,
+    store_dtype: torch.dtype,
+    pad_id: int = 0,
+) -> list[States]:
     """Run the verifier over `samples`; return per-sample (aux, final) tensors in sample order."""
     num_layers = text_config_dict(model.config.to_dict())["num_hidden_layers"]
     base, layers, norm = decoder_parts(model, num_layers)
     capture = StateCapture(layers, norm, aux_layer_ids)
-    device = base.get_input_embeddings().weight.device if hasattr(base, "get_input_embeddings") else next(model.parameters()).device
+    device = (
+        base.get_input_embeddings().weight.device
+        if hasattr(base, "get_input_embeddings")
+        else next(model.parameters()).device
+    )
     out: list[States | None] = [None] * len(samples)
     lengths = [len(s["input_ids"]) for s in samples]
     try:
@@ -329,12 +357,16 @@ def vllm_layer_ids(aux_layer_ids: list[int], num_layers: int) -> list[int]:
     return [*aux_layer_ids, num_layers]
 
 
-def extraction_server_args(aux_layer_ids: list[int], num_layers: int, storage_dir: str) -> tuple[dict[str, Any], list[str]]:
+def extraction_server_args(
+    aux_layer_ids: list[int], num_layers: int, storage_dir: str
+) -> tuple[dict[str, Any], list[str]]:
     """(speculative config, extra CLI args) that make vLLM write hidden states. Pure."""
     speculative_config = {
         "method": "extract_hidden_states",
         "num_speculative_tokens": 1,  # the only value the method accepts
-        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": vllm_layer_ids(aux_layer_ids, num_layers)}},
+        "draft_model_config": {
+            "hf_config": {"eagle_aux_hidden_state_layer_ids": vllm_layer_ids(aux_layer_ids, num_layers)}
+        },
     }
     kv_transfer_config = {
         "kv_connector": CONNECTOR,
@@ -368,7 +400,7 @@ def wait_for_unlock(lock_path: Path, timeout_s: float) -> None:
     # no lock file means it runs with use_synchronization_lock off.
     deadline = time.monotonic() + timeout_s
     try:
-        fh = open(lock_path)
+        fh = open(lock_path)  # noqa: SIM115 (closed by the `with` below; a missing file is an answer)
     except FileNotFoundError:
         return
     with fh:
@@ -391,7 +423,9 @@ def split_states(stacked: torch.Tensor, num_aux: int) -> States:
     return stacked[:, :num_aux].reshape(tokens, num_aux * hidden), stacked[:, num_aux]
 
 
-def read_connector_output(path: str, sample: dict[str, Any], num_aux: int, hidden_size: int, store_dtype: torch.dtype, timeout_s: float) -> States:
+def read_connector_output(
+    path: str, sample: dict[str, Any], num_aux: int, hidden_size: int, store_dtype: torch.dtype, timeout_s: float
+) -> States:
     """Read, check and delete one request's hidden-states file."""
     from safetensors.torch import load_file
 
@@ -399,14 +433,23 @@ def read_connector_output(path: str, sample: dict[str, Any], num_aux: int, hidde
     lock = Path(f"{path}.lock")
     wait_for_unlock(lock, timeout_s)
     if not file.exists():
-        raise HiddenStatesFileError(f"sample {sample['id']}: vLLM named {file} but it does not exist (is shared_storage_path on a filesystem this job sees?)")
+        raise HiddenStatesFileError(
+            f"sample {sample['id']}: vLLM named {file} but it does not "
+            "exist (is shared_storage_path on a filesystem this job sees?)"
+        )
     data = load_file(str(file))
     token_ids = data["token_ids"].tolist()
     if token_ids != list(sample["input_ids"]):
-        raise HiddenStatesFileError(f"sample {sample['id']}: {file} holds {len(token_ids)} tokens that differ from the sample's {len(sample['input_ids'])} input_ids")
+        raise HiddenStatesFileError(
+            f"sample {sample['id']}: {file} holds {len(token_ids)} tokens that "
+            f"differ from the sample's {len(sample['input_ids'])} input_ids"
+        )
     stacked = data["hidden_states"]
     if stacked.dim() != 3 or stacked.shape[0] != len(token_ids) or stacked.shape[2] != hidden_size:
-        raise HiddenStatesFileError(f"sample {sample['id']}: {file} has hidden_states {tuple(stacked.shape)}, expected ({len(token_ids)}, {num_aux + 1}, {hidden_size})")
+        raise HiddenStatesFileError(
+            f"sample {sample['id']}: {file} has hidden_states {tuple(stacked.shape)}, "
+            f"expected ({len(token_ids)}, {num_aux + 1}, {hidden_size})"
+        )
     aux, final = split_states(stacked.to(store_dtype), num_aux)
     file.unlink()
     lock.unlink(missing_ok=True)
@@ -437,15 +480,34 @@ class VllmBackend:
             )
         # Waiting on the connector's lock and reading the file block: a worker thread does it
         # while the other requests keep flowing.
-        return await asyncio.to_thread(read_connector_output, path, sample, self.num_aux, self.hidden_size, self.store_dtype, self.request_timeout_s)
+        return await asyncio.to_thread(
+            read_connector_output,
+            path,
+            sample,
+            self.num_aux,
+            self.hidden_size,
+            self.store_dtype,
+            self.request_timeout_s,
+        )
 
     def extract(self, samples: list[dict[str, Any]]) -> list[States]:
         return asyncio.run(self._extract(samples))
 
     async def _extract(self, samples: list[dict[str, Any]]) -> list[States]:
-        bar = tqdm(total=sum(len(s["input_ids"]) for s in samples), desc="hidden states (vLLM)", unit="tok", unit_scale=True, mininterval=2.0)
+        bar = tqdm(
+            total=sum(len(s["input_ids"]) for s in samples),
+            desc="hidden states (vLLM)",
+            unit="tok",
+            unit_scale=True,
+            mininterval=2.0,
+        )
         slots = asyncio.Semaphore(self.concurrency)
-        client = ChatClient(self.base_url, concurrency=self.concurrency, request_timeout_s=self.request_timeout_s, api_key_env=self.api_key_env)
+        client = ChatClient(
+            self.base_url,
+            concurrency=self.concurrency,
+            request_timeout_s=self.request_timeout_s,
+            api_key_env=self.api_key_env,
+        )
 
         async def one(sample: dict[str, Any]) -> States:
             async with slots:
@@ -481,7 +543,9 @@ def vllm_backend(job: ExtractionJob) -> Iterator[VllmBackend]:
     with tempfile.TemporaryDirectory(prefix="eagleflow-hs-", dir=storage_parent) as storage_dir:
         speculative_config, extra = extraction_server_args(job.aux_layer_ids, job.geometry.num_layers, storage_dir)
         spec = ServerSpec.from_config(job.server, job.verifier_dir)
-        trust = ["--trust-remote-code"] if job.trust_remote_code and "--trust-remote-code" not in spec.extra_args else []
+        trust = (
+            ["--trust-remote-code"] if job.trust_remote_code and "--trust-remote-code" not in spec.extra_args else []
+        )
         spec = replace(spec, speculative_config=speculative_config, extra_args=(*spec.extra_args, *extra, *trust))
         # The server's log goes next to the rule's log.
         log_path = Path(job.log_path).with_suffix(".vllm.log") if job.log_path else Path(storage_dir) / "vllm.log"
@@ -514,7 +578,7 @@ def samples_for_shard(train: str, eval_: str, shard: int, num_shards: int) -> li
 def shard_tensors(samples: list[dict[str, Any]], states: list[States]) -> dict[str, torch.Tensor]:
     """The shard's tensors: states and tokens of all samples back to back, unpadded. Pure."""
     offsets = [0]
-    for s, (aux, final) in zip(samples, states):
+    for s, (aux, final) in zip(samples, states, strict=True):
         n = len(s["input_ids"])
         if aux.shape[0] != n or final.shape[0] != n:
             raise ValueError(f"sample {s['id']}: {n} tokens but states for {aux.shape[0]} / {final.shape[0]}")
@@ -530,10 +594,19 @@ def shard_tensors(samples: list[dict[str, Any]], states: list[States]) -> dict[s
 
 
 def run_shard(
-    train: str, eval_: str, verifier_dir: str, shard: int, num_shards: int, out: str, *,
-    settings: dict[str, Any], server: dict[str, Any] | None = None, threads: int = 1,
-    trust_remote_code: bool = False, log_path: str | None = None,
-) -> None:  # fmt: skip
+    train: str,
+    eval_: str,
+    verifier_dir: str,
+    shard: int,
+    num_shards: int,
+    out: str,
+    *,
+    settings: dict[str, Any],
+    server: dict[str, Any] | None = None,
+    threads: int = 1,
+    trust_remote_code: bool = False,
+    log_path: str | None = None,
+) -> None:
     """Extract one shard with the configured backend. `settings` is the hidden_states config section."""
     samples = samples_for_shard(train, eval_, shard, num_shards)
     if not samples:
@@ -543,7 +616,9 @@ def run_shard(
     store_dtype = DTYPES[settings["dtype"]]
     num_tokens = sum(len(s["input_ids"]) for s in samples)
     check_disk_space(Path(out).parent, num_tokens, len(layer_ids) + 1, geometry.hidden_size, store_dtype)
-    job = ExtractionJob(verifier_dir, layer_ids, geometry, store_dtype, settings, server or {}, trust_remote_code, log_path, threads)
+    job = ExtractionJob(
+        verifier_dir, layer_ids, geometry, store_dtype, settings, server or {}, trust_remote_code, log_path, threads
+    )
     backend_name = settings["backend"]
     started = time.monotonic()
     with open_backend(backend_name, job) as backend:
@@ -558,7 +633,16 @@ def run_shard(
         "convention": CONVENTION,
     }
     write_safetensors(out, shard_tensors(samples, states), metadata)
-    log.info("shard %d/%d (%s): %d samples, %d tokens in %.1f s -> %s", shard, num_shards, backend_name, len(samples), num_tokens, time.monotonic() - started, out)
+    log.info(
+        "shard %d/%d (%s): %d samples, %d tokens in %.1f s -> %s",
+        shard,
+        num_shards,
+        backend_name,
+        len(samples),
+        num_tokens,
+        time.monotonic() - started,
+        out,
+    )
 
 
 def read_shard_header(path: str) -> dict[str, Any]:
@@ -584,18 +668,24 @@ def write_index(shards: list[str], verifier_dir: str, out: str) -> None:
     for h in headers[1:]:
         for key in ("aux_layer_ids", "num_layers", "hidden_size", "dtype"):
             if h[key] != first[key]:
-                raise ValueError(f"shard {h['path']} has {key}={h[key]}, shard {first['path']} has {first[key]}: rerun the stale shard")
-    write_json(out, {
-        "verifier": verifier_dir,
-        "aux_layer_ids": first["aux_layer_ids"],
-        "final_layer_id": first["num_layers"],
-        "vllm_layer_ids": vllm_layer_ids(first["aux_layer_ids"], first["num_layers"]),
-        "num_layers": first["num_layers"],
-        "hidden_size": first["hidden_size"],
-        "dtype": first["dtype"],
-        "backends": sorted({h["backend"] for h in headers}),
-        "convention": CONVENTION,
-        "num_samples": sum(h["num_samples"] for h in headers),
-        "num_tokens": sum(h["num_tokens"] for h in headers),
-        "shards": headers,
-    })  # fmt: skip
+                raise ValueError(
+                    f"shard {h['path']} has {key}={h[key]}, shard "
+                    f"{first['path']} has {first[key]}: rerun the stale shard"
+                )
+    write_json(
+        out,
+        {
+            "verifier": verifier_dir,
+            "aux_layer_ids": first["aux_layer_ids"],
+            "final_layer_id": first["num_layers"],
+            "vllm_layer_ids": vllm_layer_ids(first["aux_layer_ids"], first["num_layers"]),
+            "num_layers": first["num_layers"],
+            "hidden_size": first["hidden_size"],
+            "dtype": first["dtype"],
+            "backends": sorted({h["backend"] for h in headers}),
+            "convention": CONVENTION,
+            "num_samples": sum(h["num_samples"] for h in headers),
+            "num_tokens": sum(h["num_tokens"] for h in headers),
+            "shards": headers,
+        },
+    )

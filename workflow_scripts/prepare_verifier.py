@@ -71,9 +71,7 @@ def link_local(model_dir: Path, out_dir: Path) -> None:
     """Point resources/verifier/<name> at an existing HF model dir (never copies 1 TB)."""
     missing = [f for f in REQUIRED_FILES if not (model_dir / f).is_file()]
     if missing:
-        raise FileNotFoundError(
-            f"verifier.path {model_dir} is not a HF model dir: missing {', '.join(missing)}"
-        )
+        raise FileNotFoundError(f"verifier.path {model_dir} is not a HF model dir: missing {', '.join(missing)}")
     config = json.loads((model_dir / "config.json").read_text())
     log.info("using local verifier %s (model_type %s)", model_dir, config.get("model_type"))
     with atomic_path(out_dir) as tmp:

@@ -91,9 +91,15 @@ def split_prompts(prompts: list[dict[str, Any]], eval_fraction: float, seed: int
 
 
 def run_prompts(
-    source: str, train_out: str, eval_out: str, *, eval_fraction: float, seed: int,
-    max_train: int | None = None, max_eval: int | None = None,
-) -> None:  # fmt: skip
+    source: str,
+    train_out: str,
+    eval_out: str,
+    *,
+    eval_fraction: float,
+    seed: int,
+    max_train: int | None = None,
+    max_eval: int | None = None,
+) -> None:
     prompts = load_prompts(source)
     train, evals = split_prompts(prompts, eval_fraction, seed)
     if max_train is not None:

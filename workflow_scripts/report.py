@@ -86,7 +86,9 @@ def plot_vocab_coverage(vocab: dict[str, Any], out: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.4))
     for split in ("train", "eval"):
         ax.plot([p["size"] for p in curve], [p[split] for p in curve], "o-", markersize=3, label=split)
-    ax.axvline(vocab["draft_vocab_size"], color="grey", linestyle="--", label=f"draft vocab {vocab['draft_vocab_size']}")
+    ax.axvline(
+        vocab["draft_vocab_size"], color="grey", linestyle="--", label=f"draft vocab {vocab['draft_vocab_size']}"
+    )
     ax.set_xscale("log", base=2)
     ax.set_ylim(0, 1.02)
     ax.set_xlabel("draft vocabulary size (most frequent train tokens)")
@@ -99,10 +101,13 @@ def plot_vocab_coverage(vocab: dict[str, Any], out: str) -> None:
 def describe_requests(generate: dict) -> str:
     """What the data cost in inference: requests sent to the verifier vs answered by the store."""
     total = max(generate["requests"], 1)
-    return f"{generate['sent']} sent / {generate['reused']} reused from the store ({generate['reused'] / total:.0%} reused)"
+    share = generate["reused"] / total
+    return f"{generate['sent']} sent / {generate['reused']} reused from the store ({share:.0%} reused)"
 
 
-def summary_rows(report: dict, metrics: list[dict], quality: dict, vocab: dict, generate: dict) -> list[tuple[str, str]]:
+def summary_rows(
+    report: dict, metrics: list[dict], quality: dict, vocab: dict, generate: dict
+) -> list[tuple[str, str]]:
     """The headline numbers, shared by report.md and the HTML summary. Pure."""
     spec, base = report["speculative"], report["baseline"]
     best_eval = min((m for m in metrics if m["split"] == "eval"), key=lambda m: m["loss"])
@@ -131,11 +136,16 @@ def describe_measurement(report: dict) -> str:
     )
 
 
-def render_markdown(report: dict, metrics: list[dict], quality: dict, vocab: dict, generate: dict, plots: dict[str, str]) -> str:
+def render_markdown(
+    report: dict, metrics: list[dict], quality: dict, vocab: dict, generate: dict, plots: dict[str, str]
+) -> str:
     last_eval = [m for m in metrics if m["split"] == "eval"][-1]
     best_eval = min((m for m in metrics if m["split"] == "eval"), key=lambda m: m["loss"])
     headline = {"mean acceptance length", "speedup"}
-    table = [f"| {name} | **{value}** |" if name in headline else f"| {name} | {value} |" for name, value in summary_rows(report, metrics, quality, vocab, generate)]
+    table = [
+        f"| {name} | **{value}** |" if name in headline else f"| {name} | {value} |"
+        for name, value in summary_rows(report, metrics, quality, vocab, generate)
+    ]
     lines = [
         "# eagleflow benchmark report",
         "",
@@ -159,7 +169,8 @@ def render_markdown(report: dict, metrics: list[dict], quality: dict, vocab: dic
         "",
         f"{quality['num_samples']} samples from {quality['num_prompts']} prompts; "
         f"{quality['request_errors']} failed conversations. Defects: "
-        + ", ".join(f"{k} {v}" for k, v in quality["counts"].items()) + ".",
+        + ", ".join(f"{k} {v}" for k, v in quality["counts"].items())
+        + ".",
         "",
         f"Verifier requests of the last generate job: {describe_requests(generate)}"
         + ("; no server was started." if not generate["sent"] else "."),
@@ -171,21 +182,27 @@ def render_markdown(report: dict, metrics: list[dict], quality: dict, vocab: dic
         "",
         f"![vocabulary coverage]({plots['vocab']})",
         "",
-    ]  # fmt: skip
+    ]
     return "\n".join(lines)
 
 
 def render_html(report: dict, metrics: list[dict], quality: dict, vocab: dict, generate: dict) -> str:
     """A self-contained summary table (what `snakemake --report` shows next to the plots)."""
-    rows = "\n".join(f"<tr><td>{html.escape(n)}</td><td>{html.escape(v)}</td></tr>" for n, v in summary_rows(report, metrics, quality, vocab, generate))
+    rows = "\n".join(
+        f"<tr><td>{html.escape(n)}</td><td>{html.escape(v)}</td></tr>"
+        for n, v in summary_rows(report, metrics, quality, vocab, generate)
+    )
     return (
         "<!DOCTYPE html><html><head><meta charset='utf-8'><title>eagleflow benchmark</title>"
-        "<style>body{font-family:sans-serif;margin:1em}td{padding:.2em .8em;border-bottom:1px solid #ddd}</style></head><body>"
+        "<style>body{font-family:sans-serif;margin:1em}td{padding:.2em "
+        ".8em;border-bottom:1px solid #ddd}</style></head><body>"
         f"<p>{html.escape(describe_measurement(report))}</p><table>{rows}</table></body></html>\n"
     )
 
 
-def run_report(report_json: str, metrics: str, quality: str, vocab_stats: str, generate_stats: str, out: dict[str, str]) -> None:
+def run_report(
+    report_json: str, metrics: str, quality: str, vocab_stats: str, generate_stats: str, out: dict[str, str]
+) -> None:
     """Write out['md'], out['html'] and the four plots out['acceptance_png'], ['training_png'],
     ['quality_png'], ['vocab_png']."""
     report = json.loads(Path(report_json).read_text())

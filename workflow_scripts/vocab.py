@@ -32,7 +32,9 @@ def build_vocab_map(counts: np.ndarray, draft_vocab_size: int) -> tuple[torch.Te
     """(d2t, t2d) for the `draft_vocab_size` most frequent tokens. Ties break to the lower id. Pure."""
     vocab_size = len(counts)
     if not 0 < draft_vocab_size <= vocab_size:
-        raise ValueError(f"vocab.draft_vocab_size must be in 1..{vocab_size} (the verifier's vocab), got {draft_vocab_size}")
+        raise ValueError(
+            f"vocab.draft_vocab_size must be in 1..{vocab_size} (the verifier's vocab), got {draft_vocab_size}"
+        )
     order = np.lexsort((np.arange(vocab_size), -counts))  # by count desc, then id asc
     chosen = np.sort(order[:draft_vocab_size])
     d2t = torch.from_numpy(chosen - np.arange(draft_vocab_size)).to(torch.int64)
@@ -55,7 +57,11 @@ def coverage_curve(train_counts: np.ndarray, eval_counts: np.ndarray, sizes: lis
     cum_eval = np.concatenate([[0], np.cumsum(eval_counts[order])])
     total_train, total_eval = max(1, int(cum_train[-1])), max(1, int(cum_eval[-1]))
     return [
-        {"size": int(k), "train": float(cum_train[min(k, vocab_size)] / total_train), "eval": float(cum_eval[min(k, vocab_size)] / total_eval)}
+        {
+            "size": int(k),
+            "train": float(cum_train[min(k, vocab_size)] / total_train),
+            "eval": float(cum_eval[min(k, vocab_size)] / total_eval),
+        }
         for k in sorted(set(sizes))
     ]
 
@@ -69,9 +75,17 @@ def curve_sizes(verifier_vocab_size: int, draft_vocab_size: int) -> list[int]:
     return sorted(sizes)
 
 
-def run_vocab(train: str, eval_: str, verifier_vocab_size: int, draft_vocab_size: int, map_out: str, stats_out: str) -> None:
-    tables = {name: pq.read_table(path, columns=["input_ids", "loss_mask"]) for name, path in (("train", train), ("eval", eval_))}
-    counts = {n: token_counts(t["input_ids"].to_pylist(), t["loss_mask"].to_pylist(), verifier_vocab_size) for n, t in tables.items()}
+def run_vocab(
+    train: str, eval_: str, verifier_vocab_size: int, draft_vocab_size: int, map_out: str, stats_out: str
+) -> None:
+    tables = {
+        name: pq.read_table(path, columns=["input_ids", "loss_mask"])
+        for name, path in (("train", train), ("eval", eval_))
+    }
+    counts = {
+        n: token_counts(t["input_ids"].to_pylist(), t["loss_mask"].to_pylist(), verifier_vocab_size)
+        for n, t in tables.items()
+    }
     d2t, t2d = build_vocab_map(counts["train"], draft_vocab_size)
     write_safetensors(map_out, {"d2t": d2t, "t2d": t2d})
     stats = {
@@ -81,8 +95,15 @@ def run_vocab(train: str, eval_: str, verifier_vocab_size: int, draft_vocab_size
         "loss_tokens_train": int(counts["train"].sum()),
         "coverage_train": coverage(counts["train"], t2d),
         "coverage_eval": coverage(counts["eval"], t2d),
-        "coverage_curve": coverage_curve(counts["train"], counts["eval"], curve_sizes(verifier_vocab_size, draft_vocab_size)),
+        "coverage_curve": coverage_curve(
+            counts["train"], counts["eval"], curve_sizes(verifier_vocab_size, draft_vocab_size)
+        ),
     }
     write_json(stats_out, stats)
-    log.info("vocab: %d of %d distinct tokens kept; coverage train %.4f eval %.4f", draft_vocab_size,
-             stats["distinct_loss_tokens_train"], stats["coverage_train"], stats["coverage_eval"])  # fmt: skip
+    log.info(
+        "vocab: %d of %d distinct tokens kept; coverage train %.4f eval %.4f",
+        draft_vocab_size,
+        stats["distinct_loss_tokens_train"],
+        stats["coverage_train"],
+        stats["coverage_eval"],
+    )

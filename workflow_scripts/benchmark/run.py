@@ -32,8 +32,15 @@ def first_turn_messages(prompt: dict[str, Any]) -> list[dict[str, str]]:
 
 async def run_workload(base_url: str, prompts: list[dict], cfg: dict[str, Any], label: str) -> dict[str, Any]:
     sampling = {"max_tokens": cfg["max_tokens"], "temperature": 0.0, "return_token_ids": True}
-    async with ChatClient(base_url, concurrency=cfg["concurrency"], request_timeout_s=cfg["request_timeout_s"]) as client:
-        warmup = {"model": cfg["served_model_name"], "messages": first_turn_messages(prompts[0]), **sampling, "max_tokens": 8}
+    async with ChatClient(
+        base_url, concurrency=cfg["concurrency"], request_timeout_s=cfg["request_timeout_s"]
+    ) as client:
+        warmup = {
+            "model": cfg["served_model_name"],
+            "messages": first_turn_messages(prompts[0]),
+            **sampling,
+            "max_tokens": 8,
+        }
         await client.chat(warmup)
         before = spec_decode_counters(await client.get_text("/metrics"))
         sem = asyncio.Semaphore(cfg["concurrency"])
@@ -41,7 +48,9 @@ async def run_workload(base_url: str, prompts: list[dict], cfg: dict[str, Any], 
 
         async def one(prompt):
             async with sem:
-                body = await client.chat({"model": cfg["served_model_name"], "messages": first_turn_messages(prompt), **sampling})
+                body = await client.chat(
+                    {"model": cfg["served_model_name"], "messages": first_turn_messages(prompt), **sampling}
+                )
             bar.update()
             return body["choices"][0].get("token_ids") or []
 
@@ -66,18 +75,27 @@ def identical_fraction(a: list[list[int]], b: list[list[int]]) -> float:
 
 
 def run_benchmark(
-    prompts_path: str, verifier_dir: str, draft_dir: str, out: str, log_dir: str, *,
-    server: ServerSpec, cfg: dict[str, Any],
-) -> None:  # fmt: skip
+    prompts_path: str,
+    verifier_dir: str,
+    draft_dir: str,
+    out: str,
+    log_dir: str,
+    *,
+    server: ServerSpec,
+    cfg: dict[str, Any],
+) -> None:
     prompts = read_jsonl(prompts_path)[: cfg["num_prompts"]]
     k = cfg["num_speculative_tokens"]
     speculative_spec = dataclasses.replace(
-        server, speculative_config={"method": "eagle3", "model": str(Path(draft_dir).resolve()), "num_speculative_tokens": k}
+        server,
+        speculative_config={"method": "eagle3", "model": str(Path(draft_dir).resolve()), "num_speculative_tokens": k},
     )
     results = {}
     for label, spec in (("baseline", server), ("speculative", speculative_spec)):
         with VllmServer(spec, Path(log_dir) / f"benchmark.vllm-{label}.log") as srv:
-            results[label] = asyncio.run(run_workload(srv.base_url, prompts, {**cfg, "served_model_name": spec.served_model_name}, label))
+            results[label] = asyncio.run(
+                run_workload(srv.base_url, prompts, {**cfg, "served_model_name": spec.served_model_name}, label)
+            )
         log.info("%s: %.1f output tok/s over %d prompts", label, results[label]["output_tokens_per_s"], len(prompts))
     acc = acceptance(results["speculative"]["counters"], k)
     base, spec = results["baseline"], results["speculative"]
@@ -87,7 +105,11 @@ def run_benchmark(
         "prompts": {"path": prompts_path, "count": len(prompts), "ids": [p["id"] for p in prompts]},
         "num_speculative_tokens": k,
         "sampling": {"temperature": 0.0, "max_tokens": cfg["max_tokens"], "concurrency": cfg["concurrency"]},
-        "server": {"dtype": server.dtype, "enforce_eager": server.enforce_eager, "tensor_parallel_size": server.tensor_parallel_size},
+        "server": {
+            "dtype": server.dtype,
+            "enforce_eager": server.enforce_eager,
+            "tensor_parallel_size": server.tensor_parallel_size,
+        },
         "baseline": {key: base[key] for key in ("output_tokens", "wall_s", "output_tokens_per_s")},
         "speculative": {**{key: spec[key] for key in ("output_tokens", "wall_s", "output_tokens_per_s")}, **acc},
         "speedup": spec["output_tokens_per_s"] / base["output_tokens_per_s"],
@@ -96,6 +118,8 @@ def run_benchmark(
     write_json(out, report)
     log.info(
         "mean acceptance length %.3f, per position %s, speedup %.2fx, identical outputs %.0f%%",
-        acc["mean_acceptance_length"], [round(x, 3) for x in acc["per_position_acceptance"]],
-        report["speedup"], 100 * report["outputs_identical_fraction"],
-    )  # fmt: skip
+        acc["mean_acceptance_length"],
+        [round(x, 3) for x in acc["per_position_acceptance"]],
+        report["speedup"],
+        100 * report["outputs_identical_fraction"],
+    )

@@ -32,7 +32,16 @@ def _describe(error) -> str:
         return f"unknown key {', '.join(prefix + e for e in extra)} (allowed here: {', '.join(allowed)})"
     if error.validator == "required":
         return f"{where}: {error.message}"
-    if error.validator in ("type", "enum", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "pattern", "minItems"):
+    if error.validator in (
+        "type",
+        "enum",
+        "minimum",
+        "maximum",
+        "exclusiveMinimum",
+        "exclusiveMaximum",
+        "pattern",
+        "minItems",
+    ):
         return f"{where}: expected {_expected(error)}, got {error.instance!r}"
     return f"{where}: {error.message}"
 
@@ -57,7 +66,9 @@ def validate_config(config: dict[str, Any], schema_path: Path = SCHEMA_PATH) -> 
     errors = sorted(Draft202012Validator(schema).iter_errors(config), key=lambda e: list(map(str, e.absolute_path)))
     if errors:
         lines = "\n  ".join(_describe(e) for e in errors)
-        raise ConfigError(f"invalid eagleflow config ({len(errors)} problem{'s' if len(errors) > 1 else ''}):\n  {lines}")
+        raise ConfigError(
+            f"invalid eagleflow config ({len(errors)} problem{'s' if len(errors) > 1 else ''}):\n  {lines}"
+        )
     if config["verifier"]["source"] == "path" and not config["verifier"].get("path"):
         raise ConfigError("verifier.path: required when verifier.source is 'path'")
     aux = config["hidden_states"].get("aux_layer_ids")

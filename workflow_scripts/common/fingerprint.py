@@ -12,7 +12,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -53,12 +53,17 @@ def _strip_docstrings(tree: ast.AST) -> ast.AST:
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             body = node.body
-            if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) and isinstance(body[0].value.value, str):
+            if (
+                body
+                and isinstance(body[0], ast.Expr)
+                and isinstance(getattr(body[0], "value", None), ast.Constant)
+                and isinstance(body[0].value.value, str)
+            ):
                 node.body = body[1:] or [ast.Pass()]
     return tree
 
 
-@lru_cache(maxsize=None)
+@cache
 def _module_digest(path: Path, module: str, mtime_ns: int) -> tuple[str, frozenset[str]]:
     """(digest of the docstring-free AST, workflow_scripts modules it imports) of one file.
 
@@ -90,7 +95,7 @@ def module_digests(module: str, root: Path = ROOT) -> dict[str, str]:
     return {name: digest for name, digest in digests.items() if digest}
 
 
-@lru_cache(maxsize=None)
+@cache
 def code_fingerprint(module: str, root: Path = ROOT) -> str:
     """sha256 over the docstring-free ASTs of `module` and its transitive package imports.
 

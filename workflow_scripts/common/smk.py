@@ -18,7 +18,8 @@ def stage(snakemake) -> Iterator[logging.Logger]:
     disjoint CUDA_VISIBLE_DEVICES for a job that declares `resources: gpu=n`."""
     log_path = snakemake.log[0] if len(snakemake.log) else None
     if log_path:
-        sys.stderr = open(log_path, "a", buffering=1)
+        # The job's stderr for the rest of its life: every library's warnings land in the rule log.
+        sys.stderr = open(log_path, "a", buffering=1)  # noqa: SIM115
     logging.basicConfig(
         level=logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -39,4 +40,3 @@ def stage(snakemake) -> Iterator[logging.Logger]:
     finally:
         if gpus is not None:
             gpus.release()
-

@@ -8,4 +8,6 @@ with stage(snakemake):  # noqa: F821 (injected by Snakemake)
     smk = snakemake  # noqa: F821
     verifier_config = json.loads((Path(smk.input.verifier) / "config.json").read_text())
     vocab_size = verifier_config.get("text_config", verifier_config)["vocab_size"]
-    run_vocab(smk.input.train, smk.input.eval, vocab_size, smk.params.draft_vocab_size, smk.output.vocab_map, smk.output.stats)
+    run_vocab(
+        smk.input.train, smk.input.eval, vocab_size, smk.params.draft_vocab_size, smk.output.vocab_map, smk.output.stats
+    )

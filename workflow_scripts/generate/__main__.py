@@ -25,8 +25,13 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("stats", "prune"):
         cmd = sub.add_parser(name)
         cmd.add_argument("store")
-        cmd.add_argument("--keep", nargs="+", required=name == "prune", default=[],
-                         help="replies.parquet files whose requests stay in the store")  # fmt: skip
+        cmd.add_argument(
+            "--keep",
+            nargs="+",
+            required=name == "prune",
+            default=[],
+            help="replies.parquet files whose requests stay in the store",
+        )
     args = parser.parse_args(argv)
     if not Path(args.store).is_file():
         parser.error(f"{args.store}: no such response store")
@@ -35,7 +40,10 @@ def main(argv: list[str] | None = None) -> int:
         total = len(store)
         if args.command == "stats":
             used = len(keep & store.keys()) if args.keep else None
-            print(f"{args.store}: {total} replies" + (f", {used} used by {', '.join(args.keep)}" if used is not None else ""))
+            print(
+                f"{args.store}: {total} replies"
+                + (f", {used} used by {', '.join(args.keep)}" if used is not None else "")
+            )
         else:
             removed = store.prune(keep)
             print(f"{args.store}: removed {removed} of {total} replies; {total - removed} kept")

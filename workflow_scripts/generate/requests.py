@@ -31,9 +31,14 @@ def sample_seed(run_seed: int, prompt_id: str, turn: int) -> int:
 
 
 def request_payload(
-    messages: list[dict[str, Any]], prompt_id: str, turn: int, *, model: str, sampling: dict[str, Any],
+    messages: list[dict[str, Any]],
+    prompt_id: str,
+    turn: int,
+    *,
+    model: str,
+    sampling: dict[str, Any],
     chat_template_kwargs: dict[str, Any],
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """The /v1/chat/completions body for one assistant turn."""
     payload = {"model": model, "messages": messages, **sampling, "return_token_ids": True}
     if payload.get("seed") is not None:

@@ -20,8 +20,8 @@ from typing import Any
 from tqdm import tqdm
 
 from workflow_scripts.common.atomic import read_jsonl, write_json
-from workflow_scripts.common.replies import write_replies
 from workflow_scripts.common.client import ChatClient, RequestFailed, RetryPolicy
+from workflow_scripts.common.replies import write_replies
 from workflow_scripts.common.server import ServerSpec, serve
 from workflow_scripts.generate.requests import history_message, request_key, request_payload, server_identity
 from workflow_scripts.generate.store import ResponseStore
@@ -61,8 +61,14 @@ class Counts:
     failed_conversations: int = 0
 
 
-async def walk_conversation(prompt: dict[str, Any], requests: Requests, identity: dict[str, Any], store: ResponseStore,
-                            send: Send, counts: Counts) -> list[dict[str, Any]]:  # fmt: skip
+async def walk_conversation(
+    prompt: dict[str, Any],
+    requests: Requests,
+    identity: dict[str, Any],
+    store: ResponseStore,
+    send: Send,
+    counts: Counts,
+) -> list[dict[str, Any]]:
     """One row per assistant turn (request, reply body, store key), in order. A failed request
     ends the conversation with an error row; `Missing` from `send` propagates."""
     messages: list[dict[str, Any]] = []
@@ -71,11 +77,26 @@ async def walk_conversation(prompt: dict[str, Any], requests: Requests, identity
     rows = []
     for turn, user_text in enumerate(prompt["turns"]):
         messages = [*messages, {"role": "user", "content": user_text}]
-        payload = request_payload(messages, prompt["id"], turn, model=requests.model, sampling=requests.sampling,
-                                  chat_template_kwargs=requests.chat_template_kwargs)  # fmt: skip
+        payload = request_payload(
+            messages,
+            prompt["id"],
+            turn,
+            model=requests.model,
+            sampling=requests.sampling,
+            chat_template_kwargs=requests.chat_template_kwargs,
+        )
         key = request_key(payload, identity)
-        row = {"id": f"{prompt['id']}#t{turn}", "prompt_id": prompt["id"], "turn": turn, "category": prompt.get("category"),
-               "key": key, "request": payload, "response": None, "error": None, "attempts": None}  # fmt: skip
+        row = {
+            "id": f"{prompt['id']}#t{turn}",
+            "prompt_id": prompt["id"],
+            "turn": turn,
+            "category": prompt.get("category"),
+            "key": key,
+            "request": payload,
+            "response": None,
+            "error": None,
+            "attempts": None,
+        }
         body = store.get(key)
         if body is None:
             try:
@@ -106,14 +127,21 @@ async def _from_store(prompts, requests, identity, store) -> tuple[dict[str, lis
     return done, todo
 
 
-async def _from_server(base_url, todo, requests, identity, store, client_cfg: Client, counts: Counts) -> dict[str, list]:
+async def _from_server(
+    base_url, todo, requests, identity, store, client_cfg: Client, counts: Counts
+) -> dict[str, list]:
     done: dict[str, list] = {}
     bar = tqdm(total=len(todo), desc="generate", unit="conv", mininterval=2.0)
     started, tokens = time.monotonic(), 0
     sem = asyncio.Semaphore(client_cfg.concurrency)
     retry = RetryPolicy(max_attempts=client_cfg.max_attempts)
-    async with ChatClient(base_url, concurrency=client_cfg.concurrency, request_timeout_s=client_cfg.request_timeout_s,
-                          retry=retry, api_key_env=client_cfg.api_key_env) as client:  # fmt: skip
+    async with ChatClient(
+        base_url,
+        concurrency=client_cfg.concurrency,
+        request_timeout_s=client_cfg.request_timeout_s,
+        retry=retry,
+        api_key_env=client_cfg.api_key_env,
+    ) as client:
 
         async def one(prompt):
             nonlocal tokens
@@ -122,8 +150,13 @@ async def _from_server(base_url, todo, requests, identity, store, client_cfg: Cl
             done[prompt["id"]] = rows
             tokens += sum(((r["response"] or {}).get("usage") or {}).get("completion_tokens") or 0 for r in rows)
             elapsed = time.monotonic() - started
-            bar.set_postfix(sent=counts.sent, reused=counts.reused, tok_s=f"{tokens / elapsed:.0f}",
-                            failed=counts.failed_conversations, refresh=False)  # fmt: skip
+            bar.set_postfix(
+                sent=counts.sent,
+                reused=counts.reused,
+                tok_s=f"{tokens / elapsed:.0f}",
+                failed=counts.failed_conversations,
+                refresh=False,
+            )
             bar.update()
 
         await asyncio.gather(*(one(p) for p in todo))
@@ -132,9 +165,18 @@ async def _from_server(base_url, todo, requests, identity, store, client_cfg: Cl
 
 
 def run_generate(
-    prompts_path: str, verifier_dir: str, store_path: str, replies_out: str, stats_out: str, *,
-    requests: Requests, client: Client, server: dict[str, Any], server_log: str, endpoint: str | list[str] | None = None,
-) -> None:  # fmt: skip
+    prompts_path: str,
+    verifier_dir: str,
+    store_path: str,
+    replies_out: str,
+    stats_out: str,
+    *,
+    requests: Requests,
+    client: Client,
+    server: dict[str, Any],
+    server_log: str,
+    endpoint: str | list[str] | None = None,
+) -> None:
     """`server` is the validated `server` config section: its reply-shaping flags go into
     every store key, and a vLLM is launched from it when a request is missing and no
     `endpoint` is given."""
@@ -145,8 +187,14 @@ def run_generate(
         entries_before = len(store)
         done, todo = asyncio.run(_from_store(prompts, requests, identity, store))
         counts = Counts(reused=sum(len(rows) for rows in done.values()))
-        log.info("%d of %d conversations answered by the store %s (%d entries); %d need the server",
-                 len(done), len(prompts), store_path, entries_before, len(todo))  # fmt: skip
+        log.info(
+            "%d of %d conversations answered by the store %s (%d entries); %d need the server",
+            len(done),
+            len(prompts),
+            store_path,
+            entries_before,
+            len(todo),
+        )
         if todo:
             spec = ServerSpec.from_config(server, verifier_dir)
             with serve(spec, server_log, endpoint) as base_url:
@@ -168,6 +216,12 @@ def run_generate(
         "wall_s": round(time.monotonic() - started, 3),
     }
     write_json(stats_out, stats)
-    log.info("generate: %d requests, %d sent to the server, %d reused from the store, %d failed conversations; "
-             "%d store entries no current request uses (prune: python -m workflow_scripts.generate prune)",
-             len(rows), counts.sent, counts.reused, counts.failed_conversations, unused)  # fmt: skip
+    log.info(
+        "generate: %d requests, %d sent to the server, %d reused from the store, %d failed conversations; "
+        "%d store entries no current request uses (prune: python -m workflow_scripts.generate prune)",
+        len(rows),
+        counts.sent,
+        counts.reused,
+        counts.failed_conversations,
+        unused,
+    )

@@ -1,1 +1,2 @@
-"""synth: parse the verifier's raw replies (from generate) into samples with exact token streams, and account for their defects."""
+"""synth: parse the verifier's raw replies (from generate) into samples with exact token
+streams, and account for their defects."""

@@ -40,7 +40,9 @@ def reasoning_of(message: dict[str, Any]) -> str | None:
     return None
 
 
-def parse_completion(body: dict[str, Any], *, expect_reasoning: bool, think_markers: Sequence[str] | None = None) -> Completion:
+def parse_completion(
+    body: dict[str, Any], *, expect_reasoning: bool, think_markers: Sequence[str] | None = None
+) -> Completion:
     """Extract one sample from a /v1/chat/completions body and list its defects."""
     choice = body["choices"][0]
     message = choice.get("message") or {}
@@ -65,8 +67,10 @@ def defects_of(c: Completion, *, expect_reasoning: bool, think_markers: Sequence
     defects = []
     if c.prompt_token_ids is None or c.completion_token_ids is None:
         defects.append("missing_token_ids")
-    elif c.prompt_tokens is not None and c.completion_tokens is not None and (
-        len(c.prompt_token_ids) != c.prompt_tokens or len(c.completion_token_ids) != c.completion_tokens
+    elif (
+        c.prompt_tokens is not None
+        and c.completion_tokens is not None
+        and (len(c.prompt_token_ids) != c.prompt_tokens or len(c.completion_token_ids) != c.completion_tokens)
     ):
         defects.append("token_count_mismatch")
     if not (c.content or "").strip():
@@ -112,9 +116,13 @@ def stream_tokens(tokenizer, think_markers: Sequence[str] | None) -> StreamToken
 
 
 def rebuild_completion_ids(
-    encode: Callable[[str], list[int]], prompt_ids: Sequence[int], reasoning: str | None, content: str | None,
-    finish_reason: str | None, tokens: StreamTokens,
-) -> list[int]:  # fmt: skip
+    encode: Callable[[str], list[int]],
+    prompt_ids: Sequence[int],
+    reasoning: str | None,
+    content: str | None,
+    finish_reason: str | None,
+    tokens: StreamTokens,
+) -> list[int]:
     """The completion's token ids rebuilt from its text fields. Pure given `encode`.
 
     For servers that cannot return token ids. A thinking verifier's stream is
@@ -138,8 +146,12 @@ def rebuild_completion_ids(
     return ids
 
 
-def rebuild_prompt_ids(tokenizer, messages: list[dict[str, Any]], chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **(chat_template_kwargs or {}))
+def rebuild_prompt_ids(
+    tokenizer, messages: list[dict[str, Any]], chat_template_kwargs: dict[str, Any] | None = None
+) -> list[int]:
+    out = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, **(chat_template_kwargs or {})
+    )
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 

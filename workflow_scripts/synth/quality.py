@@ -13,9 +13,9 @@ def mark_duplicates(samples: list[dict[str, Any]]) -> None:
     seen_ids, seen_streams = set(), set()
     for s in samples:
         stream = (tuple(s["prompt_token_ids"] or ()), tuple(s["completion_token_ids"] or ()))
-        if s["id"] in seen_ids or (s["completion_token_ids"] and stream in seen_streams):
-            if "duplicate" not in s["defects"]:
-                s["defects"] = [*s["defects"], "duplicate"]
+        repeated = s["id"] in seen_ids or (s["completion_token_ids"] and stream in seen_streams)
+        if repeated and "duplicate" not in s["defects"]:
+            s["defects"] = [*s["defects"], "duplicate"]
         seen_ids.add(s["id"])
         seen_streams.add(stream)
 

@@ -70,7 +70,9 @@ def load_rebuilder(verifier_dir: str | None, parsing: Parsing) -> Rebuilder | No
 def sample_of(row: dict[str, Any], parsing: Parsing, rebuilder: Rebuilder | None) -> dict[str, Any]:
     """One training sample from one raw reply row (request and response decoded)."""
     messages = row["request"]["messages"]
-    c = parse_completion(row["response"], expect_reasoning=parsing.expect_reasoning, think_markers=parsing.think_markers)
+    c = parse_completion(
+        row["response"], expect_reasoning=parsing.expect_reasoning, think_markers=parsing.think_markers
+    )
     if rebuilder is not None:
         c = rebuilder.apply(c, messages)
     return {
@@ -93,15 +95,24 @@ def sample_of(row: dict[str, Any], parsing: Parsing, rebuilder: Rebuilder | None
     }
 
 
-def run_synth(replies: str, responses_out: str, errors_out: str, quality_out: str, parsing: Parsing,
-              verifier_dir: str | None = None) -> None:  # fmt: skip
+def run_synth(
+    replies: str,
+    responses_out: str,
+    errors_out: str,
+    quality_out: str,
+    parsing: Parsing,
+    verifier_dir: str | None = None,
+) -> None:
     """`verifier_dir` holds the tokenizer and chat template that rebuild (and check) token
     streams; None disables that."""
     rows = read_replies(replies)
     rebuilder = load_rebuilder(verifier_dir, parsing)
     samples = [sample_of(r, parsing, rebuilder) for r in rows if r["response"] is not None]
-    errors = [{"conversation_id": r["prompt_id"], "turn": r["turn"], "reason": r["error"], "attempts": r["attempts"]}
-              for r in rows if r["error"] is not None]  # fmt: skip
+    errors = [
+        {"conversation_id": r["prompt_id"], "turn": r["turn"], "reason": r["error"], "attempts": r["attempts"]}
+        for r in rows
+        if r["error"] is not None
+    ]
     write_parquet(responses_out, samples_table(samples))
     write_jsonl(errors_out, errors)
     report = quality_report(samples, errors, num_prompts=len({r["prompt_id"] for r in rows}))
@@ -112,12 +123,24 @@ def run_synth(replies: str, responses_out: str, errors_out: str, quality_out: st
 def samples_table(samples: list[dict[str, Any]]):
     import pyarrow as pa
 
-    schema = pa.schema([
-        ("id", pa.string()), ("prompt_id", pa.string()), ("turn", pa.int32()), ("category", pa.string()),
-        ("messages", pa.string()), ("reasoning", pa.string()), ("content", pa.string()),
-        ("finish_reason", pa.string()), ("prompt_token_ids", pa.list_(pa.int32())),
-        ("completion_token_ids", pa.list_(pa.int32())), ("prompt_tokens", pa.int32()),
-        ("completion_tokens", pa.int32()), ("server_model", pa.string()),
-        ("system_fingerprint", pa.string()), ("token_source", pa.string()), ("defects", pa.list_(pa.string())),
-    ])  # fmt: skip
+    schema = pa.schema(
+        [
+            ("id", pa.string()),
+            ("prompt_id", pa.string()),
+            ("turn", pa.int32()),
+            ("category", pa.string()),
+            ("messages", pa.string()),
+            ("reasoning", pa.string()),
+            ("content", pa.string()),
+            ("finish_reason", pa.string()),
+            ("prompt_token_ids", pa.list_(pa.int32())),
+            ("completion_token_ids", pa.list_(pa.int32())),
+            ("prompt_tokens", pa.int32()),
+            ("completion_tokens", pa.int32()),
+            ("server_model", pa.string()),
+            ("system_fingerprint", pa.string()),
+            ("token_source", pa.string()),
+            ("defects", pa.list_(pa.string())),
+        ]
+    )
     return pa.Table.from_pylist(samples, schema=schema)

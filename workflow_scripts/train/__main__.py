@@ -14,7 +14,9 @@ from workflow_scripts.train.loop import run_from_json
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         sys.exit("usage: python -m workflow_scripts.train SPEC.json")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr, force=True)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr, force=True
+    )
     terminate_on_sigterm()
     with open(sys.argv[1]) as fh:
         run_from_json(json.load(fh))

@@ -49,6 +49,7 @@ def training_fingerprint(cfg: dict[str, Any], index: str, vocab_map: str, shards
     by name, size and mtime: hashing hundreds of GB on every start is too slow, and a shard
     rebuilt with identical bytes restarting training is the safe direction to err in.
     """
+
     def file_sha(path: str) -> str:
         return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
@@ -56,13 +57,15 @@ def training_fingerprint(cfg: dict[str, Any], index: str, vocab_map: str, shards
         st = Path(path).stat()
         return [Path(path).name, st.st_size, st.st_mtime_ns]
 
-    return value_fingerprint({
-        "train": {k: v for k, v in sorted(cfg.items()) if k not in NON_DETERMINING_KEYS},
-        "index": file_sha(index),
-        "vocab_map": file_sha(vocab_map),
-        "shards": [stat(s) for s in shards],
-        "code": code,
-    })  # fmt: skip
+    return value_fingerprint(
+        {
+            "train": {k: v for k, v in sorted(cfg.items()) if k not in NON_DETERMINING_KEYS},
+            "index": file_sha(index),
+            "vocab_map": file_sha(vocab_map),
+            "shards": [stat(s) for s in shards],
+            "code": code,
+        }
+    )
 
 
 @dataclass
@@ -92,12 +95,19 @@ def flatten_state(obj: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tens
             return {"__tensor__": path}
         if isinstance(o, dict):
             # JSON keys are strings: remember which were ints (optimizer state is keyed by param index).
-            return {"__dict__": [[k, isinstance(k, int), walk(v, f"{path}.{k}" if path else str(k))] for k, v in o.items()]}
+            return {
+                "__dict__": [[k, isinstance(k, int), walk(v, f"{path}.{k}" if path else str(k))] for k, v in o.items()]
+            }
         if isinstance(o, (list, tuple)):
-            return {"__list__": [walk(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(o)], "tuple": isinstance(o, tuple)}
+            return {
+                "__list__": [walk(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(o)],
+                "tuple": isinstance(o, tuple),
+            }
         if o is None or isinstance(o, (bool, int, float, str)):
             return o
-        raise TypeError(f"cannot checkpoint a {type(o).__name__} at {path!r}: only tensors, dicts, lists and plain values")
+        raise TypeError(
+            f"cannot checkpoint a {type(o).__name__} at {path!r}: only tensors, dicts, lists and plain values"
+        )
 
     return walk(obj, prefix), tensors
 
@@ -132,7 +142,11 @@ def set_rng_state(tensors: dict[str, torch.Tensor], python_state: Any) -> None:
     cuda = [tensors[k] for k in sorted(k for k in tensors if k.startswith("torch_cuda_"))]
     if cuda and torch.cuda.is_available():
         if len(cuda) != torch.cuda.device_count():
-            log.warning("checkpoint holds %d CUDA RNG states, this host has %d devices: restoring the overlap", len(cuda), torch.cuda.device_count())
+            log.warning(
+                "checkpoint holds %d CUDA RNG states, this host has %d devices: restoring the overlap",
+                len(cuda),
+                torch.cuda.device_count(),
+            )
         for i, s in enumerate(cuda[: torch.cuda.device_count()]):
             torch.cuda.set_rng_state(s, i)
     version, internal, gauss = python_state
@@ -147,9 +161,14 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_checkpoint(
-    directory: Path, fingerprint: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-    state: TrainState, best: dict[str, torch.Tensor] | None, keep: int,
-) -> Path:  # fmt: skip
+    directory: Path,
+    fingerprint: str,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: TrainState,
+    best: dict[str, torch.Tensor] | None,
+    keep: int,
+) -> Path:
     """Write checkpoint `step-<state.step>` atomically, then drop all but the newest `keep`."""
     directory.mkdir(parents=True, exist_ok=True)
     target = directory / f"{PREFIX}{state.step:08d}"
@@ -162,13 +181,22 @@ def save_checkpoint(
             save_file({k: v.cpu().contiguous() for k, v in best.items()}, str(tmp / "best.safetensors"))
         save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
         save_file(rng_tensors, str(tmp / "rng.safetensors"))
-        (tmp / "state.json").write_text(json.dumps({
-            "fingerprint": fingerprint,
-            "step": state.step, "epoch": state.epoch, "batch_index": state.batch_index,
-            "best_loss": state.best_loss if best is not None else None, "best_step": state.best_step,
-            "rows": state.rows, "window": state.window,
-            "optimizer": skeleton, "python_rng": python_rng,
-        }))  # fmt: skip
+        (tmp / "state.json").write_text(
+            json.dumps(
+                {
+                    "fingerprint": fingerprint,
+                    "step": state.step,
+                    "epoch": state.epoch,
+                    "batch_index": state.batch_index,
+                    "best_loss": state.best_loss if best is not None else None,
+                    "best_step": state.best_step,
+                    "rows": state.rows,
+                    "window": state.window,
+                    "optimizer": skeleton,
+                    "python_rng": python_rng,
+                }
+            )
+        )
         # A killed process loses nothing in the page cache; a crashed node does: sync before the rename.
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
@@ -198,13 +226,20 @@ class Checkpoint:
 def load_checkpoint(path: Path, fingerprint: str) -> Checkpoint:
     meta = json.loads((path / "state.json").read_text())
     if meta["fingerprint"] != fingerprint:
-        raise ValueError(f"{path}: checkpoint fingerprint {meta['fingerprint']} != {fingerprint}: it belongs to another config, input or code; delete it")
+        raise ValueError(
+            f"{path}: checkpoint fingerprint {meta['fingerprint']} != "
+            f"{fingerprint}: it belongs to another config, input or code; delete it"
+        )
     best_file = path / "best.safetensors"
     state = TrainState(
-        step=meta["step"], epoch=meta["epoch"], batch_index=meta["batch_index"],
-        best_loss=meta["best_loss"] if meta["best_loss"] is not None else float("inf"), best_step=meta["best_step"],
-        rows=meta["rows"], window=meta["window"],
-    )  # fmt: skip
+        step=meta["step"],
+        epoch=meta["epoch"],
+        batch_index=meta["batch_index"],
+        best_loss=meta["best_loss"] if meta["best_loss"] is not None else float("inf"),
+        best_step=meta["best_step"],
+        rows=meta["rows"],
+        window=meta["window"],
+    )
     return Checkpoint(
         path=path,
         state=state,

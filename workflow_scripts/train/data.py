@@ -36,15 +36,17 @@ def load_shards(paths: list[str], dtype: torch.dtype = torch.float32) -> tuple[l
             if layer_ids is not None and ids != layer_ids:
                 raise ValueError(f"{path}: aux_layer_ids {ids} differ from other shards ({layer_ids})")
             layer_ids = ids
-            t = {k: f.get_tensor(k) for k in f.keys()}
+            t = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is no dict)
         offsets = t["offsets"].tolist()
         for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:], strict=True)):
             if b - a < 2:
                 continue
             s = shift(
-                t["input_ids"][a:b].long(), t["hidden_states"][a:b].to(dtype),
-                t["verifier_last_hidden_states"][a:b].to(dtype), t["loss_mask"][a:b].bool(),
-            )  # fmt: skip
+                t["input_ids"][a:b].long(),
+                t["hidden_states"][a:b].to(dtype),
+                t["verifier_last_hidden_states"][a:b].to(dtype),
+                t["loss_mask"][a:b].bool(),
+            )
             (evals if t["is_eval"][i] else train).append(s)
     return train, evals, layer_ids
 

@@ -70,7 +70,9 @@ def draft_rope_parameters(v: dict[str, Any]) -> dict[str, Any]:
     return {**{k: val for k, val in scaling.items() if k != "type"}, "rope_type": rope_type, "rope_theta": theta}
 
 
-def draft_layer_config(verifier_dir: str, num_layers: int, attn_impl: str, sliding_window: int | None = None) -> LlamaConfig:
+def draft_layer_config(
+    verifier_dir: str, num_layers: int, attn_impl: str, sliding_window: int | None = None
+) -> LlamaConfig:
     """The draft decoder's config. `sliding_window` None: full attention in every draft layer;
     an int: that window in every layer (speculators' own trainer defaults to 2048)."""
     v = verifier_text_config(verifier_dir)
@@ -98,7 +100,12 @@ def draft_layer_config(verifier_dir: str, num_layers: int, attn_impl: str, slidi
 
 # Where checkpoints keep the two tensors the draft shares with its verifier, by name.
 # Multimodal wrappers (Kimi-K2.5) prefix the language model's weights.
-EMBED_NAMES = ("model.embed_tokens.weight", "language_model.model.embed_tokens.weight", "model.language_model.embed_tokens.weight", "transformer.wte.weight")
+EMBED_NAMES = (
+    "model.embed_tokens.weight",
+    "language_model.model.embed_tokens.weight",
+    "model.language_model.embed_tokens.weight",
+    "transformer.wte.weight",
+)
 LM_HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight", "model.language_model.lm_head.weight")
 FINAL_NORM_NAMES = ("model.norm.weight", "language_model.model.norm.weight", "model.language_model.norm.weight")
 
@@ -160,7 +167,10 @@ def load_verifier_weights(model, verifier_dir: str, t2d: torch.Tensor) -> None:
     (verifier_norm), all frozen."""
     embed, lm_head = load_verifier_embeddings(verifier_dir)
     if embed.shape != model.embed_tokens.weight.shape:
-        raise ValueError(f"{verifier_dir}: embeddings {tuple(embed.shape)}, the draft expects {tuple(model.embed_tokens.weight.shape)}")
+        raise ValueError(
+            f"{verifier_dir}: embeddings {tuple(embed.shape)}, the "
+            f"draft expects {tuple(model.embed_tokens.weight.shape)}"
+        )
     draft_head = lm_head[t2d.to(torch.bool)] if model.use_draft_vocab else lm_head
     dtype = model.embed_tokens.weight.dtype
     with torch.no_grad():
@@ -168,15 +178,28 @@ def load_verifier_weights(model, verifier_dir: str, t2d: torch.Tensor) -> None:
         model.lm_head.weight.copy_(draft_head.to(dtype))
         model.verifier_lm_head.weight.copy_(draft_head.to(dtype))
         model.verifier_norm.weight.copy_(load_verifier_final_norm(verifier_dir).to(dtype))
-    for p in (model.embed_tokens.weight, model.lm_head.weight, model.verifier_lm_head.weight, model.verifier_norm.weight):
+    for p in (
+        model.embed_tokens.weight,
+        model.lm_head.weight,
+        model.verifier_lm_head.weight,
+        model.verifier_norm.weight,
+    ):
         p.requires_grad_(False)
     model.embed_tokens.weight.requires_grad_(model.config.embed_requires_grad)
 
 
 def build_draft(
-    verifier_dir: str, d2t: torch.Tensor, t2d: torch.Tensor, *, num_layers: int, ttt_steps: int,
-    aux_layer_ids: list[int], attn_impl: str, norm_before_residual: bool = True, sliding_window: int | None = None,
-):  # fmt: skip
+    verifier_dir: str,
+    d2t: torch.Tensor,
+    t2d: torch.Tensor,
+    *,
+    num_layers: int,
+    ttt_steps: int,
+    aux_layer_ids: list[int],
+    attn_impl: str,
+    norm_before_residual: bool = True,
+    sliding_window: int | None = None,
+):
     """A freshly initialised draft with the verifier's embeddings and lm_head rows loaded.
 
     `aux_layer_ids` become the config's eagle_aux_hidden_state_layer_ids: vLLM serving
@@ -210,7 +233,9 @@ def export_draft(model, state_dict: dict[str, torch.Tensor], out_dir: Path, serv
     usually not the path the draft was trained from.
     """
     model.config.speculators_config.verifier.name_or_path = serve_verifier_path
-    model.save_pretrained(out_dir, state_dict={k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state_dict.items()})
+    model.save_pretrained(
+        out_dir, state_dict={k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state_dict.items()}
+    )
 
 
 def load_draft_weights(draft_dir: str) -> dict[str, torch.Tensor]:
@@ -243,6 +268,11 @@ def load_draft(draft_dir: str, verifier_dir: str | None = None):
     with torch.no_grad():
         model.verifier_lm_head.weight.copy_(rows.to(model.verifier_lm_head.weight.dtype))
         model.verifier_norm.weight.copy_(load_verifier_final_norm(verifier_dir).to(model.verifier_norm.weight.dtype))
-    for p in (model.embed_tokens.weight, model.lm_head.weight, model.verifier_lm_head.weight, model.verifier_norm.weight):
+    for p in (
+        model.embed_tokens.weight,
+        model.lm_head.weight,
+        model.verifier_lm_head.weight,
+        model.verifier_norm.weight,
+    ):
         p.requires_grad_(False)
     return model

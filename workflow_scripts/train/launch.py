@@ -26,8 +26,16 @@ STOP_GRACE_S = 60
 
 
 def torchrun_command(spec_path: Path, nproc: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", "workflow_scripts.train", str(spec_path)]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "workflow_scripts.train",
+        str(spec_path),
+    ]
 
 
 def run_stage(spec: dict[str, Any], nproc: int) -> None:
@@ -38,7 +46,9 @@ def run_stage(spec: dict[str, Any], nproc: int) -> None:
     # The spec sits next to the checkpoints: outside the Snakemake outputs, kept for a rerun to read.
     spec_path = Path(spec["checkpoint_dir"]) / "torchrun-spec.json"
     write_text(spec_path, json.dumps(spec, indent=1))
-    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(PACKAGE_PARENT), os.environ.get("PYTHONPATH")]))}
+    env = os.environ | {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(PACKAGE_PARENT), os.environ.get("PYTHONPATH")]))
+    }
     cmd = torchrun_command(spec_path, nproc)
     log.info("launching %d training processes: %s", nproc, " ".join(cmd))
     proc = subprocess.Popen(cmd, env=env, stdout=sys.stderr, stderr=sys.stderr, start_new_session=True)
@@ -49,4 +59,6 @@ def run_stage(spec: dict[str, Any], nproc: int) -> None:
         kill_group(proc.pid, STOP_GRACE_S)
         rc = proc.wait()
     if rc != 0:
-        raise RuntimeError(f"torchrun with {nproc} training processes exited with {rc}: see the rank logs above in this log")
+        raise RuntimeError(
+            f"torchrun with {nproc} training processes exited with {rc}: see the rank logs above in this log"
+        )

@@ -39,8 +39,13 @@ from tqdm import tqdm
 from workflow_scripts.common.atomic import atomic_path, write_jsonl
 from workflow_scripts.common.fingerprint import code_fingerprint
 from workflow_scripts.train.checkpoint import (
-    TrainState, latest_checkpoint, restore, save_checkpoint, trainable_state, training_fingerprint,
-)  # fmt: skip
+    TrainState,
+    latest_checkpoint,
+    restore,
+    save_checkpoint,
+    trainable_state,
+    training_fingerprint,
+)
 from workflow_scripts.train.data import collate, load_shards, pack
 from workflow_scripts.train.draft import build_draft, export_draft
 
@@ -70,6 +75,7 @@ def metric_keys(ttt_steps: int) -> list[str]:
 
 def summarise(totals: dict[str, float], ttt_steps: int) -> dict[str, float]:
     """Means from summed metrics (see metric_keys): loss per batch, accuracies per position. Pure."""
+
     def ratio(name):
         t = totals[f"{name}_total"]
         return totals[f"{name}_sum"] / t if t else 0.0
@@ -121,7 +127,10 @@ def resolve_impls(attn_impl: str, loss_implementation: str, cuda: bool, triton: 
     attn = attn_impl if attn_impl != "auto" else ("simple_flex_attention" if cuda else "sdpa")
     loss = loss_implementation if loss_implementation != "auto" else ("fused" if cuda and triton else "eager")
     if attn == "simple_flex_attention" and not cuda:
-        raise ValueError("train.attn_impl: simple_flex_attention needs CUDA (flex attention has no CPU backward); use auto, sdpa or eager")
+        raise ValueError(
+            "train.attn_impl: simple_flex_attention needs CUDA (flex "
+            "attention has no CPU backward); use auto, sdpa or eager"
+        )
     if loss == "fused" and not (cuda and triton):
         raise ValueError("train.loss_implementation: fused needs CUDA and Triton; use auto or eager")
     return attn, loss
@@ -139,7 +148,9 @@ def init_runtime(cfg: dict[str, Any]) -> Runtime:
         device = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if cuda else "gloo")
-    attn, loss = resolve_impls(cfg["attn_impl"], cfg["loss_implementation"], cuda, importlib.util.find_spec("triton") is not None)
+    attn, loss = resolve_impls(
+        cfg["attn_impl"], cfg["loss_implementation"], cuda, importlib.util.find_spec("triton") is not None
+    )
     return Runtime(rank, world_size, device, attn, loss)
 
 
@@ -149,14 +160,18 @@ def init_runtime(cfg: dict[str, Any]) -> Runtime:
 def metrics_vector(metrics: dict[str, torch.Tensor] | None, keys: list[str], device: torch.device) -> torch.Tensor:
     if metrics is None:  # this rank had no batch in this step
         return torch.zeros(len(keys), dtype=torch.float64, device=device)
-    return torch.stack([torch.ones((), device=device) if k == "num_batches" else metrics[k].detach().float().reshape(()) for k in keys]).double()
+    return torch.stack(
+        [torch.ones((), device=device) if k == "num_batches" else metrics[k].detach().float().reshape(()) for k in keys]
+    ).double()
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def train_step(model, params, optimizer, batch, rt: Runtime, fwd_kwargs, *, lr: float, loss_scale: float, grad_clip: float, keys):
+def train_step(
+    model, params, optimizer, batch, rt: Runtime, fwd_kwargs, *, lr: float, loss_scale: float, grad_clip: float, keys
+):
     """One optimizer step on this rank's `batch` (None: no batch for this rank in this step).
 
     Returns (grad_norm, summed metrics vector over all ranks) as device tensors: nothing here
@@ -189,7 +204,9 @@ def all_reduce_grads(params: list[torch.nn.Parameter]) -> None:
 
 
 @torch.no_grad()
-def evaluate(model, samples, batch_tokens: int, fwd_kwargs: dict[str, Any], rt: Runtime, keys: list[str]) -> dict[str, float]:
+def evaluate(
+    model, samples, batch_tokens: int, fwd_kwargs: dict[str, Any], rt: Runtime, keys: list[str]
+) -> dict[str, float]:
     """Validation metrics over all of `samples`; under data parallel each rank takes every
     world_size-th batch and the sums are reduced."""
     model.eval()
@@ -216,30 +233,69 @@ def kill_hook() -> tuple[int, int] | None:
 
 
 def run_train(
-    shards: list[str], vocab_map: str, verifier_dir: str, draft_out: str, metrics_out: str, *,
-    index: str, checkpoint_dir: str, serve_verifier_path: str, cfg: dict[str, Any], threads: int,
-) -> None:  # fmt: skip
+    shards: list[str],
+    vocab_map: str,
+    verifier_dir: str,
+    draft_out: str,
+    metrics_out: str,
+    *,
+    index: str,
+    checkpoint_dir: str,
+    serve_verifier_path: str,
+    cfg: dict[str, Any],
+    threads: int,
+) -> None:
     torch.set_num_threads(threads)
     rt = init_runtime(cfg)
     try:
-        _train(shards, vocab_map, verifier_dir, draft_out, metrics_out, index, Path(checkpoint_dir), serve_verifier_path, cfg, rt)
+        _train(
+            shards,
+            vocab_map,
+            verifier_dir,
+            draft_out,
+            metrics_out,
+            index,
+            Path(checkpoint_dir),
+            serve_verifier_path,
+            cfg,
+            rt,
+        )
     finally:
         if rt.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _train(shards, vocab_map, verifier_dir, draft_out, metrics_out, index, checkpoint_root: Path, serve_verifier_path, cfg, rt: Runtime):
+def _train(
+    shards,
+    vocab_map,
+    verifier_dir,
+    draft_out,
+    metrics_out,
+    index,
+    checkpoint_root: Path,
+    serve_verifier_path,
+    cfg,
+    rt: Runtime,
+):
     torch.manual_seed(cfg["seed"])
     fingerprint = training_fingerprint(cfg, index, vocab_map, shards, code_fingerprint("workflow_scripts.train.loop"))
     ckpt_dir = checkpoint_root / fingerprint
     train, evals, aux_layer_ids = load_shards(shards)
     if not train or not evals:
-        raise ValueError(f"hidden-state shards hold {len(train)} train and {len(evals)} eval samples; both must be non-empty")
+        raise ValueError(
+            f"hidden-state shards hold {len(train)} train and {len(evals)} eval samples; both must be non-empty"
+        )
     vocab = load_file(vocab_map)
     model = build_draft(
-        verifier_dir, vocab["d2t"], vocab["t2d"], num_layers=cfg["num_layers"], ttt_steps=cfg["ttt_steps"],
-        aux_layer_ids=aux_layer_ids, attn_impl=rt.attn_impl, sliding_window=cfg.get("sliding_window"),
-    ).to(rt.device)  # fmt: skip
+        verifier_dir,
+        vocab["d2t"],
+        vocab["t2d"],
+        num_layers=cfg["num_layers"],
+        ttt_steps=cfg["ttt_steps"],
+        aux_layer_ids=aux_layer_ids,
+        attn_impl=rt.attn_impl,
+        sliding_window=cfg.get("sliding_window"),
+    ).to(rt.device)
     from speculators.losses import resolve_loss_config
 
     ttt = cfg["ttt_steps"]
@@ -258,14 +314,32 @@ def _train(shards, vocab_map, verifier_dir, draft_out, metrics_out, index, check
     checkpoint_every, keep = cfg.get("checkpoint_every", 0), cfg.get("keep_checkpoints", 2)
     if rt.is_main:
         log.info(
-            "draft: %.2fM trainable params; %d train / %d eval samples (%d / %d tokens); %d steps on %d %s process(es); "
+            "draft: %.2fM trainable params; %d train / %d eval "
+            "samples (%d / %d tokens); %d steps on %d %s process(es); "
             "attention %s, loss %s; checkpoints in %s",
-            sum(p.numel() for p in params) / 1e6, len(train), len(evals), sum(map(len, train)), sum(map(len, evals)),
-            total_steps, rt.world_size, rt.device.type, rt.attn_impl, rt.loss_implementation, ckpt_dir,
-        )  # fmt: skip
-        others = [p.name for p in checkpoint_root.iterdir() if p.is_dir() and p.name != fingerprint] if checkpoint_root.is_dir() else []
+            sum(p.numel() for p in params) / 1e6,
+            len(train),
+            len(evals),
+            sum(map(len, train)),
+            sum(map(len, evals)),
+            total_steps,
+            rt.world_size,
+            rt.device.type,
+            rt.attn_impl,
+            rt.loss_implementation,
+            ckpt_dir,
+        )
+        others = (
+            [p.name for p in checkpoint_root.iterdir() if p.is_dir() and p.name != fingerprint]
+            if checkpoint_root.is_dir()
+            else []
+        )
         if others:
-            log.info("not resuming checkpoints of other configs/inputs/code in %s: %s", checkpoint_root, ", ".join(sorted(others)))
+            log.info(
+                "not resuming checkpoints of other configs/inputs/code in %s: %s",
+                checkpoint_root,
+                ", ".join(sorted(others)),
+            )
 
     state, best = TrainState(), None
     ckpt = latest_checkpoint(ckpt_dir, fingerprint)
@@ -273,8 +347,15 @@ def _train(shards, vocab_map, verifier_dir, draft_out, metrics_out, index, check
         restore(ckpt, model, optimizer)
         state, best = ckpt.state, ckpt.best
         if rt.is_main:
-            log.info("resuming from step %d of %d (%s; epoch %d, batch %d; best eval loss %s)", state.step, total_steps, ckpt.path,
-                     state.epoch, state.batch_index, f"{state.best_loss:.4f}" if best is not None else "none yet")  # fmt: skip
+            log.info(
+                "resuming from step %d of %d (%s; epoch %d, batch %d; best eval loss %s)",
+                state.step,
+                total_steps,
+                ckpt.path,
+                state.epoch,
+                state.batch_index,
+                f"{state.best_loss:.4f}" if best is not None else "none yet",
+            )
     elif rt.is_main:
         log.info("starting at step 0 of %d (no checkpoint in %s)", total_steps, ckpt_dir)
     if rt.world_size > 1:
@@ -298,7 +379,9 @@ def _train(shards, vocab_map, verifier_dir, draft_out, metrics_out, index, check
         return val
 
     model.train()
-    bar = tqdm(total=total_steps, initial=state.step, desc="train", unit="step", mininterval=2.0, disable=not rt.is_main)
+    bar = tqdm(
+        total=total_steps, initial=state.step, desc="train", unit="step", mininterval=2.0, disable=not rt.is_main
+    )
     grad_norm = torch.zeros(())
     for epoch in range(state.epoch, len(epochs)):
         batches = epochs[epoch]
@@ -309,9 +392,17 @@ def _train(shards, vocab_map, verifier_dir, draft_out, metrics_out, index, check
             batch = collate([train[i] for i in mine], cfg["batch_tokens"]) if mine is not None else None
             lr = lr_at(state.step, total_steps, cfg["lr"], cfg["warmup_steps"])
             grad_norm, reduced = train_step(
-                model, params, optimizer, batch, rt, fwd_kwargs,
-                lr=lr, loss_scale=1.0 / len(step_batches), grad_clip=cfg["grad_clip"], keys=keys,
-            )  # fmt: skip
+                model,
+                params,
+                optimizer,
+                batch,
+                rt,
+                fwd_kwargs,
+                lr=lr,
+                loss_scale=1.0 / len(step_batches),
+                grad_clip=cfg["grad_clip"],
+                keys=keys,
+            )
             window += reduced
             window_tokens += sum(min(len(train[i]), cfg["batch_tokens"]) for b in step_batches for i in b)
             state.step += 1
@@ -319,11 +410,23 @@ def _train(shards, vocab_map, verifier_dir, draft_out, metrics_out, index, check
             bar.update()
             if state.step % cfg["log_every"] == 0 or state.step == total_steps:
                 elapsed = time.monotonic() - window_start
-                row = {"step": state.step, "epoch": epoch, "split": "train", "lr": lr, "grad_norm": float(grad_norm),
-                       "tokens": window_tokens, "tokens_per_s": window_tokens / elapsed,
-                       **summarise(dict(zip(keys, window.tolist(), strict=True)), ttt)}  # fmt: skip
+                row = {
+                    "step": state.step,
+                    "epoch": epoch,
+                    "split": "train",
+                    "lr": lr,
+                    "grad_norm": float(grad_norm),
+                    "tokens": window_tokens,
+                    "tokens_per_s": window_tokens / elapsed,
+                    **summarise(dict(zip(keys, window.tolist(), strict=True)), ttt),
+                }
                 state.rows.append(row)
-                bar.set_postfix(loss=f"{row['loss']:.3f}", acc0=f"{row['full_acc_0']:.2f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
+                bar.set_postfix(
+                    loss=f"{row['loss']:.3f}",
+                    acc0=f"{row['full_acc_0']:.2f}",
+                    tok_s=f"{row['tokens_per_s']:.0f}",
+                    refresh=False,
+                )
                 window.zero_()
                 window_tokens, window_start = 0, time.monotonic()
             end_of_epoch = j + 1 == n_steps
@@ -331,7 +434,12 @@ def _train(shards, vocab_map, verifier_dir, draft_out, metrics_out, index, check
                 eval_start = time.monotonic()
                 val = validate(epoch)
                 if end_of_epoch and rt.is_main:
-                    log.info("epoch %d: eval loss %.4f, estimated acceptance length %.3f", epoch, val["loss"], val["estimated_acceptance_length"])
+                    log.info(
+                        "epoch %d: eval loss %.4f, estimated acceptance length %.3f",
+                        epoch,
+                        val["loss"],
+                        val["estimated_acceptance_length"],
+                    )
                 window_start += time.monotonic() - eval_start  # tokens/s measures training, not validation
             if checkpoint_every and state.step % checkpoint_every == 0 and state.step < total_steps and rt.is_main:
                 state.window = {**dict(zip(keys, window.tolist(), strict=True)), "tokens": window_tokens}
@@ -360,10 +468,17 @@ def run_from_json(spec: dict[str, Any]) -> None:
     """Entry for `python -m workflow_scripts.train SPEC.json` (and torchrun): the keyword
     arguments of run_train as JSON."""
     run_train(
-        spec["shards"], spec["vocab_map"], spec["verifier_dir"], spec["draft_out"], spec["metrics_out"],
-        index=spec["index"], checkpoint_dir=spec["checkpoint_dir"], serve_verifier_path=spec["serve_verifier_path"],
-        cfg=spec["cfg"], threads=spec["threads"],
-    )  # fmt: skip
+        spec["shards"],
+        spec["vocab_map"],
+        spec["verifier_dir"],
+        spec["draft_out"],
+        spec["metrics_out"],
+        index=spec["index"],
+        checkpoint_dir=spec["checkpoint_dir"],
+        serve_verifier_path=spec["serve_verifier_path"],
+        cfg=spec["cfg"],
+        threads=spec["threads"],
+    )
 
 
 def spec_json(**kwargs: Any) -> str:
