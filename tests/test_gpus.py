@@ -6,13 +6,11 @@ import signal
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
+from tests.helpers import REPO
 from workflow_scripts.common.gpus import assign_job_gpus, claim_gpus, device_pool
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def test_device_pool_prefers_the_users_restriction(tmp_path):

@@ -4,7 +4,7 @@ run redoes that shard and what depends on it, never the shards that finished."""
 import subprocess
 import sys
 
-from tests.conftest import REPO, copy_workflow
+from tests.helpers import REPO, copy_workflow
 
 SNAKEMAKE = [sys.executable, "-m", "snakemake", "--configfile", str(REPO / "tests/config/small.yaml")]
 

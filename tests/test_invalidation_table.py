@@ -4,7 +4,7 @@ import re
 import subprocess
 import sys
 
-from tests.conftest import REPO
+from tests.helpers import REPO
 from workflow_scripts.common.fingerprint import ROOT, _module_file, module_digests
 
 DOC = REPO / "docs/invalidation.md"

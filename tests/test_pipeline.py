@@ -2,7 +2,6 @@
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -11,11 +10,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, copy_workflow, vllm_available, vllm_processes
+from tests.helpers import REPO, SNAKEMAKE, copy_workflow, vllm_available, vllm_processes
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")]
-
-SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 
 
 @pytest.fixture(scope="module")

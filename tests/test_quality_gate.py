@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from tests.conftest import copy_workflow
+from tests.helpers import copy_workflow
 from workflow_scripts.common.atomic import write_json, write_jsonl
 from workflow_scripts.common.replies import write_replies
 from workflow_scripts.dataset import QualityGateError, run_dataset

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.conftest import vllm_available
+from tests.helpers import vllm_available
 from workflow_scripts.common.process import group_alive
 from workflow_scripts.common.server import ServerError, ServerSpec, VllmServer
 

@@ -10,15 +10,13 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.conftest import REPO, copy_workflow, vllm_available, vllm_processes
+from tests.helpers import REPO, SNAKEMAKE, copy_workflow, vllm_available, vllm_processes
 
-SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 PROFILE = REPO / "profiles/slurm/config.yaml"
 START_CLUSTER = REPO / "tests/slurm/start_cluster.sh"
 SMALL = REPO / "tests/config/small.yaml"

@@ -5,7 +5,6 @@ for, replayed through the DAG: a broken parser costs no inference once fixed."""
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx2
@@ -14,7 +13,7 @@ import pytest
 import yaml
 from transformers import AutoTokenizer
 
-from tests.conftest import REPO, copy_workflow, vllm_available
+from tests.helpers import REPO, SNAKEMAKE, copy_workflow, vllm_available
 from workflow_scripts.common.atomic import write_jsonl
 from workflow_scripts.common.server import ServerSpec, VllmServer
 from workflow_scripts.generate.run import Client, Requests, run_generate
@@ -23,7 +22,6 @@ from workflow_scripts.synth.run import Parsing, run_synth
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")]
 
 THINK_START, THINK_END, EOS = 3, 4, 2  # ids in tests.conftest.char_tokenizer(think=True)
-SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 # A random model: sampling with a bias towards </think> and the end token makes it think a
 # few tokens, close the block, answer and stop. Greedy decoding cannot: the bias wins at the
 # first step or never. Seeded sampling is deterministic per request in vLLM.

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REPO
+from tests.helpers import REPO
 from tests.train_inputs import make_train_inputs
 from workflow_scripts.common.atomic import read_jsonl
 from workflow_scripts.train.checkpoint import (

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import copy_workflow, save_tiny_llama
+from tests.helpers import copy_workflow, save_tiny_llama
 from tests.train_inputs import make_train_inputs
 from workflow_scripts.common.atomic import read_jsonl
 from workflow_scripts.train.loop import KILL_AT_STEP_ENV
