@@ -10,12 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from workflow_scripts.common.verifier_config import read_text_config
 from workflow_scripts.hidden_states import run_shard, write_index
 from workflow_scripts.train.draft import (
     draft_attention_geometry,
     load_draft,
     load_verifier_embeddings,
-    verifier_text_config,
 )
 from workflow_scripts.train.loop import run_train
 
@@ -135,7 +135,7 @@ def test_draft_for_each_verifier_trains_exports_and_reloads(tiny_verifier, tmp_p
     config = json.loads((draft_dir / "config.json").read_text())
     assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
     layer = config["transformer_layer_config"]
-    v = verifier_text_config(str(verifier))
+    v = read_text_config(str(verifier))
     assert layer["hidden_size"] == v["hidden_size"]
     assert (layer["num_attention_heads"], layer["num_key_value_heads"], layer["head_dim"]) == draft_attention_geometry(
         v
@@ -178,7 +178,7 @@ def test_draft_targets_are_the_verifiers_own_logits(tiny_verifier, tmp_path):
 
     trust = family == "kimi_k2"
     model = load_verifier(str(verifier), "cpu", torch.float32, trust_remote_code=trust)
-    num_layers = verifier_text_config(str(verifier))["num_hidden_layers"]
+    num_layers = read_text_config(str(verifier))["num_hidden_layers"]
     ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0]

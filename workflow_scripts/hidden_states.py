@@ -40,6 +40,7 @@ from tqdm import tqdm
 from workflow_scripts.common.atomic import write_json, write_safetensors
 from workflow_scripts.common.client import ChatClient, RequestFailed
 from workflow_scripts.common.server import ServerSpec, serve
+from workflow_scripts.common.verifier_config import read_text_config, text_config
 
 log = logging.getLogger(__name__)
 
@@ -63,21 +64,16 @@ class VerifierGeometry:
     hidden_size: int
 
 
-def text_config_dict(config: dict[str, Any]) -> dict[str, Any]:
-    """The language model's part of a HF config dict (multimodal verifiers such as
-    Kimi-K2.5 nest it under `text_config`)."""
-    return config.get("text_config") or config
-
-
 def verifier_geometry(verifier_dir: str) -> VerifierGeometry:
     """Layers and hidden size from config.json alone: no model code, no weights (the disk
     check runs before a 1T-parameter verifier is loaded)."""
-    path = Path(verifier_dir) / "config.json"
+    config = read_text_config(verifier_dir)
     try:
-        config = text_config_dict(json.loads(path.read_text()))
         return VerifierGeometry(int(config["num_hidden_layers"]), int(config["hidden_size"]))
-    except (OSError, KeyError, ValueError) as exc:
-        raise ValueError(f"{path}: cannot read num_hidden_layers and hidden_size ({exc})") from exc
+    except (KeyError, ValueError) as exc:
+        raise ValueError(
+            f"{Path(verifier_dir) / 'config.json'}: cannot read num_hidden_layers and hidden_size ({exc})"
+        ) from exc
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
@@ -285,7 +281,7 @@ def extract(
     pad_id: int = 0,
 ) -> list[States]:
     """Run the verifier over `samples`; return per-sample (aux, final) tensors in sample order."""
-    num_layers = text_config_dict(model.config.to_dict())["num_hidden_layers"]
+    num_layers = text_config(model.config.to_dict())["num_hidden_layers"]
     base, layers, norm = decoder_parts(model, num_layers)
     capture = StateCapture(layers, norm, aux_layer_ids)
     device = (

@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import torch
 
 from workflow_scripts.common.atomic import write_json, write_safetensors
+from workflow_scripts.common.verifier_config import read_text_config
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +76,8 @@ def curve_sizes(verifier_vocab_size: int, draft_vocab_size: int) -> list[int]:
     return sorted(sizes)
 
 
-def run_vocab(
-    train: str, eval_: str, verifier_vocab_size: int, draft_vocab_size: int, map_out: str, stats_out: str
-) -> None:
+def run_vocab(train: str, eval_: str, verifier_dir: str, draft_vocab_size: int, map_out: str, stats_out: str) -> None:
+    verifier_vocab_size = int(read_text_config(verifier_dir)["vocab_size"])
     tables = {
         name: pq.read_table(path, columns=["input_ids", "loss_mask"])
         for name, path in (("train", train), ("eval", eval_))

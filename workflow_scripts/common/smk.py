@@ -9,6 +9,7 @@ import sys
 from collections.abc import Iterator
 
 from workflow_scripts.common.gpus import assign_job_gpus
+from workflow_scripts.common.logs import configure_logging
 from workflow_scripts.common.process import terminate_on_sigterm
 
 
@@ -20,14 +21,7 @@ def stage(snakemake) -> Iterator[logging.Logger]:
     if log_path:
         # The job's stderr for the rest of its life: every library's warnings land in the rule log.
         sys.stderr = open(log_path, "a", buffering=1)  # noqa: SIM115
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-        force=True,
-    )
-    for noisy in ("httpx", "httpx2", "httpcore", "httpcore2", "urllib3"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    configure_logging(sys.stderr)
     terminate_on_sigterm()
     log = logging.getLogger(f"eagleflow.{snakemake.rule}")
     gpus = None

@@ -15,7 +15,7 @@ with stage(snakemake):  # noqa: F821 (injected by Snakemake)
             "checkpoint_dir": smk.params.checkpoint_dir,
             "serve_verifier_path": smk.params.serve_verifier_path,
             "cfg": smk.params.train,
-            "threads": max(1, smk.threads // nproc),
+            "threads": smk.threads,
         },
         nproc,
     )

@@ -5,18 +5,16 @@ Snakemake entry redirects to the rule's log.
 """
 
 import json
-import logging
 import sys
 
+from workflow_scripts.common.logs import configure_logging
 from workflow_scripts.common.process import terminate_on_sigterm
 from workflow_scripts.train.loop import run_from_json
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         sys.exit("usage: python -m workflow_scripts.train SPEC.json")
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr, force=True
-    )
+    configure_logging(sys.stderr)
     terminate_on_sigterm()
     with open(sys.argv[1]) as fh:
         run_from_json(json.load(fh))

@@ -16,18 +16,11 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
 from transformers import LlamaConfig
 
+from workflow_scripts.common.verifier_config import read_text_config
+
 log = logging.getLogger(__name__)
-
-
-def verifier_text_config(verifier_dir: str) -> dict[str, Any]:
-    """The verifier's language-model config as a plain dict (config.json's `text_config`
-    for multimodal verifiers such as Kimi-K2.5). Read as JSON: no remote code runs."""
-    path = Path(verifier_dir) / "config.json"
-    config = json.loads(path.read_text())
-    return config.get("text_config") or config
 
 
 def is_mla(v: dict[str, Any]) -> bool:
@@ -75,7 +68,7 @@ def draft_layer_config(
 ) -> LlamaConfig:
     """The draft decoder's config. `sliding_window` None: full attention in every draft layer;
     an int: that window in every layer (speculators' own trainer defaults to 2048)."""
-    v = verifier_text_config(verifier_dir)
+    v = read_text_config(verifier_dir)
     heads, kv_heads, head_dim = draft_attention_geometry(v)
     config = LlamaConfig(
         vocab_size=v["vocab_size"],
@@ -137,7 +130,7 @@ def load_verifier_embeddings(verifier_dir: str) -> tuple[torch.Tensor, torch.Ten
     lm_head = _read_first(weights, LM_HEAD_NAMES)
     if lm_head is None:
         top = json.loads((Path(verifier_dir) / "config.json").read_text())
-        if not (top.get("tie_word_embeddings") or verifier_text_config(verifier_dir).get("tie_word_embeddings")):
+        if not (top.get("tie_word_embeddings") or read_text_config(verifier_dir).get("tie_word_embeddings")):
             raise KeyError(f"{verifier_dir}: no lm_head tensor among {LM_HEAD_NAMES} and tie_word_embeddings is false")
         lm_head = embed
     return embed, lm_head
@@ -236,10 +229,6 @@ def export_draft(model, state_dict: dict[str, torch.Tensor], out_dir: Path, serv
     model.save_pretrained(
         out_dir, state_dict={k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state_dict.items()}
     )
-
-
-def load_draft_weights(draft_dir: str) -> dict[str, torch.Tensor]:
-    return load_file(str(Path(draft_dir) / "model.safetensors"))
 
 
 def load_draft(draft_dir: str, verifier_dir: str | None = None):

@@ -39,7 +39,9 @@ def torchrun_command(spec_path: Path, nproc: int) -> list[str]:
 
 
 def run_stage(spec: dict[str, Any], nproc: int) -> None:
-    """Train with `spec` (run_train's arguments, see loop.run_from_json) on `nproc` processes."""
+    """Train with `spec` (run_train's arguments, see loop.run_from_json) on `nproc` processes;
+    `spec["threads"]` is the job's, split between the processes."""
+    spec = {**spec, "threads": max(1, spec["threads"] // nproc)}
     if nproc == 1:
         run_from_json(spec)
         return

@@ -19,7 +19,6 @@ from the newest one and produces the same metrics rows and weights as an uninter
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 import math
 import os
@@ -479,7 +478,3 @@ def run_from_json(spec: dict[str, Any]) -> None:
         cfg=spec["cfg"],
         threads=spec["threads"],
     )
-
-
-def spec_json(**kwargs: Any) -> str:
-    return json.dumps(kwargs)
