@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from workflow_scripts.common.verifier_config import read_text_config
-from workflow_scripts.hidden_states import run_shard, write_index
+from workflow_scripts.hidden_states.run import run_shard
+from workflow_scripts.hidden_states.shards import write_index
 from workflow_scripts.train.draft import (
     draft_attention_geometry,
     load_draft,
@@ -164,7 +165,8 @@ def test_draft_targets_are_the_verifiers_own_logits(tiny_verifier, tmp_path):
     weights first: with the all-ones norm of a fresh model, forgetting to load it would pass."""
     import shutil
 
-    from workflow_scripts.hidden_states import default_aux_layer_ids, extract, load_verifier
+    from workflow_scripts.hidden_states.hf import extract, load_verifier
+    from workflow_scripts.hidden_states.layers import default_aux_layer_ids
     from workflow_scripts.train.draft import FINAL_NORM_NAMES, build_draft, safetensors_weight_map
 
     family, source = tiny_verifier

@@ -13,25 +13,17 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from workflow_scripts.hidden_states import (
-    BACKENDS,
+from workflow_scripts.hidden_states.backend import BACKENDS, open_backend
+from workflow_scripts.hidden_states.hf import decoder_parts, extract, load_verifier, token_budget_batches
+from workflow_scripts.hidden_states.layers import default_aux_layer_ids, resolve_aux_layer_ids, verifier_geometry
+from workflow_scripts.hidden_states.run import run_shard
+from workflow_scripts.hidden_states.shards import check_disk_space, shard_bytes, write_index
+from workflow_scripts.hidden_states.vllm import (
     HiddenStatesFileError,
-    check_disk_space,
     completion_request,
-    decoder_parts,
-    default_aux_layer_ids,
-    extract,
     extraction_server_args,
-    load_verifier,
-    open_backend,
     read_connector_output,
-    resolve_aux_layer_ids,
-    run_shard,
-    shard_bytes,
     split_states,
-    token_budget_batches,
-    verifier_geometry,
-    write_index,
 )
 
 
@@ -199,7 +191,7 @@ def test_disk_check_logs_the_total_and_refuses_without_room(tmp_path, caplog, mo
     need = check_disk_space(tmp_path, num_tokens=1000, num_states=4, hidden_size=576, dtype=torch.bfloat16)
     assert need == 1000 * 4 * 576 * 2
     assert str(need) in caplog.text
-    import workflow_scripts.hidden_states as hs
+    import workflow_scripts.hidden_states.shards as hs
 
     monkeypatch.setattr(hs.shutil, "disk_usage", lambda p: type("U", (), {"free": need - 1})())
     with pytest.raises(OSError) as err:
@@ -209,10 +201,11 @@ def test_disk_check_logs_the_total_and_refuses_without_room(tmp_path, caplog, mo
 
 def test_run_shard_refuses_before_loading_the_verifier(tiny_llama_dir, tmp_path, monkeypatch):
     write_dataset(tmp_path)
-    import workflow_scripts.hidden_states as hs
+    import workflow_scripts.hidden_states.hf as hf
+    import workflow_scripts.hidden_states.shards as shards
 
-    monkeypatch.setattr(hs.shutil, "disk_usage", lambda p: type("U", (), {"free": 10})())
-    monkeypatch.setattr(hs, "load_verifier", lambda *a, **k: pytest.fail("loaded the verifier before the disk check"))
+    monkeypatch.setattr(shards.shutil, "disk_usage", lambda p: type("U", (), {"free": 10})())
+    monkeypatch.setattr(hf, "load_verifier", lambda *a, **k: pytest.fail("loaded the verifier before the disk check"))
     out = tmp_path / "shard-00000.safetensors"
     with pytest.raises(OSError, match="only 10 bytes"):
         run_shard(
@@ -231,7 +224,7 @@ def test_a_failed_extraction_leaves_no_shard(tiny_llama_dir, tmp_path, monkeypat
     """The shard appears only by rename after a complete write: a job killed or failing
     mid-shard leaves nothing that looks complete (no file, no temporary under its name)."""
     write_dataset(tmp_path)
-    import workflow_scripts.hidden_states as hs
+    import workflow_scripts.hidden_states.hf as hs
 
     def dies(*a, **k):
         raise KeyboardInterrupt
@@ -406,7 +399,7 @@ class FakeExtractionServer:
 
 
 def test_vllm_backend_reassembles_unpadded_states_in_sample_order(tmp_path):
-    from workflow_scripts.hidden_states import VllmBackend
+    from workflow_scripts.hidden_states.vllm import VllmBackend
 
     fake = FakeExtractionServer(tmp_path, num_states=4, hidden=8)
     try:
@@ -432,7 +425,7 @@ def test_vllm_backend_reassembles_unpadded_states_in_sample_order(tmp_path):
 
 
 def test_vllm_backend_retries_a_briefly_unavailable_server(tmp_path):
-    from workflow_scripts.hidden_states import VllmBackend
+    from workflow_scripts.hidden_states.vllm import VllmBackend
 
     fake = FakeExtractionServer(tmp_path, num_states=4, hidden=8, unavailable_first=2)
     try:
@@ -453,7 +446,7 @@ def test_vllm_backend_retries_a_briefly_unavailable_server(tmp_path):
 
 
 def test_vllm_backend_reply_without_states_path_is_an_error(tmp_path):
-    from workflow_scripts.hidden_states import VllmBackend
+    from workflow_scripts.hidden_states.vllm import VllmBackend
 
     fake = FakeExtractionServer(tmp_path, num_states=4, hidden=8, drop_path_for=[7, 8])
     try:

@@ -151,7 +151,7 @@ DOWNSTREAM_OF_SYNTH = {
         ("synth/quality.py", DOWNSTREAM_OF_SYNTH),
         ("dataset.py", DOWNSTREAM_OF_SYNTH - {"synth"}),
         ("vocab.py", {"vocab", "train", "benchmark", "report"}),
-        ("hidden_states.py", {"hidden_states", "hidden_states_index", "train", "benchmark", "report"}),
+        ("hidden_states/hf.py", {"hidden_states", "hidden_states_index", "train", "benchmark", "report"}),
         ("train/loop.py", {"train", "benchmark", "report"}),
         ("benchmark/run.py", {"benchmark", "report"}),
         ("report.py", {"report"}),

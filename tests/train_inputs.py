@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig
 
-from workflow_scripts.hidden_states import write_index
+from workflow_scripts.hidden_states.shards import write_index
 
 AUX_LAYERS = 3
 

@@ -1,5 +1,5 @@
 from workflow_scripts.common.smk import stage
-from workflow_scripts.hidden_states import run_shard
+from workflow_scripts.hidden_states.run import run_shard
 
 with stage(snakemake):  # noqa: F821 (injected by Snakemake)
     smk = snakemake  # noqa: F821

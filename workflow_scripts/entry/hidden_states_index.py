@@ -1,5 +1,5 @@
 from workflow_scripts.common.smk import stage
-from workflow_scripts.hidden_states import write_index
+from workflow_scripts.hidden_states.shards import write_index
 
 with stage(snakemake):  # noqa: F821 (injected by Snakemake)
     smk = snakemake  # noqa: F821

@@ -1,0 +1,59 @@
+"""The EAGLE-3 layer convention (see docs/data-contracts.md) and the verifier geometry it
+needs: which layers are captured, and what vLLM calls them. Pure; config.json is the only
+file read."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from workflow_scripts.common.verifier_config import read_text_config
+
+log = logging.getLogger(__name__)
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+CONVENTION = (
+    "aux i = input of decoder layer i (vLLM/speculators); "
+    "final = last layer output before the final norm (vLLM layer id L)"
+)
+
+# (aux states [tokens, n_aux * hidden], final pre-norm state [tokens, hidden]) per sample
+States = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class VerifierGeometry:
+    num_layers: int
+    hidden_size: int
+
+
+def verifier_geometry(verifier_dir: str) -> VerifierGeometry:
+    """Layers and hidden size from config.json alone: no model code, no weights (the disk
+    check runs before a 1T-parameter verifier is loaded)."""
+    config = read_text_config(verifier_dir)
+    try:
+        return VerifierGeometry(int(config["num_hidden_layers"]), int(config["hidden_size"]))
+    except (KeyError, ValueError) as exc:
+        raise ValueError(
+            f"{Path(verifier_dir) / 'config.json'}: cannot read num_hidden_layers and hidden_size ({exc})"
+        ) from exc
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def resolve_aux_layer_ids(configured: list[int] | None, num_layers: int) -> list[int]:
+    ids = list(configured) if configured else default_aux_layer_ids(num_layers)
+    # Ascending because vLLM emits aux states in layer order whatever order they are listed in.
+    if ids != sorted(set(ids)) or min(ids) < 0 or max(ids) >= num_layers:
+        raise ValueError(
+            f"hidden_states.aux_layer_ids {ids} must be strictly ascending layer indices in 0..{num_layers - 1}"
+        )
+    return ids
+
+
+def vllm_layer_ids(aux_layer_ids: list[int], num_layers: int) -> list[int]:
+    return [*aux_layer_ids, num_layers]

@@ -1,0 +1,72 @@
+"""One shard job: pick the shard's samples, check the disk, run the configured backend and
+write the shard."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from workflow_scripts.common.atomic import write_safetensors
+
+# Importing a backend registers it.
+from workflow_scripts.hidden_states import hf, vllm  # noqa: F401
+from workflow_scripts.hidden_states.backend import ExtractionJob, open_backend
+from workflow_scripts.hidden_states.layers import CONVENTION, DTYPES, resolve_aux_layer_ids, verifier_geometry
+from workflow_scripts.hidden_states.shards import check_disk_space, samples_for_shard, shard_tensors
+
+log = logging.getLogger(__name__)
+
+
+def run_shard(
+    train: str,
+    eval_: str,
+    verifier_dir: str,
+    shard: int,
+    num_shards: int,
+    out: str,
+    *,
+    settings: dict[str, Any],
+    server: dict[str, Any] | None = None,
+    threads: int = 1,
+    trust_remote_code: bool = False,
+    log_path: str | None = None,
+) -> None:
+    """Extract one shard with the configured backend. `settings` is the hidden_states config section."""
+    samples = samples_for_shard(train, eval_, shard, num_shards)
+    if not samples:
+        raise ValueError(f"shard {shard} of {num_shards} has no samples: lower hidden_states.num_shards")
+    geometry = verifier_geometry(verifier_dir)
+    layer_ids = resolve_aux_layer_ids(settings.get("aux_layer_ids"), geometry.num_layers)
+    store_dtype = DTYPES[settings["dtype"]]
+    num_tokens = sum(len(s["input_ids"]) for s in samples)
+    check_disk_space(Path(out).parent, num_tokens, len(layer_ids) + 1, geometry.hidden_size, store_dtype)
+    job = ExtractionJob(
+        verifier_dir, layer_ids, geometry, store_dtype, settings, server or {}, trust_remote_code, log_path, threads
+    )
+    backend_name = settings["backend"]
+    started = time.monotonic()
+    with open_backend(backend_name, job) as backend:
+        states = backend.extract(samples)
+    metadata = {
+        "sample_ids": json.dumps([s["id"] for s in samples]),
+        "aux_layer_ids": json.dumps(layer_ids),
+        "final_layer_id": str(geometry.num_layers),
+        "num_layers": str(geometry.num_layers),
+        "hidden_size": str(geometry.hidden_size),
+        "backend": backend_name,
+        "convention": CONVENTION,
+    }
+    write_safetensors(out, shard_tensors(samples, states), metadata)
+    log.info(
+        "shard %d/%d (%s): %d samples, %d tokens in %.1f s -> %s",
+        shard,
+        num_shards,
+        backend_name,
+        len(samples),
+        num_tokens,
+        time.monotonic() - started,
+        out,
+    )

@@ -1,0 +1,121 @@
+"""The shard format and the index: states and tokens of a shard's samples back to back,
+unpadded, in one safetensors file written atomically; the disk check before a shard is
+written; index.json over all shards."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import torch
+
+from workflow_scripts.common.atomic import write_json
+from workflow_scripts.hidden_states.layers import CONVENTION, States, vllm_layer_ids
+
+log = logging.getLogger(__name__)
+
+
+def shard_bytes(num_tokens: int, num_states: int, hidden_size: int, dtype: torch.dtype) -> int:
+    return num_tokens * num_states * hidden_size * torch.empty((), dtype=dtype).element_size()
+
+
+def check_disk_space(out_dir: Path, num_tokens: int, num_states: int, hidden_size: int, dtype: torch.dtype) -> int:
+    """Log what the shard will take and refuse to start when the target disk lacks room."""
+    need = shard_bytes(num_tokens, num_states, hidden_size, dtype)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(out_dir).free
+    log.info(
+        "will write %d bytes (%.2f GB: %d tokens x %d states x %d hidden x %s); %d bytes free on %s",
+        need,
+        need / 1e9,
+        num_tokens,
+        num_states,
+        hidden_size,
+        dtype,
+        free,
+        out_dir,
+    )
+    if need > free:
+        raise OSError(
+            f"{out_dir}: the hidden states need {need} bytes ({need / 1e9:.2f} GB) but only {free} bytes "
+            f"({free / 1e9:.2f} GB) are free: free space, raise hidden_states.num_shards "
+            "(shards are written one at a time per job) or store in a smaller hidden_states.dtype"
+        )
+    return need
+
+
+def samples_for_shard(train: str, eval_: str, shard: int, num_shards: int) -> list[dict[str, Any]]:
+    rows = []
+    for split, path in (("train", train), ("eval", eval_)):
+        for r in pq.read_table(path, columns=["id", "input_ids", "loss_mask"]).to_pylist():
+            rows.append({**r, "split": split})
+    rows.sort(key=lambda r: r["id"])
+    return rows[shard::num_shards]
+
+
+def shard_tensors(samples: list[dict[str, Any]], states: list[States]) -> dict[str, torch.Tensor]:
+    """The shard's tensors: states and tokens of all samples back to back, unpadded. Pure."""
+    offsets = [0]
+    for s, (aux, final) in zip(samples, states, strict=True):
+        n = len(s["input_ids"])
+        if aux.shape[0] != n or final.shape[0] != n:
+            raise ValueError(f"sample {s['id']}: {n} tokens but states for {aux.shape[0]} / {final.shape[0]}")
+        offsets.append(offsets[-1] + n)
+    return {
+        "hidden_states": torch.cat([a for a, _ in states]),
+        "verifier_last_hidden_states": torch.cat([f for _, f in states]),
+        "input_ids": torch.tensor([t for s in samples for t in s["input_ids"]], dtype=torch.int32),
+        "loss_mask": torch.tensor([t for s in samples for t in s["loss_mask"]], dtype=torch.int8),
+        "offsets": torch.tensor(offsets, dtype=torch.int64),
+        "is_eval": torch.tensor([s["split"] == "eval" for s in samples], dtype=torch.bool),
+    }
+
+
+def read_shard_header(path: str) -> dict[str, Any]:
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata()
+        return {
+            "path": Path(path).name,
+            "num_samples": len(json.loads(meta["sample_ids"])),
+            "num_tokens": f.get_slice("input_ids").get_shape()[0],
+            "aux_layer_ids": json.loads(meta["aux_layer_ids"]),
+            "num_layers": int(meta["num_layers"]),
+            "hidden_size": int(meta["hidden_size"]),
+            "dtype": str(f.get_slice("hidden_states").get_dtype()),
+            "backend": meta.get("backend", "hf"),
+        }
+
+
+def write_index(shards: list[str], verifier_dir: str, out: str) -> None:
+    headers = [read_shard_header(s) for s in shards]
+    first = headers[0]
+    for h in headers[1:]:
+        for key in ("aux_layer_ids", "num_layers", "hidden_size", "dtype"):
+            if h[key] != first[key]:
+                raise ValueError(
+                    f"shard {h['path']} has {key}={h[key]}, shard "
+                    f"{first['path']} has {first[key]}: rerun the stale shard"
+                )
+    write_json(
+        out,
+        {
+            "verifier": verifier_dir,
+            "aux_layer_ids": first["aux_layer_ids"],
+            "final_layer_id": first["num_layers"],
+            "vllm_layer_ids": vllm_layer_ids(first["aux_layer_ids"], first["num_layers"]),
+            "num_layers": first["num_layers"],
+            "hidden_size": first["hidden_size"],
+            "dtype": first["dtype"],
+            "backends": sorted({h["backend"] for h in headers}),
+            "convention": CONVENTION,
+            "num_samples": sum(h["num_samples"] for h in headers),
+            "num_tokens": sum(h["num_tokens"] for h in headers),
+            "shards": headers,
+        },
+    )
