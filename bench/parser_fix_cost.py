@@ -19,18 +19,15 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.helpers import planned_jobs
+
 EDIT = "\n_PARSER_FIX_BENCHMARK = 1\n"
 
 
 def plan(cmd: list[str]) -> dict[str, str]:
-    out = subprocess.run([*cmd, "-n"], capture_output=True, text=True, check=True).stdout
-    rules, rule = {}, None
-    for line in out.splitlines():
-        if line.startswith(("rule ", "localrule ")):
-            rule = line.split()[-1].rstrip(":")
-        elif rule and line.strip().startswith("reason:"):
-            rules[rule] = line.strip().removeprefix("reason: ")
-    return rules
+    return planned_jobs(subprocess.run([*cmd, "-n"], capture_output=True, text=True, check=True).stdout)
 
 
 def main() -> None:

@@ -106,6 +106,18 @@ def save_tiny_llama(out: Path, think: bool = False) -> Path:
     return _save_tiny(out, LlamaConfig, LlamaForCausalLM, seed=0, tie=False, think=think)
 
 
+def planned_jobs(dry_run_stdout: str) -> dict[str, str]:
+    """{rule: its `reason:` line} for every job a `snakemake -n` run lists ("all" included)."""
+    plan, rule = {}, None
+    for line in dry_run_stdout.splitlines():
+        if line.startswith(("rule ", "localrule ")):
+            rule = line.split()[-1].rstrip(":")
+            plan[rule] = ""
+        elif rule and line.strip().startswith("reason:"):
+            plan[rule] = line.strip().removeprefix("reason: ")
+    return plan
+
+
 def copy_workflow(dst: Path) -> Path:
     """A copy of the workflow (Snakefile, rules, config, package) to run in isolation."""
     dst.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from tests.helpers import REPO, SNAKEMAKE, copy_workflow, vllm_available, vllm_processes
+from tests.helpers import REPO, SNAKEMAKE, copy_workflow, planned_jobs, vllm_available, vllm_processes
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")]
 
@@ -126,9 +126,7 @@ def stale_rules(wf: Path, config: Path = REPO / "tests/config/small.yaml") -> se
     out = subprocess.run(
         SNAKEMAKE + ["-n", "--configfile", str(config)], cwd=wf, capture_output=True, text=True, check=True
     ).stdout
-    return {line.split()[-1].rstrip(":") for line in out.splitlines() if line.startswith(("rule ", "localrule "))} - {
-        "all"
-    }
+    return set(planned_jobs(out)) - {"all"}
 
 
 DOWNSTREAM_OF_SYNTH = {

@@ -13,7 +13,7 @@ import pytest
 import yaml
 from transformers import AutoTokenizer
 
-from tests.helpers import REPO, SNAKEMAKE, copy_workflow, vllm_available
+from tests.helpers import REPO, SNAKEMAKE, copy_workflow, planned_jobs, vllm_available
 from workflow_scripts.common.atomic import write_jsonl
 from workflow_scripts.common.server import ServerSpec, VllmServer
 from workflow_scripts.generate.run import Client, Requests, run_generate
@@ -227,14 +227,7 @@ def break_the_parser(wf: Path) -> str:
 
 def planned(wf: Path) -> dict[str, str]:
     """{rule: reason} of what `snakemake -n` would run."""
-    out = snakemake(wf, "-n").stdout
-    plan, rule = {}, None
-    for line in out.splitlines():
-        if line.startswith(("rule ", "localrule ")):
-            rule = line.split()[-1].rstrip(":")
-        elif rule and line.strip().startswith("reason:"):
-            plan[rule] = line.strip()
-    return plan
+    return planned_jobs(snakemake(wf, "-n").stdout)
 
 
 def test_a_parser_fix_costs_no_inference_and_gives_the_data_of_a_fresh_run(server, tiny_think_dir, tmp_path):

@@ -73,16 +73,9 @@ class ResponseStore:
     def __len__(self) -> int:
         return self._db.execute("SELECT COUNT(*) FROM replies").fetchone()[0]
 
-    def __contains__(self, key: str) -> bool:
-        return self._db.execute("SELECT 1 FROM replies WHERE key = ?", (key,)).fetchone() is not None
-
     def get(self, key: str) -> dict[str, Any] | None:
         """The stored reply body for `key`, or None."""
         row = self._db.execute("SELECT response FROM replies WHERE key = ?", (key,)).fetchone()
-        return None if row is None else _unpack(row[0])
-
-    def request(self, key: str) -> dict[str, Any] | None:
-        row = self._db.execute("SELECT request FROM replies WHERE key = ?", (key,)).fetchone()
         return None if row is None else _unpack(row[0])
 
     def put(self, key: str, request: dict[str, Any], response: dict[str, Any]) -> None:
