@@ -28,12 +28,13 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -v -rs --durations=15
 
+# Unit tests: no server, no Snakemake; every stage's pure code in about a minute.
 test-fast: setup
-	$(BIN)/python -m pytest -v -m "not vllm"
+	$(BIN)/python -m pytest -v tests/unit
 
 # Python lint and formatting (ruff), formatting of the Snakefile and rules, Snakemake's own
 # lints, and a dry run of the default config (schema validation, DAG construction).
-# tests/test_config.py validates the examples.
+# tests/unit/test_config.py validates the examples.
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .

@@ -38,11 +38,12 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from hidden_states_overhead import plain  # noqa: E402 (a sibling bench script)
 
+from workflow_scripts.common.config import typed  # noqa: E402
 from workflow_scripts.hidden_states.hf import extract  # noqa: E402
 from workflow_scripts.hidden_states.layers import default_aux_layer_ids  # noqa: E402
 from workflow_scripts.train.data import Sample, collate, pack  # noqa: E402
 from workflow_scripts.train.draft import build_draft  # noqa: E402
-from workflow_scripts.train.loop import init_runtime, metric_keys, train_step  # noqa: E402
+from workflow_scripts.train.loop import TrainConfig, init_runtime, metric_keys, train_step  # noqa: E402
 
 LLAMA_8B = {
     "hidden_size": 4096,
@@ -146,10 +147,8 @@ def check_training(
 ) -> list[dict]:
     from speculators.losses import resolve_loss_config
 
-    cfg = yaml.safe_load((REPO / "config/config.yaml").read_text())["train"] | {
-        "attn_impl": "auto",
-        "loss_implementation": "auto",
-    }
+    section = yaml.safe_load((REPO / "config/config.yaml").read_text())["train"]
+    cfg = typed(TrainConfig, section | {"attn_impl": "auto", "loss_implementation": "auto"}, "train")
     rt = init_runtime(cfg)
     verifier = embeddings_only_verifier(workdir / "verifier-8b", geometry)
     d2t, t2d = draft_vocab(geometry["vocab_size"], draft_vocab_size)
@@ -159,7 +158,7 @@ def check_training(
         d2t,
         t2d,
         num_layers=1,
-        ttt_steps=cfg["ttt_steps"],
+        ttt_steps=cfg.ttt_steps,
         aux_layer_ids=aux,
         attn_impl=rt.attn_impl,
         sliding_window=None,
@@ -167,11 +166,11 @@ def check_training(
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95))
     fwd = {
-        "ttt_steps": cfg["ttt_steps"],
-        "ttt_step_loss_decay": cfg["ttt_step_loss_decay"],
-        "loss_config": resolve_loss_config(cfg["loss"], rt.loss_implementation),
+        "ttt_steps": cfg.ttt_steps,
+        "ttt_step_loss_decay": cfg.ttt_step_loss_decay,
+        "loss_config": resolve_loss_config(cfg.loss, rt.loss_implementation),
     }
-    keys = metric_keys(cfg["ttt_steps"])
+    keys = metric_keys(cfg.ttt_steps)
     rows = []
     print(
         f"training: draft {sum(p.numel() for p in params) / 1e6:.0f}M trainable params, attention {rt.attn_impl}, "

@@ -37,9 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.train_inputs import make_train_inputs
 from workflow_scripts.common.atomic import read_jsonl
+from workflow_scripts.common.config import typed
 from workflow_scripts.train.data import collate, load_shards, pack
 from workflow_scripts.train.draft import build_draft
-from workflow_scripts.train.loop import run_train
+from workflow_scripts.train.loop import TrainConfig, TrainJob, run_train
 
 
 def smollm2_geometry_verifier(out: Path) -> Path:
@@ -82,18 +83,18 @@ def rates(token_counts: list[int]) -> tuple[float, float]:
 
 def run_loop(inputs, verifier: Path, cfg: dict, threads: int, out: Path) -> int:
     STAMPS.clear()
-    run_train(
-        inputs["shards"],
-        inputs["vocab_map"],
-        str(verifier),
-        str(out / "draft"),
-        str(out / "metrics.jsonl"),
+    job = TrainJob(
+        shards=inputs["shards"],
+        vocab_map=inputs["vocab_map"],
         index=inputs["index"],
+        verifier_dir=str(verifier),
+        draft_out=str(out / "draft"),
+        metrics_out=str(out / "metrics.jsonl"),
         checkpoint_dir=str(out / "checkpoints"),
         serve_verifier_path=str(verifier),
-        cfg=cfg,
         threads=threads,
     )
+    run_train(job, typed(TrainConfig, cfg, "train"))
     return max(r["step"] for r in read_jsonl(out / "metrics.jsonl"))
 
 

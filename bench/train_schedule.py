@@ -19,7 +19,8 @@ from pathlib import Path
 
 import yaml
 
-from workflow_scripts.train.loop import run_train
+from workflow_scripts.common.config import typed
+from workflow_scripts.train.loop import TrainConfig, TrainJob, run_train
 
 
 def main(run_dir: str, schedules: list[str]) -> None:
@@ -33,18 +34,18 @@ def main(run_dir: str, schedules: list[str]) -> None:
         cfg = {**base["train"], **json.loads(spec)}
         out = Path(tempfile.mkdtemp(prefix="eagleflow-schedule-"))
         started = time.perf_counter()
-        run_train(
-            shards,
-            str(run / "vocab/vocab_map.safetensors"),
-            verifier,
-            str(out / "draft"),
-            str(out / "metrics.jsonl"),
+        job = TrainJob(
+            shards=shards,
+            vocab_map=str(run / "vocab/vocab_map.safetensors"),
             index=str(run / "hidden_states/index.json"),
+            verifier_dir=verifier,
+            draft_out=str(out / "draft"),
+            metrics_out=str(out / "metrics.jsonl"),
             checkpoint_dir=str(out / "checkpoints"),
             serve_verifier_path=verifier,
-            cfg=cfg,
             threads=2,
         )
+        run_train(job, typed(TrainConfig, cfg, "train"))
         wall = time.perf_counter() - started
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         best = min((r for r in rows if r["split"] == "eval"), key=lambda r: r["loss"])

@@ -73,15 +73,14 @@ def gpus(stage):
     """GPUs one job of `stage` takes, as the `gpu` resource: the profile caps the total
     (local-gpu: --resources gpu=N) or requests them (slurm). A stage that uses an already
     running server takes none; a vllm-backend shard job takes what its server takes."""
-    server_gpus = config["server"].get("gpus", 0)
+    server_gpus = config["server"]["gpus"]
     if stage == "generate":
-        return 0 if config["server"].get("endpoint") else server_gpus
+        return 0 if config["server"]["endpoint"] else server_gpus
     if stage == "benchmark":
         return server_gpus
     if stage == "hidden_states" and config["hidden_states"]["backend"] == "vllm":
-        vllm = config["hidden_states"].get("vllm") or {}
-        return 0 if vllm.get("endpoint") else server_gpus
-    return config[stage].get("gpus", 0)
+        return 0 if config["hidden_states"]["vllm"]["endpoint"] else server_gpus
+    return config[stage]["gpus"]
 
 
 def shard_paths():
@@ -97,7 +96,12 @@ def hidden_states_server():
 
 def serve_verifier_path():
     """The verifier path the exported draft names: where it will be served from."""
-    return config["verifier"].get("serve_path") or str(Path(VERIFIER_DIR).resolve())
+    return config["verifier"]["serve_path"] or str(Path(VERIFIER_DIR).resolve())
+
+
+def verifier_source():
+    """Where the verifier's weights come from (what prepare_verifier's output depends on)."""
+    return {key: config["verifier"][key] for key in ("source", "path")}
 
 
 def generate_requests():
@@ -106,25 +110,25 @@ def generate_requests():
     sampling = {
         k: synth[k]
         for k in ("max_tokens", "temperature", "top_p", "seed")
-        if synth.get(k) is not None
+        if synth[k] is not None
     }
     return _sorted(
         {
             "model": config["server"]["served_model_name"],
-            "sampling": sampling | (synth.get("extra_body") or {}),
-            "chat_template_kwargs": synth.get("chat_template_kwargs") or {},
+            "sampling": sampling | synth["extra_body"],
+            "chat_template_kwargs": synth["chat_template_kwargs"],
         }
     )
 
 
 def reply_shaping_server_flags():
     """The server flags that change a reply (they are part of every response store key)."""
-    return _sorted({flag: config["server"].get(flag) for flag in REPLY_SHAPING_FLAGS})
+    return _sorted({flag: config["server"][flag] for flag in REPLY_SHAPING_FLAGS})
 
 
 def response_store():
     """The response store generate reads and fills: synth.store, else one per run."""
-    return config["synth"].get("store") or results("generate/store.sqlite")
+    return config["synth"]["store"] or results("generate/store.sqlite")
 
 
 def synth_parsing():
@@ -132,8 +136,8 @@ def synth_parsing():
     synth = config["synth"]
     return {
         "expect_reasoning": synth["expect_reasoning"],
-        "think_markers": synth.get("think_markers"),
-        "chat_template_kwargs": synth.get("chat_template_kwargs") or {},
+        "think_markers": synth["think_markers"],
+        "chat_template_kwargs": synth["chat_template_kwargs"],
         "verify_token_ids": synth["verify_token_ids"],
-        "trust_remote_code": config["verifier"].get("trust_remote_code", False),
+        "trust_remote_code": config["verifier"]["trust_remote_code"],
     }

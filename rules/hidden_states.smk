@@ -17,7 +17,7 @@ rule hidden_states:
     params:
         hidden_states=section("hidden_states"),
         server=hidden_states_server(),
-        trust_remote_code=config["verifier"].get("trust_remote_code", False),
+        trust_remote_code=config["verifier"]["trust_remote_code"],
         code=code("hidden_states"),
     script:
         "../workflow_scripts/entry/hidden_states.py"

@@ -8,7 +8,8 @@ rule prepare_verifier:
     conda:
         "../envs/train.yaml"
     params:
-        verifier=section("verifier"),
+        # Only where the weights come from: serve_path and trust_remote_code do not change them.
+        verifier_source=verifier_source(),
         code=code("prepare_verifier"),
     script:
         "../workflow_scripts/entry/prepare_verifier.py"

@@ -13,7 +13,7 @@ rule vocab:
     conda:
         "../envs/train.yaml"
     params:
-        draft_vocab_size=config["vocab"]["draft_vocab_size"],
+        vocab=section("vocab"),
         code=code("vocab"),
     script:
         "../workflow_scripts/entry/vocab.py"

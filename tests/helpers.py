@@ -8,8 +8,43 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 REPO = Path(__file__).resolve().parents[1]
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
+
+
+def config_section(name: str, **overrides) -> dict:
+    """Section `name` of config/config.yaml (every key, as every run has it: a run's config is
+    merged over that file), with `overrides` merged over it."""
+    return merged(yaml.safe_load((REPO / "config/config.yaml").read_text())[name], overrides)
+
+
+def merged(base: dict, override: dict) -> dict:
+    out = dict(base)
+    for k, v in override.items():
+        out[k] = merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def server_config(**overrides):
+    from workflow_scripts.common.server import ServerConfig
+
+    return ServerConfig.from_section(config_section("server", **overrides))
+
+
+def hidden_states_config(**overrides):
+    from workflow_scripts.common.config import typed
+    from workflow_scripts.hidden_states.backend import HiddenStatesConfig
+
+    return typed(HiddenStatesConfig, config_section("hidden_states", **overrides), "hidden_states")
+
+
+def train_config(**overrides):
+    from workflow_scripts.common.config import typed
+    from workflow_scripts.train.loop import TrainConfig
+
+    return typed(TrainConfig, config_section("train", **overrides), "train")
 
 
 def vllm_available() -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from workflow_scripts.common.atomic import write_parquet
+from workflow_scripts.common.config import typed
 from workflow_scripts.common.defects import EXCLUDING
 from workflow_scripts.common.fingerprint import stable_fraction
+from workflow_scripts.common.smk import stage
 
 log = logging.getLogger(__name__)
 
@@ -93,20 +96,28 @@ def is_eval(prompt_id: str, eval_fraction: float, seed: int) -> bool:
     return stable_fraction(seed, prompt_id) < eval_fraction
 
 
-def run_dataset(
-    responses: str,
-    quality: str,
-    train_out: str,
-    eval_out: str,
-    *,
-    max_seq_len: int,
-    eval_fraction: float,
-    seed: int,
-    max_defect_fraction: dict[str, float],
-    exclude_defects: list[str],
-) -> None:
+@dataclass(frozen=True)
+class DatasetConfig:
+    """The `dataset` config section."""
+
+    max_seq_len: int
+    eval_fraction: float
+    seed: int
+    exclude_defects: tuple[str, ...]
+    max_defect_fraction: dict[str, float]
+
+
+def main(smk) -> None:
+    """The dataset rule's job (rules/dataset.smk)."""
+    with stage(smk):
+        cfg = typed(DatasetConfig, smk.params.dataset, "dataset")
+        run_dataset(smk.input.responses, smk.input.quality, smk.output.train, smk.output.eval, cfg)
+
+
+def run_dataset(responses: str, quality: str, train_out: str, eval_out: str, cfg: DatasetConfig) -> None:
+    max_seq_len, eval_fraction, seed = cfg.max_seq_len, cfg.eval_fraction, cfg.seed
     report = json.loads(Path(quality).read_text())
-    failures = gate_failures(report, max_defect_fraction)
+    failures = gate_failures(report, cfg.max_defect_fraction)
     if failures:
         raise QualityGateError(
             f"quality gate refused {responses} ({quality}):\n  "
@@ -115,7 +126,7 @@ def run_dataset(
             " expected."
         )
     samples = pq.read_table(responses).to_pylist()
-    excluded = EXCLUDING | frozenset(exclude_defects)
+    excluded = EXCLUDING | frozenset(cfg.exclude_defects)
     rows = build_rows(samples, max_seq_len, excluded)
     train = [r for r in rows if not is_eval(r["prompt_id"], eval_fraction, seed)]
     evals = [r for r in rows if is_eval(r["prompt_id"], eval_fraction, seed)]

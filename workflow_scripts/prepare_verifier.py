@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 from workflow_scripts.common.atomic import atomic_path, write_json
+from workflow_scripts.common.smk import stage
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,14 @@ def link_local(model_dir: Path, out_dir: Path) -> None:
         os.symlink(model_dir.resolve(), tmp, target_is_directory=True)
 
 
-def prepare_verifier(source: str, out_dir: str | os.PathLike, path: str | None = None) -> None:
+def main(smk) -> None:
+    """The prepare_verifier rule's job (rules/prepare_verifier.smk)."""
+    with stage(smk):
+        source = smk.params.verifier_source
+        prepare_verifier(source["source"], smk.output[0], source["path"])
+
+
+def prepare_verifier(source: str, out_dir: str | os.PathLike, path: str | None) -> None:
     out_dir = Path(out_dir)
     if source == "embedded":
         convert_gguf(embedded_gguf_path(), out_dir)

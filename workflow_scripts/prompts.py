@@ -14,11 +14,14 @@ import hashlib
 import json
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from workflow_scripts.common.atomic import write_jsonl
+from workflow_scripts.common.config import typed
 from workflow_scripts.common.fingerprint import stable_fraction
+from workflow_scripts.common.smk import stage
 
 log = logging.getLogger(__name__)
 
@@ -90,22 +93,31 @@ def split_prompts(prompts: list[dict[str, Any]], eval_fraction: float, seed: int
     return train, evals
 
 
-def run_prompts(
-    source: str,
-    train_out: str,
-    eval_out: str,
-    *,
-    eval_fraction: float,
-    seed: int,
-    max_train: int | None = None,
-    max_eval: int | None = None,
-) -> None:
+@dataclass(frozen=True)
+class PromptsConfig:
+    """The `prompts` config section."""
+
+    source: str
+    eval_fraction: float
+    seed: int
+    max_train: int | None
+    max_eval: int | None
+
+
+def main(smk) -> None:
+    """The prompts rule's job (rules/prompts.smk)."""
+    with stage(smk):
+        run_prompts(smk.output.train, smk.output.eval, typed(PromptsConfig, smk.params.prompts, "prompts"))
+
+
+def run_prompts(train_out: str, eval_out: str, cfg: PromptsConfig) -> None:
+    source, eval_fraction = cfg.source, cfg.eval_fraction
     prompts = load_prompts(source)
-    train, evals = split_prompts(prompts, eval_fraction, seed)
-    if max_train is not None:
-        train = train[:max_train]
-    if max_eval is not None:
-        evals = evals[:max_eval]
+    train, evals = split_prompts(prompts, eval_fraction, cfg.seed)
+    if cfg.max_train is not None:
+        train = train[: cfg.max_train]
+    if cfg.max_eval is not None:
+        evals = evals[: cfg.max_eval]
     if not train or not evals:
         raise ValueError(
             f"{source}: split gave {len(train)} train and {len(evals)} eval prompts; both must be "

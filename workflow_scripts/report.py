@@ -11,6 +11,7 @@ from typing import Any
 
 from workflow_scripts.common.atomic import atomic_path, read_jsonl, write_text
 from workflow_scripts.common.defects import EXCLUDING
+from workflow_scripts.common.smk import stage
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +199,17 @@ def render_html(report: dict, metrics: list[dict], quality: dict, vocab: dict, g
         ".8em;border-bottom:1px solid #ddd}</style></head><body>"
         f"<p>{html.escape(describe_measurement(report))}</p><table>{rows}</table></body></html>\n"
     )
+
+
+REPORT_OUTPUTS = ("md", "html", "acceptance_png", "training_png", "quality_png", "vocab_png")
+
+
+def main(smk) -> None:
+    """The report rule's job (rules/report.smk)."""
+    with stage(smk):
+        i = smk.input
+        outputs = {name: smk.output[name] for name in REPORT_OUTPUTS}
+        run_report(i.report, i.metrics, i.quality, i.vocab_stats, i.generate, outputs)
 
 
 def run_report(

@@ -9,12 +9,15 @@ The mapping follows speculators/vLLM: draft index i stands for verifier token
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow.parquet as pq
 import torch
 
 from workflow_scripts.common.atomic import write_json, write_safetensors
+from workflow_scripts.common.config import typed
+from workflow_scripts.common.smk import stage
 from workflow_scripts.common.verifier_config import read_text_config
 
 log = logging.getLogger(__name__)
@@ -74,6 +77,27 @@ def curve_sizes(verifier_vocab_size: int, draft_vocab_size: int) -> list[int]:
         sizes.add(k)
         k *= 2
     return sorted(sizes)
+
+
+@dataclass(frozen=True)
+class VocabConfig:
+    """The `vocab` config section."""
+
+    draft_vocab_size: int
+
+
+def main(smk) -> None:
+    """The vocab rule's job (rules/vocab.smk)."""
+    with stage(smk):
+        cfg = typed(VocabConfig, smk.params.vocab, "vocab")
+        run_vocab(
+            smk.input.train,
+            smk.input.eval,
+            smk.input.verifier,
+            cfg.draft_vocab_size,
+            smk.output.vocab_map,
+            smk.output.stats,
+        )
 
 
 def run_vocab(train: str, eval_: str, verifier_dir: str, draft_vocab_size: int, map_out: str, stats_out: str) -> None:

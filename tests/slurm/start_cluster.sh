@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A real one-node SLURM cluster on this machine, for tests/test_slurm.py (and by hand:
+# A real one-node SLURM cluster on this machine, for tests/integration/test_slurm.py (and by hand:
 # `sudo tests/slurm/start_cluster.sh`). Idempotent: installs Debian's slurm-wlm and munge
 # if missing, writes /etc/slurm/slurm.conf if it differs, starts munged, slurmctld and slurmd
 # if they are not running, and waits until the node is idle. Prints the partition name.

@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +21,37 @@ from tqdm import tqdm
 from workflow_scripts.benchmark.metrics import acceptance, counter_delta, spec_decode_counters
 from workflow_scripts.common.atomic import read_jsonl, write_json
 from workflow_scripts.common.client import ChatClient
-from workflow_scripts.common.server import ServerSpec, VllmServer
+from workflow_scripts.common.config import typed
+from workflow_scripts.common.server import ServerConfig, ServerSpec, VllmServer
+from workflow_scripts.common.smk import stage
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BenchmarkConfig:
+    """The `benchmark` config section."""
+
+    num_speculative_tokens: int
+    num_prompts: int
+    max_tokens: int
+    concurrency: int
+    request_timeout_s: float
+
+
+def main(smk) -> None:
+    """The benchmark rule's job (rules/benchmark.smk)."""
+    with stage(smk):
+        server = ServerConfig.from_section(smk.params.server)
+        run_benchmark(
+            smk.input.prompts,
+            smk.input.verifier,
+            smk.input.draft,
+            smk.output.report,
+            str(Path(smk.log[0]).parent),
+            server=ServerSpec.from_config(server, smk.input.verifier),
+            cfg=typed(BenchmarkConfig, smk.params.benchmark, "benchmark"),
+        )
 
 
 def first_turn_messages(prompt: dict[str, Any]) -> list[dict[str, str]]:
@@ -30,27 +59,25 @@ def first_turn_messages(prompt: dict[str, Any]) -> list[dict[str, str]]:
     return messages + [{"role": "user", "content": prompt["turns"][0]}]
 
 
-async def run_workload(base_url: str, prompts: list[dict], cfg: dict[str, Any], label: str) -> dict[str, Any]:
-    sampling = {"max_tokens": cfg["max_tokens"], "temperature": 0.0, "return_token_ids": True}
-    async with ChatClient(
-        base_url, concurrency=cfg["concurrency"], request_timeout_s=cfg["request_timeout_s"]
-    ) as client:
+async def run_workload(
+    base_url: str, prompts: list[dict], cfg: BenchmarkConfig, model: str, label: str
+) -> dict[str, Any]:
+    sampling = {"max_tokens": cfg.max_tokens, "temperature": 0.0, "return_token_ids": True}
+    async with ChatClient(base_url, concurrency=cfg.concurrency, request_timeout_s=cfg.request_timeout_s) as client:
         warmup = {
-            "model": cfg["served_model_name"],
+            "model": model,
             "messages": first_turn_messages(prompts[0]),
             **sampling,
             "max_tokens": 8,
         }
         await client.chat(warmup)
         before = spec_decode_counters(await client.get_text("/metrics"))
-        sem = asyncio.Semaphore(cfg["concurrency"])
+        sem = asyncio.Semaphore(cfg.concurrency)
         bar = tqdm(total=len(prompts), desc=f"benchmark {label}", unit="req", mininterval=2.0)
 
         async def one(prompt):
             async with sem:
-                body = await client.chat(
-                    {"model": cfg["served_model_name"], "messages": first_turn_messages(prompt), **sampling}
-                )
+                body = await client.chat({"model": model, "messages": first_turn_messages(prompt), **sampling})
             bar.update()
             return body["choices"][0].get("token_ids") or []
 
@@ -82,10 +109,10 @@ def run_benchmark(
     log_dir: str,
     *,
     server: ServerSpec,
-    cfg: dict[str, Any],
+    cfg: BenchmarkConfig,
 ) -> None:
-    prompts = read_jsonl(prompts_path)[: cfg["num_prompts"]]
-    k = cfg["num_speculative_tokens"]
+    prompts = read_jsonl(prompts_path)[: cfg.num_prompts]
+    k = cfg.num_speculative_tokens
     speculative_spec = dataclasses.replace(
         server,
         speculative_config={"method": "eagle3", "model": str(Path(draft_dir).resolve()), "num_speculative_tokens": k},
@@ -93,9 +120,7 @@ def run_benchmark(
     results = {}
     for label, spec in (("baseline", server), ("speculative", speculative_spec)):
         with VllmServer(spec, Path(log_dir) / f"benchmark.vllm-{label}.log") as srv:
-            results[label] = asyncio.run(
-                run_workload(srv.base_url, prompts, {**cfg, "served_model_name": spec.served_model_name}, label)
-            )
+            results[label] = asyncio.run(run_workload(srv.base_url, prompts, cfg, spec.served_model_name, label))
         log.info("%s: %.1f output tok/s over %d prompts", label, results[label]["output_tokens_per_s"], len(prompts))
     acc = acceptance(results["speculative"]["counters"], k)
     base, spec = results["baseline"], results["speculative"]
@@ -104,7 +129,7 @@ def run_benchmark(
         "draft": draft_dir,
         "prompts": {"path": prompts_path, "count": len(prompts), "ids": [p["id"] for p in prompts]},
         "num_speculative_tokens": k,
-        "sampling": {"temperature": 0.0, "max_tokens": cfg["max_tokens"], "concurrency": cfg["concurrency"]},
+        "sampling": {"temperature": 0.0, "max_tokens": cfg.max_tokens, "concurrency": cfg.concurrency},
         "server": {
             "dtype": server.dtype,
             "enforce_eager": server.enforce_eager,

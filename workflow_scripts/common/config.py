@@ -1,13 +1,21 @@
-"""Config validation with messages that name the key, what was expected and what was found.
+"""Config validation with messages that name the key, what was expected and what was found,
+and the typed view of a section that stage code reads.
 
 The Snakefile calls `validate_config` right after loading the config, so a misspelled key
-or a wrong type stops `snakemake -n` before any job starts.
+or a wrong type stops `snakemake -n` before any job starts. Every key is required by the
+schema and config/config.yaml holds every default (a --configfile is merged over it), so code
+never supplies a default: `typed` builds a stage's frozen dataclass from its section and
+fails, naming the key, if the two disagree.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 from jsonschema import Draft202012Validator
@@ -17,6 +25,40 @@ SCHEMA_PATH = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
 
 class ConfigError(ValueError):
     pass
+
+
+T = TypeVar("T")
+
+
+def typed(cls: type[T], section: Mapping[str, Any], where: str) -> T:
+    """`cls` (a frozen dataclass) from the validated config `section` named `where`.
+
+    Field names are the config keys, all of them: a missing or unknown key is a ConfigError
+    naming it. Nested dataclass fields are built from nested sections and lists become
+    tuples for tuple fields. Types are the schema's job; this does not check them again.
+    """
+    names = [f.name for f in dataclasses.fields(cls)]
+    missing = [n for n in names if n not in section]
+    unknown = sorted(set(section) - set(names))
+    if missing or unknown:
+        problems = [f"{where}.{n}: missing" for n in missing] + [f"{where}.{n}: unknown key" for n in unknown]
+        raise ConfigError(f"{cls.__name__} does not match the config section {where}: {'; '.join(problems)}")
+    hints = typing.get_type_hints(cls)
+    return cls(**{n: _typed_value(hints[n], section[n], f"{where}.{n}") for n in names})
+
+
+def _typed_value(hint: Any, value: Any, where: str) -> Any:
+    if value is None:
+        return None
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        hint = next(a for a in args if a is not type(None))
+        args = typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        return typed(hint, value, where)
+    if typing.get_origin(hint) is tuple:
+        return tuple(value)
+    return value
 
 
 def _key_path(error) -> str:

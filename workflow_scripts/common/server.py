@@ -18,12 +18,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx2 as httpx
 
+from workflow_scripts.common.config import typed
 from workflow_scripts.common.process import kill_group
 
 log = logging.getLogger(__name__)
@@ -34,39 +35,64 @@ class ServerError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class ServerConfig:
+    """The `server` config section (config/README.md): how eagleflow launches vLLM, or the
+    endpoint it uses instead."""
+
+    endpoint: str | list[str] | None
+    api_key_env: str | None
+    served_model_name: str
+    host: str
+    dtype: str
+    max_model_len: int
+    tensor_parallel_size: int
+    gpus: int
+    enforce_eager: bool
+    reasoning_parser: str | None
+    extra_args: tuple[str, ...]
+    env: dict[str, str]
+    startup_timeout_s: float
+
+    @classmethod
+    def from_section(cls, section: dict[str, Any]) -> ServerConfig:
+        return typed(cls, section, "server")
+
+
+@dataclass(frozen=True)
 class ServerSpec:
-    """Everything that decides how vLLM is started. Built from the `server` config section."""
+    """Everything that decides how one vLLM process is started (ServerSpec.from_config for a
+    model served as the `server` section says)."""
 
     model: str
-    served_model_name: str = "verifier"
-    host: str = "127.0.0.1"
+    served_model_name: str
+    host: str
+    dtype: str
+    max_model_len: int | None
+    tensor_parallel_size: int
+    enforce_eager: bool
+    reasoning_parser: str | None
+    extra_args: Sequence[str]
+    env: dict[str, str]
+    startup_timeout_s: float
     port: int | None = None  # None: pick a free port
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    tensor_parallel_size: int = 1
-    enforce_eager: bool = False
-    reasoning_parser: str | None = None
-    speculative_config: dict | None = None
-    extra_args: Sequence[str] = ()
-    env: dict[str, str] = field(default_factory=dict)
-    startup_timeout_s: float = 900.0
+    speculative_config: dict | None = None  # set by the benchmark
     stop_grace_s: float = 20.0  # SIGTERM first; SIGKILL whatever is left after this long
 
     @classmethod
-    def from_config(cls, server: dict[str, Any], model: str, **overrides: Any) -> ServerSpec:
-        """The spec of a vLLM serving `model`, from the validated `server` config section."""
+    def from_config(cls, server: ServerConfig, model: str, **overrides: Any) -> ServerSpec:
+        """The spec of a vLLM serving `model` as the `server` section says."""
         spec = cls(
             model=model,
-            served_model_name=server["served_model_name"],
-            host=server["host"],
-            dtype=server["dtype"],
-            max_model_len=server.get("max_model_len"),
-            tensor_parallel_size=server["tensor_parallel_size"],
-            enforce_eager=server["enforce_eager"],
-            reasoning_parser=server.get("reasoning_parser"),
-            extra_args=tuple(server.get("extra_args") or ()),
-            env=dict(server.get("env") or {}),
-            startup_timeout_s=server["startup_timeout_s"],
+            served_model_name=server.served_model_name,
+            host=server.host,
+            dtype=server.dtype,
+            max_model_len=server.max_model_len,
+            tensor_parallel_size=server.tensor_parallel_size,
+            enforce_eager=server.enforce_eager,
+            reasoning_parser=server.reasoning_parser,
+            extra_args=server.extra_args,
+            env=dict(server.env),
+            startup_timeout_s=server.startup_timeout_s,
         )
         return dataclasses.replace(spec, **overrides) if overrides else spec
 

@@ -70,10 +70,12 @@ def history_message(body: dict[str, Any]) -> dict[str, Any]:
     return {"role": "assistant", **carried, "content": message.get("content") or ""}
 
 
-def server_identity(verifier_dir: str | os.PathLike, server: dict[str, Any]) -> dict[str, Any]:
+def server_identity(verifier_dir: str | os.PathLike, server: Any) -> dict[str, Any]:
     """What decides the server's replies besides the request: the verifier's files and the
-    reply-shaping flags of the `server` config section."""
-    return {"verifier": verifier_fingerprint(verifier_dir), **{flag: server.get(flag) for flag in REPLY_SHAPING_FLAGS}}
+    reply-shaping flags of `server` (a common.server.ServerConfig)."""
+    # json.dumps writes the tuple extra_args as the list the config held: keys are unchanged.
+    flags = {flag: getattr(server, flag) for flag in REPLY_SHAPING_FLAGS}
+    return {"verifier": verifier_fingerprint(verifier_dir), **flags}
 
 
 def verifier_fingerprint(model_dir: str | os.PathLike) -> str:

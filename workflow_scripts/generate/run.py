@@ -22,7 +22,8 @@ from tqdm import tqdm
 from workflow_scripts.common.atomic import read_jsonl, write_json
 from workflow_scripts.common.client import ChatClient, RequestFailed, RetryPolicy
 from workflow_scripts.common.replies import write_replies
-from workflow_scripts.common.server import ServerSpec, serve
+from workflow_scripts.common.server import ServerConfig, ServerSpec, serve
+from workflow_scripts.common.smk import stage
 from workflow_scripts.generate.requests import history_message, request_key, request_payload, server_identity
 from workflow_scripts.generate.store import ResponseStore
 
@@ -47,7 +48,27 @@ class Client:
     concurrency: int
     request_timeout_s: float
     max_attempts: int
-    api_key_env: str | None = None
+    api_key_env: str | None
+
+
+def main(smk) -> None:
+    """The generate rule's job (rules/generate.smk)."""
+    with stage(smk):
+        server = ServerConfig.from_section(smk.config["server"])
+        synth = smk.config["synth"]
+        # Operational settings come from the config, not params: changing them must not rerun the rule.
+        client = Client(synth["concurrency"], synth["request_timeout_s"], synth["max_attempts"], server.api_key_env)
+        run_generate(
+            smk.input.prompts,
+            smk.input.verifier,
+            smk.params.store,
+            smk.output.replies,
+            smk.output.stats,
+            requests=Requests(**smk.params.requests),
+            client=client,
+            server=server,
+            server_log=smk.log.vllm,
+        )
 
 
 class Missing(Exception):
@@ -173,13 +194,11 @@ def run_generate(
     *,
     requests: Requests,
     client: Client,
-    server: dict[str, Any],
+    server: ServerConfig,
     server_log: str,
-    endpoint: str | list[str] | None = None,
 ) -> None:
-    """`server` is the validated `server` config section: its reply-shaping flags go into
-    every store key, and a vLLM is launched from it when a request is missing and no
-    `endpoint` is given."""
+    """The reply-shaping flags of `server` go into every store key; when a request is
+    missing, `server.endpoint` answers it, or a vLLM launched as `server` says."""
     started = time.monotonic()
     prompts = read_jsonl(prompts_path)
     identity = server_identity(verifier_dir, server)
@@ -197,7 +216,7 @@ def run_generate(
         )
         if todo:
             spec = ServerSpec.from_config(server, verifier_dir)
-            with serve(spec, server_log, endpoint) as base_url:
+            with serve(spec, server_log, server.endpoint) as base_url:
                 done |= asyncio.run(_from_server(base_url, todo, requests, identity, store, client, counts))
         rows = [row for p in prompts for row in done[p["id"]]]
         keys = store.keys()
@@ -209,7 +228,7 @@ def run_generate(
         "sent": counts.sent,
         "reused": counts.reused,
         "failed_conversations": counts.failed_conversations,
-        "server_started": bool(todo) and not endpoint,
+        "server_started": bool(todo) and not server.endpoint,
         "store": str(store_path),
         "store_entries": len(keys),
         "store_entries_unused": unused,

@@ -5,11 +5,12 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
+from workflow_scripts.common.server import ServerConfig
 from workflow_scripts.hidden_states.layers import States, VerifierGeometry
 
 log = logging.getLogger(__name__)
@@ -22,6 +23,31 @@ class Backend(Protocol):
 
 
 @dataclass(frozen=True)
+class VllmExtractionConfig:
+    """`hidden_states.vllm`: the vllm backend's own settings."""
+
+    endpoint: str | None
+    storage_dir: str | None
+    concurrency: int
+    request_timeout_s: float
+
+
+@dataclass(frozen=True)
+class HiddenStatesConfig:
+    """The `hidden_states` config section."""
+
+    backend: str
+    num_shards: int
+    aux_layer_ids: tuple[int, ...] | None
+    dtype: str
+    gpus: int
+    device: str
+    compute_dtype: str
+    batch_tokens: int
+    vllm: VllmExtractionConfig
+
+
+@dataclass(frozen=True)
 class ExtractionJob:
     """What every backend needs, whatever runs the verifier."""
 
@@ -29,11 +55,11 @@ class ExtractionJob:
     aux_layer_ids: list[int]
     geometry: VerifierGeometry
     store_dtype: torch.dtype
-    settings: dict[str, Any]  # the hidden_states config section
-    server: dict[str, Any] = field(default_factory=dict)  # the server config section
-    trust_remote_code: bool = False
-    log_path: str | None = None
-    threads: int = 1
+    settings: HiddenStatesConfig
+    server: ServerConfig | None  # None for backends that launch no server (hf)
+    trust_remote_code: bool
+    log_path: str | None
+    threads: int
 
 
 BackendFactory = Callable[[ExtractionJob], contextlib.AbstractContextManager[Backend]]

@@ -181,8 +181,8 @@ class HfBackend:
 @contextlib.contextmanager
 def hf_backend(job: ExtractionJob) -> Iterator[HfBackend]:
     torch.set_num_threads(job.threads)
-    device = job.settings["device"]
-    compute_dtype = resolve_compute_dtype(job.settings.get("compute_dtype", "auto"), device)
+    device = job.settings.device
+    compute_dtype = resolve_compute_dtype(job.settings.compute_dtype, device)
     model = load_verifier(job.verifier_dir, device, compute_dtype, job.trust_remote_code)
     pad_id = getattr(model.config, "pad_token_id", None) or 0
-    yield HfBackend(model, job.aux_layer_ids, job.settings["batch_tokens"], job.store_dtype, pad_id)
+    yield HfBackend(model, job.aux_layer_ids, job.settings.batch_tokens, job.store_dtype, pad_id)

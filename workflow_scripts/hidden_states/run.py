@@ -7,17 +7,38 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
 
 from workflow_scripts.common.atomic import write_safetensors
+from workflow_scripts.common.config import typed
+from workflow_scripts.common.server import ServerConfig
+from workflow_scripts.common.smk import stage
 
 # Importing a backend registers it.
 from workflow_scripts.hidden_states import hf, vllm  # noqa: F401
-from workflow_scripts.hidden_states.backend import ExtractionJob, open_backend
+from workflow_scripts.hidden_states.backend import ExtractionJob, HiddenStatesConfig, open_backend
 from workflow_scripts.hidden_states.layers import CONVENTION, DTYPES, resolve_aux_layer_ids, verifier_geometry
 from workflow_scripts.hidden_states.shards import check_disk_space, samples_for_shard, shard_tensors
 
 log = logging.getLogger(__name__)
+
+
+def main(smk) -> None:
+    """The hidden_states rule's job (rules/hidden_states.smk): one shard."""
+    with stage(smk):
+        settings = typed(HiddenStatesConfig, smk.params.hidden_states, "hidden_states")
+        run_shard(
+            smk.input.train,
+            smk.input.eval,
+            smk.input.verifier,
+            int(smk.wildcards.shard),
+            smk.output[0],
+            settings=settings,
+            # Empty for the hf backend: server settings must not restale what transformers extracted.
+            server=ServerConfig.from_section(smk.params.server) if smk.params.server else None,
+            threads=smk.threads,
+            trust_remote_code=smk.params.trust_remote_code,
+            log_path=smk.log[0],
+        )
 
 
 def run_shard(
@@ -25,28 +46,28 @@ def run_shard(
     eval_: str,
     verifier_dir: str,
     shard: int,
-    num_shards: int,
     out: str,
     *,
-    settings: dict[str, Any],
-    server: dict[str, Any] | None = None,
-    threads: int = 1,
-    trust_remote_code: bool = False,
-    log_path: str | None = None,
+    settings: HiddenStatesConfig,
+    server: ServerConfig | None,
+    threads: int,
+    trust_remote_code: bool,
+    log_path: str | None,
 ) -> None:
-    """Extract one shard with the configured backend. `settings` is the hidden_states config section."""
+    """Extract shard `shard` of `settings.num_shards` with the configured backend."""
+    num_shards = settings.num_shards
     samples = samples_for_shard(train, eval_, shard, num_shards)
     if not samples:
         raise ValueError(f"shard {shard} of {num_shards} has no samples: lower hidden_states.num_shards")
     geometry = verifier_geometry(verifier_dir)
-    layer_ids = resolve_aux_layer_ids(settings.get("aux_layer_ids"), geometry.num_layers)
-    store_dtype = DTYPES[settings["dtype"]]
+    layer_ids = resolve_aux_layer_ids(settings.aux_layer_ids, geometry.num_layers)
+    store_dtype = DTYPES[settings.dtype]
     num_tokens = sum(len(s["input_ids"]) for s in samples)
     check_disk_space(Path(out).parent, num_tokens, len(layer_ids) + 1, geometry.hidden_size, store_dtype)
     job = ExtractionJob(
-        verifier_dir, layer_ids, geometry, store_dtype, settings, server or {}, trust_remote_code, log_path, threads
+        verifier_dir, layer_ids, geometry, store_dtype, settings, server, trust_remote_code, log_path, threads
     )
-    backend_name = settings["backend"]
+    backend_name = settings.backend
     started = time.monotonic()
     with open_backend(backend_name, job) as backend:
         states = backend.extract(samples)

@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import torch
 
 from workflow_scripts.common.atomic import write_json
+from workflow_scripts.common.smk import stage
 from workflow_scripts.hidden_states.layers import CONVENTION, States, vllm_layer_ids
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,12 @@ def read_shard_header(path: str) -> dict[str, Any]:
             "dtype": str(f.get_slice("hidden_states").get_dtype()),
             "backend": meta.get("backend", "hf"),
         }
+
+
+def main(smk) -> None:
+    """The hidden_states_index rule's job (rules/hidden_states.smk)."""
+    with stage(smk):
+        write_index(list(smk.input.shards), smk.input.verifier, smk.output[0])
 
 
 def write_index(shards: list[str], verifier_dir: str, out: str) -> None:

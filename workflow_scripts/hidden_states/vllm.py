@@ -214,9 +214,10 @@ def vllm_backend(job: ExtractionJob) -> Iterator[VllmBackend]:
     """Launch vLLM with the extraction method (through the one server launcher), or use an
     already running one (`hidden_states.vllm.endpoint`, started with the same layer ids and
     a storage path this job can read)."""
-    opts = job.settings.get("vllm") or {}
-    endpoint = opts.get("endpoint")
-    storage_parent = opts.get("storage_dir")
+    if job.server is None:
+        raise ValueError("the vllm hidden-state backend needs the server section (rules pass it for backend vllm)")
+    opts = job.settings.vllm
+    storage_parent = opts.storage_dir
     if storage_parent:
         Path(storage_parent).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="eagleflow-hs-", dir=storage_parent) as storage_dir:
@@ -228,14 +229,14 @@ def vllm_backend(job: ExtractionJob) -> Iterator[VllmBackend]:
         spec = replace(spec, speculative_config=speculative_config, extra_args=(*spec.extra_args, *extra, *trust))
         # The server's log goes next to the rule's log.
         log_path = Path(job.log_path).with_suffix(".vllm.log") if job.log_path else Path(storage_dir) / "vllm.log"
-        with serve(spec, log_path, endpoint) as url:
+        with serve(spec, log_path, opts.endpoint) as url:
             yield VllmBackend(
                 base_url=url if isinstance(url, str) else url[0],
                 served_model_name=spec.served_model_name,
                 num_aux=len(job.aux_layer_ids),
                 hidden_size=job.geometry.hidden_size,
                 store_dtype=job.store_dtype,
-                concurrency=int(opts.get("concurrency", 32)),
-                request_timeout_s=float(opts.get("request_timeout_s", 600)),
-                api_key_env=job.server.get("api_key_env"),
+                concurrency=opts.concurrency,
+                request_timeout_s=opts.request_timeout_s,
+                api_key_env=job.server.api_key_env,
             )

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from workflow_scripts.common.atomic import write_json, write_jsonl, write_parquet
+from workflow_scripts.common.config import typed
 from workflow_scripts.common.replies import read_replies
+from workflow_scripts.common.smk import stage
 from workflow_scripts.synth.assemble import (
     Completion,
     StreamTokens,
@@ -39,7 +41,20 @@ class Parsing:
     think_markers: tuple[str, str] | None
     chat_template_kwargs: dict[str, Any]
     verify_token_ids: bool
-    trust_remote_code: bool = False
+    trust_remote_code: bool
+
+
+def main(smk) -> None:
+    """The synth rule's job (rules/synth.smk)."""
+    with stage(smk):
+        run_synth(
+            smk.input.replies,
+            smk.output.responses,
+            smk.output.errors,
+            smk.output.quality,
+            typed(Parsing, smk.params.parsing, "synth"),
+            verifier_dir=smk.input.verifier,
+        )
 
 
 class Rebuilder:

@@ -38,7 +38,7 @@ from workflow_scripts.common.fingerprint import value_fingerprint
 log = logging.getLogger(__name__)
 
 # Keys of the train config that change when or how often something is written, not what is trained.
-NON_DETERMINING_KEYS = frozenset({"checkpoint_every", "keep_checkpoints"})
+NON_DETERMINING_KEYS = frozenset({"checkpoint_every", "keep_checkpoints", "gpus"})
 PREFIX = "step-"
 
 

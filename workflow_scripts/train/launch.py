@@ -17,12 +17,31 @@ from typing import Any
 
 from workflow_scripts.common.atomic import write_text
 from workflow_scripts.common.process import kill_group
+from workflow_scripts.common.smk import stage
 from workflow_scripts.train.loop import run_from_json
 
 log = logging.getLogger(__name__)
 
 PACKAGE_PARENT = Path(__file__).resolve().parents[2]  # the directory holding workflow_scripts/
 STOP_GRACE_S = 60
+
+
+def main(smk) -> None:
+    """The train rule's job (rules/train.smk)."""
+    with stage(smk):
+        spec = {
+            "shards": list(smk.input.shards),
+            "vocab_map": smk.input.vocab_map,
+            "index": smk.input.index,
+            "verifier_dir": smk.input.verifier,
+            "draft_out": smk.output.draft,
+            "metrics_out": smk.output.metrics,
+            "checkpoint_dir": smk.params.checkpoint_dir,
+            "serve_verifier_path": smk.params.serve_verifier_path,
+            "cfg": smk.params.train,
+            "threads": smk.threads,
+        }
+        run_stage(spec, smk.params.train["nproc_per_node"])
 
 
 def torchrun_command(spec_path: Path, nproc: int) -> list[str]:
@@ -39,7 +58,7 @@ def torchrun_command(spec_path: Path, nproc: int) -> list[str]:
 
 
 def run_stage(spec: dict[str, Any], nproc: int) -> None:
-    """Train with `spec` (run_train's arguments, see loop.run_from_json) on `nproc` processes;
+    """Train with `spec` (see loop.run_from_json) on `nproc` processes;
     `spec["threads"]` is the job's, split between the processes."""
     spec = {**spec, "threads": max(1, spec["threads"] // nproc)}
     if nproc == 1:

@@ -1,4 +1,5 @@
-"""The training loop, top to bottom: data, model, optimizer, resume, step, eval, checkpoint, export.
+"""The training loop, top to bottom: setup (data, model, optimizer), resume, the step loop
+(step, log, validate, checkpoint), export.
 
 Validation runs on the held-out split every `eval_every` steps and at the end of every
 epoch; the draft exported is the one with the lowest validation loss. The estimated
@@ -18,13 +19,15 @@ from the newest one and produces the same metrics rows and weights as an uninter
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import importlib.util
 import logging
 import math
 import os
 import shutil
-import signal
 import time
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +39,7 @@ from safetensors.torch import load_file
 from tqdm import tqdm
 
 from workflow_scripts.common.atomic import atomic_path, write_jsonl
+from workflow_scripts.common.config import typed
 from workflow_scripts.common.fingerprint import code_fingerprint
 from workflow_scripts.train.checkpoint import (
     TrainState,
@@ -50,9 +54,50 @@ from workflow_scripts.train.draft import build_draft, export_draft
 
 log = logging.getLogger(__name__)
 
-# Fault injection for the resume tests: "STEP" or "STEP:SIGNAME" sends the signal (default
-# SIGKILL) to this process once step STEP (and its checkpoint, if due) is done.
-KILL_AT_STEP_ENV = "EAGLEFLOW_TRAIN_KILL_AT_STEP"
+# Called with the step number once a step (and its checkpoint, if due) is done. Production
+# wires none; the resume tests wire one that kills the process there.
+StepCallback = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The `train` config section."""
+
+    num_layers: int
+    ttt_steps: int
+    ttt_step_loss_decay: float
+    loss: str
+    loss_implementation: str
+    attn_impl: str
+    sliding_window: int | None
+    lr: float
+    weight_decay: float
+    warmup_steps: int
+    grad_clip: float
+    epochs: int
+    batch_tokens: int
+    log_every: int
+    eval_every: int
+    checkpoint_every: int
+    keep_checkpoints: int
+    nproc_per_node: int
+    seed: int
+    gpus: int
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """Where one training run reads and writes, and the threads of each process."""
+
+    shards: list[str]
+    vocab_map: str
+    index: str
+    verifier_dir: str
+    draft_out: str
+    metrics_out: str
+    checkpoint_dir: str  # resumable checkpoints, under <checkpoint_dir>/<fingerprint>/
+    serve_verifier_path: str  # the verifier path the exported draft names
+    threads: int
 
 
 def lr_at(step: int, total: int, base_lr: float, warmup: int, min_ratio: float = 0.1) -> float:
@@ -135,7 +180,7 @@ def resolve_impls(attn_impl: str, loss_implementation: str, cuda: bool, triton: 
     return attn, loss
 
 
-def init_runtime(cfg: dict[str, Any]) -> Runtime:
+def init_runtime(cfg: TrainConfig) -> Runtime:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     cuda = torch.cuda.is_available()
@@ -148,7 +193,7 @@ def init_runtime(cfg: dict[str, Any]) -> Runtime:
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if cuda else "gloo")
     attn, loss = resolve_impls(
-        cfg["attn_impl"], cfg["loss_implementation"], cuda, importlib.util.find_spec("triton") is not None
+        cfg.attn_impl, cfg.loss_implementation, cuda, importlib.util.find_spec("triton") is not None
     )
     return Runtime(rank, world_size, device, attn, loss)
 
@@ -220,261 +265,317 @@ def evaluate(
     return summarise(dict(zip(keys, rt.sum_(total).tolist(), strict=True)), fwd_kwargs["ttt_steps"])
 
 
-def kill_hook() -> tuple[int, int] | None:
-    spec = os.environ.get(KILL_AT_STEP_ENV)
-    if not spec:
-        return None
-    step, _, name = spec.partition(":")
-    return int(step), int(getattr(signal, name or "SIGKILL"))
-
-
 # --- the loop --------------------------------------------------------------------------------
 
 
-def run_train(
-    shards: list[str],
-    vocab_map: str,
-    verifier_dir: str,
-    draft_out: str,
-    metrics_out: str,
-    *,
-    index: str,
-    checkpoint_dir: str,
-    serve_verifier_path: str,
-    cfg: dict[str, Any],
-    threads: int,
-) -> None:
-    torch.set_num_threads(threads)
+def run_train(job: TrainJob, cfg: TrainConfig, on_step_end: StepCallback | None = None) -> None:
+    """Train a draft as `cfg` says on `job`'s inputs and export the best one."""
+    torch.set_num_threads(job.threads)
     rt = init_runtime(cfg)
     try:
-        _train(
-            shards,
-            vocab_map,
-            verifier_dir,
-            draft_out,
-            metrics_out,
-            index,
-            Path(checkpoint_dir),
-            serve_verifier_path,
-            cfg,
-            rt,
-        )
+        trainer = Trainer.setup(job, cfg, rt)
+        trainer.resume()
+        trainer.fit(on_step_end)
+        trainer.export()
     finally:
         if rt.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _train(
-    shards,
-    vocab_map,
-    verifier_dir,
-    draft_out,
-    metrics_out,
-    index,
-    checkpoint_root: Path,
-    serve_verifier_path,
-    cfg,
-    rt: Runtime,
-):
-    torch.manual_seed(cfg["seed"])
-    fingerprint = training_fingerprint(cfg, index, vocab_map, shards, code_fingerprint("workflow_scripts.train.loop"))
-    ckpt_dir = checkpoint_root / fingerprint
-    train, evals, aux_layer_ids = load_shards(shards)
-    if not train or not evals:
-        raise ValueError(
-            f"hidden-state shards hold {len(train)} train and {len(evals)} eval samples; both must be non-empty"
-        )
-    vocab = load_file(vocab_map)
-    model = build_draft(
-        verifier_dir,
-        vocab["d2t"],
-        vocab["t2d"],
-        num_layers=cfg["num_layers"],
-        ttt_steps=cfg["ttt_steps"],
-        aux_layer_ids=aux_layer_ids,
-        attn_impl=rt.attn_impl,
-        sliding_window=cfg.get("sliding_window"),
-    ).to(rt.device)
-    from speculators.losses import resolve_loss_config
+def run_from_json(spec: dict[str, Any], on_step_end: StepCallback | None = None) -> None:
+    """Entry for `python -m workflow_scripts.train SPEC.json` (and torchrun): TrainJob's
+    fields and the train config section under "cfg", as JSON."""
+    job = TrainJob(**{f.name: spec[f.name] for f in dataclasses.fields(TrainJob)})
+    run_train(job, typed(TrainConfig, spec["cfg"], "train"), on_step_end)
 
-    ttt = cfg["ttt_steps"]
-    fwd_kwargs = {
-        "ttt_steps": ttt,
-        "ttt_step_loss_decay": cfg["ttt_step_loss_decay"],
-        "loss_config": resolve_loss_config(cfg["loss"], rt.loss_implementation),
-    }
-    keys = metric_keys(ttt)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg["lr"], betas=(0.9, 0.95), weight_decay=cfg["weight_decay"])
-    # The packing of every epoch is fixed up front (a pure function of the seed), so the
-    # schedule knows the exact number of steps and a resumed run sees the same batches.
-    epochs = [pack(train, cfg["batch_tokens"], shuffle_seed=cfg["seed"] * 1000 + e) for e in range(cfg["epochs"])]
-    total_steps = sum(steps_in(len(b), rt.world_size) for b in epochs)
-    checkpoint_every, keep = cfg.get("checkpoint_every", 0), cfg.get("keep_checkpoints", 2)
-    if rt.is_main:
+
+@dataclass
+class Window:
+    """Train metrics summed since the last train row, with the tokens and training wall time
+    they took (validation time excluded)."""
+
+    sums: torch.Tensor
+    tokens: int
+    started: float
+
+    @classmethod
+    def restore(cls, saved: dict[str, float], keys: list[str], device: torch.device) -> Window:
+        sums = torch.tensor([saved.get(k, 0.0) for k in keys], dtype=torch.float64, device=device)
+        return cls(sums, int(saved.get("tokens", 0)), time.monotonic())
+
+    def saved(self, keys: list[str]) -> dict[str, float]:
+        return {**dict(zip(keys, self.sums.tolist(), strict=True)), "tokens": self.tokens}
+
+    def reset(self) -> None:
+        self.sums.zero_()
+        self.tokens, self.started = 0, time.monotonic()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        paused_at = time.monotonic()
+        yield
+        self.started += time.monotonic() - paused_at
+
+
+@dataclass
+class Trainer:
+    """A training run's model, data and position. `setup`, `resume`, `fit`, `export`."""
+
+    job: TrainJob
+    cfg: TrainConfig
+    rt: Runtime
+    model: torch.nn.Module
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    train: list[dict[str, torch.Tensor]]
+    evals: list[dict[str, torch.Tensor]]
+    epochs: list[list[list[int]]]  # the packing of every epoch: batches of sample indices
+    total_steps: int
+    fwd_kwargs: dict[str, Any]
+    keys: list[str]
+    fingerprint: str
+    checkpoint_dir: Path
+    state: TrainState = dataclasses.field(default_factory=TrainState)
+    best: dict[str, torch.Tensor] | None = None  # trainable weights of the best validation (rank 0)
+
+    @classmethod
+    def setup(cls, job: TrainJob, cfg: TrainConfig, rt: Runtime) -> Trainer:
+        """Data, draft model, optimizer and the step schedule."""
+        from speculators.losses import resolve_loss_config
+
+        torch.manual_seed(cfg.seed)
+        fingerprint = training_fingerprint(
+            dataclasses.asdict(cfg),
+            job.index,
+            job.vocab_map,
+            job.shards,
+            code_fingerprint("workflow_scripts.train.loop"),
+        )
+        train, evals, aux_layer_ids = load_shards(job.shards)
+        if not train or not evals:
+            raise ValueError(
+                f"hidden-state shards hold {len(train)} train and {len(evals)} eval samples; both must be non-empty"
+            )
+        vocab = load_file(job.vocab_map)
+        model = build_draft(
+            job.verifier_dir,
+            vocab["d2t"],
+            vocab["t2d"],
+            num_layers=cfg.num_layers,
+            ttt_steps=cfg.ttt_steps,
+            aux_layer_ids=aux_layer_ids,
+            attn_impl=rt.attn_impl,
+            sliding_window=cfg.sliding_window,
+        ).to(rt.device)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        # The packing of every epoch is fixed up front (a pure function of the seed), so the
+        # schedule knows the exact number of steps and a resumed run sees the same batches.
+        epochs = [pack(train, cfg.batch_tokens, shuffle_seed=cfg.seed * 1000 + e) for e in range(cfg.epochs)]
+        fwd_kwargs = {
+            "ttt_steps": cfg.ttt_steps,
+            "ttt_step_loss_decay": cfg.ttt_step_loss_decay,
+            "loss_config": resolve_loss_config(cfg.loss, rt.loss_implementation),
+        }
+        trainer = cls(
+            job=job,
+            cfg=cfg,
+            rt=rt,
+            model=model,
+            params=params,
+            optimizer=optimizer,
+            train=train,
+            evals=evals,
+            epochs=epochs,
+            total_steps=sum(steps_in(len(b), rt.world_size) for b in epochs),
+            fwd_kwargs=fwd_kwargs,
+            keys=metric_keys(cfg.ttt_steps),
+            fingerprint=fingerprint,
+            checkpoint_dir=Path(job.checkpoint_dir) / fingerprint,
+        )
+        if rt.is_main:
+            trainer.log_setup()
+        return trainer
+
+    def log_setup(self) -> None:
+        rt, root = self.rt, self.checkpoint_dir.parent
         log.info(
-            "draft: %.2fM trainable params; %d train / %d eval "
-            "samples (%d / %d tokens); %d steps on %d %s process(es); "
-            "attention %s, loss %s; checkpoints in %s",
-            sum(p.numel() for p in params) / 1e6,
-            len(train),
-            len(evals),
-            sum(map(len, train)),
-            sum(map(len, evals)),
-            total_steps,
+            "draft: %.2fM trainable params; %d train / %d eval samples (%d / %d tokens); %d steps on %d %s "
+            "process(es); attention %s, loss %s; checkpoints in %s",
+            sum(p.numel() for p in self.params) / 1e6,
+            len(self.train),
+            len(self.evals),
+            sum(map(len, self.train)),
+            sum(map(len, self.evals)),
+            self.total_steps,
             rt.world_size,
             rt.device.type,
             rt.attn_impl,
             rt.loss_implementation,
-            ckpt_dir,
+            self.checkpoint_dir,
         )
-        others = (
-            [p.name for p in checkpoint_root.iterdir() if p.is_dir() and p.name != fingerprint]
-            if checkpoint_root.is_dir()
-            else []
-        )
+        found = root.iterdir() if root.is_dir() else []
+        others = sorted(p.name for p in found if p.is_dir() and p.name != self.fingerprint)
         if others:
-            log.info(
-                "not resuming checkpoints of other configs/inputs/code in %s: %s",
-                checkpoint_root,
-                ", ".join(sorted(others)),
-            )
+            log.info("not resuming checkpoints of other configs/inputs/code in %s: %s", root, ", ".join(others))
 
-    state, best = TrainState(), None
-    ckpt = latest_checkpoint(ckpt_dir, fingerprint)
-    if ckpt is not None:
-        restore(ckpt, model, optimizer)
-        state, best = ckpt.state, ckpt.best
-        if rt.is_main:
-            log.info(
-                "resuming from step %d of %d (%s; epoch %d, batch %d; best eval loss %s)",
-                state.step,
-                total_steps,
-                ckpt.path,
-                state.epoch,
-                state.batch_index,
-                f"{state.best_loss:.4f}" if best is not None else "none yet",
-            )
-    elif rt.is_main:
-        log.info("starting at step 0 of %d (no checkpoint in %s)", total_steps, ckpt_dir)
-    if rt.world_size > 1:
-        for p in params:  # identical seeds give identical weights; make it explicit
-            dist.broadcast(p.data, src=0)
-    if not rt.is_main:
-        best = None  # only rank 0 writes the draft
+    def resume(self) -> None:
+        """Continue from the newest checkpoint of this fingerprint, if there is one."""
+        rt = self.rt
+        ckpt = latest_checkpoint(self.checkpoint_dir, self.fingerprint)
+        if ckpt is not None:
+            restore(ckpt, self.model, self.optimizer)
+            self.state, self.best = ckpt.state, ckpt.best
+            if rt.is_main:
+                log.info(
+                    "resuming from step %d of %d (%s; epoch %d, batch %d; best eval loss %s)",
+                    self.state.step,
+                    self.total_steps,
+                    ckpt.path,
+                    self.state.epoch,
+                    self.state.batch_index,
+                    f"{self.state.best_loss:.4f}" if self.best is not None else "none yet",
+                )
+        elif rt.is_main:
+            log.info("starting at step 0 of %d (no checkpoint in %s)", self.total_steps, self.checkpoint_dir)
+        if rt.world_size > 1:
+            for p in self.params:  # identical seeds give identical weights; make it explicit
+                dist.broadcast(p.data, src=0)
+        if not rt.is_main:
+            self.best = None  # only rank 0 writes the draft
 
-    window = torch.tensor([state.window.get(k, 0.0) for k in keys], dtype=torch.float64, device=rt.device)
-    window_tokens, window_start = state.window.get("tokens", 0), time.monotonic()
-    hook = kill_hook()
+    def fit(self, on_step_end: StepCallback | None = None) -> None:
+        """The step loop, from the resumed position to the last step."""
+        cfg, rt, state = self.cfg, self.rt, self.state
+        window = Window.restore(state.window, self.keys, rt.device)
+        self.model.train()
+        bar = tqdm(
+            total=self.total_steps,
+            initial=state.step,
+            desc="train",
+            unit="step",
+            mininterval=2.0,
+            disable=not rt.is_main,
+        )
+        for epoch in range(state.epoch, len(self.epochs)):
+            batches = self.epochs[epoch]
+            n_steps = steps_in(len(batches), rt.world_size)
+            for j in range(state.batch_index if epoch == state.epoch else 0, n_steps):
+                # Step: the world_size consecutive batches of this step, one per rank.
+                lr, grad_norm = self.step(batches[j * rt.world_size : (j + 1) * rt.world_size], window)
+                state.step += 1
+                state.epoch, state.batch_index = (epoch, j + 1) if j + 1 < n_steps else (epoch + 1, 0)
+                bar.update()
+                # Log: a train row every log_every steps and at the last.
+                if state.step % cfg.log_every == 0 or state.step == self.total_steps:
+                    row = self.train_row(epoch, lr, grad_norm, window)
+                    bar.set_postfix(
+                        loss=f"{row['loss']:.3f}",
+                        acc0=f"{row['full_acc_0']:.2f}",
+                        tok_s=f"{row['tokens_per_s']:.0f}",
+                        refresh=False,
+                    )
+                # Validate: at the end of every epoch and every eval_every steps.
+                end_of_epoch = j + 1 == n_steps
+                if end_of_epoch or (cfg.eval_every and state.step % cfg.eval_every == 0):
+                    with window.paused():  # tokens/s measures training, not validation
+                        self.validate(epoch, end_of_epoch)
+                # Checkpoint: every checkpoint_every steps; the last step's outputs are the draft.
+                if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0 and state.step < self.total_steps:
+                    self.checkpoint(window)
+                if on_step_end is not None:
+                    on_step_end(state.step)
+        bar.close()
 
-    def validate(epoch):
-        nonlocal best
-        val = evaluate(model, evals, cfg["batch_tokens"], fwd_kwargs, rt, keys)
+    def step(self, step_batches: list[list[int]], window: Window) -> tuple[float, torch.Tensor]:
+        """One optimizer step on this rank's batch of `step_batches`; adds its metrics to `window`."""
+        rt, cfg = self.rt, self.cfg
+        mine = step_batches[rt.rank] if rt.rank < len(step_batches) else None
+        batch = collate([self.train[i] for i in mine], cfg.batch_tokens) if mine is not None else None
+        lr = lr_at(self.state.step, self.total_steps, cfg.lr, cfg.warmup_steps)
+        grad_norm, reduced = train_step(
+            self.model,
+            self.params,
+            self.optimizer,
+            batch,
+            rt,
+            self.fwd_kwargs,
+            lr=lr,
+            loss_scale=1.0 / len(step_batches),
+            grad_clip=cfg.grad_clip,
+            keys=self.keys,
+        )
+        window.sums += reduced
+        window.tokens += sum(min(len(self.train[i]), cfg.batch_tokens) for b in step_batches for i in b)
+        return lr, grad_norm
+
+    def train_row(self, epoch: int, lr: float, grad_norm: torch.Tensor, window: Window) -> dict[str, Any]:
+        """The metrics row of the steps since the last one; starts the next window."""
+        elapsed = time.monotonic() - window.started
+        row = {
+            "step": self.state.step,
+            "epoch": epoch,
+            "split": "train",
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+            "tokens": window.tokens,
+            "tokens_per_s": window.tokens / elapsed,
+            **summarise(dict(zip(self.keys, window.sums.tolist(), strict=True)), self.cfg.ttt_steps),
+        }
+        self.state.rows.append(row)
+        window.reset()
+        return row
+
+    def validate(self, epoch: int, end_of_epoch: bool) -> None:
+        """Validation metrics as a row; the best weights so far are kept for export."""
+        state = self.state
+        val = evaluate(self.model, self.evals, self.cfg.batch_tokens, self.fwd_kwargs, self.rt, self.keys)
         state.rows.append({"step": state.step, "epoch": epoch, "split": "eval", **val})
         if val["loss"] < state.best_loss:
             state.best_loss, state.best_step = val["loss"], state.step
-            if rt.is_main:
-                best = {k: v.detach().clone() for k, v in trainable_state(model).items()}
-        return val
-
-    model.train()
-    bar = tqdm(
-        total=total_steps, initial=state.step, desc="train", unit="step", mininterval=2.0, disable=not rt.is_main
-    )
-    grad_norm = torch.zeros(())
-    for epoch in range(state.epoch, len(epochs)):
-        batches = epochs[epoch]
-        n_steps = steps_in(len(batches), rt.world_size)
-        for j in range(state.batch_index if epoch == state.epoch else 0, n_steps):
-            step_batches = batches[j * rt.world_size : (j + 1) * rt.world_size]
-            mine = step_batches[rt.rank] if rt.rank < len(step_batches) else None
-            batch = collate([train[i] for i in mine], cfg["batch_tokens"]) if mine is not None else None
-            lr = lr_at(state.step, total_steps, cfg["lr"], cfg["warmup_steps"])
-            grad_norm, reduced = train_step(
-                model,
-                params,
-                optimizer,
-                batch,
-                rt,
-                fwd_kwargs,
-                lr=lr,
-                loss_scale=1.0 / len(step_batches),
-                grad_clip=cfg["grad_clip"],
-                keys=keys,
+            if self.rt.is_main:
+                self.best = {k: v.detach().clone() for k, v in trainable_state(self.model).items()}
+        if end_of_epoch and self.rt.is_main:
+            log.info(
+                "epoch %d: eval loss %.4f, estimated acceptance length %.3f",
+                epoch,
+                val["loss"],
+                val["estimated_acceptance_length"],
             )
-            window += reduced
-            window_tokens += sum(min(len(train[i]), cfg["batch_tokens"]) for b in step_batches for i in b)
-            state.step += 1
-            state.epoch, state.batch_index = (epoch, j + 1) if j + 1 < n_steps else (epoch + 1, 0)
-            bar.update()
-            if state.step % cfg["log_every"] == 0 or state.step == total_steps:
-                elapsed = time.monotonic() - window_start
-                row = {
-                    "step": state.step,
-                    "epoch": epoch,
-                    "split": "train",
-                    "lr": lr,
-                    "grad_norm": float(grad_norm),
-                    "tokens": window_tokens,
-                    "tokens_per_s": window_tokens / elapsed,
-                    **summarise(dict(zip(keys, window.tolist(), strict=True)), ttt),
-                }
-                state.rows.append(row)
-                bar.set_postfix(
-                    loss=f"{row['loss']:.3f}",
-                    acc0=f"{row['full_acc_0']:.2f}",
-                    tok_s=f"{row['tokens_per_s']:.0f}",
-                    refresh=False,
-                )
-                window.zero_()
-                window_tokens, window_start = 0, time.monotonic()
-            end_of_epoch = j + 1 == n_steps
-            if end_of_epoch or (cfg["eval_every"] and state.step % cfg["eval_every"] == 0):
-                eval_start = time.monotonic()
-                val = validate(epoch)
-                if end_of_epoch and rt.is_main:
-                    log.info(
-                        "epoch %d: eval loss %.4f, estimated acceptance length %.3f",
-                        epoch,
-                        val["loss"],
-                        val["estimated_acceptance_length"],
-                    )
-                window_start += time.monotonic() - eval_start  # tokens/s measures training, not validation
-            if checkpoint_every and state.step % checkpoint_every == 0 and state.step < total_steps and rt.is_main:
-                state.window = {**dict(zip(keys, window.tolist(), strict=True)), "tokens": window_tokens}
-                path = save_checkpoint(ckpt_dir, fingerprint, model, optimizer, state, best, keep)
-                log.info("checkpoint at step %d of %d: %s", state.step, total_steps, path)
-            if hook and hook[0] == state.step:
-                if rt.world_size > 1:
-                    dist.barrier()  # rank 0's checkpoint is complete before anyone dies
-                os.kill(os.getpid(), hook[1])
-    bar.close()
-    if rt.is_main:
-        if best is None:
-            raise RuntimeError("no validation ran, so there is no best draft to export")
-        final = {k: v.detach() for k, v in model.state_dict().items()} | best
-        with atomic_path(draft_out) as tmp_draft:
-            export_draft(model, final, tmp_draft, serve_verifier_path)
-        write_jsonl(metrics_out, state.rows)
-        log.info("exported the best draft (step %d, eval loss %.4f) to %s", state.best_step, state.best_loss, draft_out)
-        # Training is complete and its outputs are written: this run's checkpoints are spent.
-        shutil.rmtree(ckpt_dir, ignore_errors=True)
-    if rt.world_size > 1:
-        dist.barrier()
 
+    def checkpoint(self, window: Window) -> None:
+        """Rank 0 saves everything a rerun needs to continue from this step."""
+        if not self.rt.is_main:
+            return
+        self.state.window = window.saved(self.keys)
+        path = save_checkpoint(
+            self.checkpoint_dir,
+            self.fingerprint,
+            self.model,
+            self.optimizer,
+            self.state,
+            self.best,
+            self.cfg.keep_checkpoints,
+        )
+        log.info("checkpoint at step %d of %d: %s", self.state.step, self.total_steps, path)
 
-def run_from_json(spec: dict[str, Any]) -> None:
-    """Entry for `python -m workflow_scripts.train SPEC.json` (and torchrun): the keyword
-    arguments of run_train as JSON."""
-    run_train(
-        spec["shards"],
-        spec["vocab_map"],
-        spec["verifier_dir"],
-        spec["draft_out"],
-        spec["metrics_out"],
-        index=spec["index"],
-        checkpoint_dir=spec["checkpoint_dir"],
-        serve_verifier_path=spec["serve_verifier_path"],
-        cfg=spec["cfg"],
-        threads=spec["threads"],
-    )
+    def export(self) -> None:
+        """Rank 0 writes the best draft and the metrics rows, then drops this run's checkpoints."""
+        job, state = self.job, self.state
+        if self.rt.is_main:
+            if self.best is None:
+                raise RuntimeError("no validation ran, so there is no best draft to export")
+            final = {k: v.detach() for k, v in self.model.state_dict().items()} | self.best
+            with atomic_path(job.draft_out) as tmp_draft:
+                export_draft(self.model, final, tmp_draft, job.serve_verifier_path)
+            write_jsonl(job.metrics_out, state.rows)
+            log.info(
+                "exported the best draft (step %d, eval loss %.4f) to %s",
+                state.best_step,
+                state.best_loss,
+                job.draft_out,
+            )
+            # Training is complete and its outputs are written: this run's checkpoints are spent.
+            shutil.rmtree(self.checkpoint_dir, ignore_errors=True)
+        if self.rt.world_size > 1:
+            dist.barrier()

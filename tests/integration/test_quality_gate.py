@@ -8,10 +8,11 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from tests.helpers import copy_workflow
+from tests.helpers import config_section, copy_workflow
 from workflow_scripts.common.atomic import write_json, write_jsonl
+from workflow_scripts.common.config import typed
 from workflow_scripts.common.replies import write_replies
-from workflow_scripts.dataset import QualityGateError, run_dataset
+from workflow_scripts.dataset import DatasetConfig, QualityGateError, run_dataset
 from workflow_scripts.synth.assemble import parse_completion
 from workflow_scripts.synth.quality import quality_report
 from workflow_scripts.synth.run import samples_table
@@ -62,6 +63,9 @@ def write_synth_outputs(d, samples):
     write_json(d / "quality.json", quality_report(samples, [], num_prompts=len(samples)))
 
 
+GATE = {"max_seq_len": 64, "eval_fraction": 0.2, "max_defect_fraction": {"empty_reasoning": 0.05}}
+
+
 def test_run_dataset_refuses_and_names_defect_count_and_examples(tmp_path):
     write_synth_outputs(tmp_path, reasoning_dropped_samples(20))
     with pytest.raises(QualityGateError) as exc:
@@ -70,11 +74,7 @@ def test_run_dataset_refuses_and_names_defect_count_and_examples(tmp_path):
             str(tmp_path / "quality.json"),
             str(tmp_path / "train.parquet"),
             str(tmp_path / "eval.parquet"),
-            max_seq_len=64,
-            eval_fraction=0.2,
-            seed=0,
-            max_defect_fraction={"empty_reasoning": 0.05},
-            exclude_defects=[],
+            typed(DatasetConfig, config_section("dataset", **GATE), "dataset"),
         )
     msg = str(exc.value)
     assert "empty_reasoning: 20 samples (100.0%)" in msg and "p0#t0" in msg

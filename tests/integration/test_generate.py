@@ -14,17 +14,15 @@ from pathlib import Path
 
 import httpx2
 import pytest
-import yaml
 
-from tests.helpers import REPO, fake_openai
+from tests.helpers import REPO, fake_openai, server_config
 from workflow_scripts.common.atomic import write_jsonl
 from workflow_scripts.common.replies import read_replies
 from workflow_scripts.generate.run import Client, Requests, run_generate
 from workflow_scripts.generate.store import ResponseStore, StoreError
 
-SERVER = yaml.safe_load((REPO / "config/config.yaml").read_text())["server"]
 REQUESTS = Requests(model="verifier", sampling={"max_tokens": 12, "temperature": 0.0}, chat_template_kwargs={})
-CLIENT = Client(concurrency=8, request_timeout_s=1.0, max_attempts=8)
+CLIENT = Client(concurrency=8, request_timeout_s=1.0, max_attempts=8, api_key_env=None)
 
 
 def write_prompts(path: Path, n: int, poison: int | None = None) -> list[dict]:
@@ -56,9 +54,8 @@ def generate(prompts: Path, url, d: Path, verifier: Path, requests=REQUESTS, cli
         str(d / "stats.json"),
         requests=requests,
         client=client,
-        server=SERVER,
+        server=server_config(endpoint=url),
         server_log=str(d / "vllm.log"),
-        endpoint=url,
     )
     return json.loads((d / "stats.json").read_text())
 
@@ -102,7 +99,7 @@ def test_a_later_turn_carries_the_servers_own_message(tmp_path, verifier):
 def test_a_rerun_retries_failed_conversations_and_reuses_every_stored_reply(tmp_path, verifier):
     write_prompts(tmp_path / "prompts.jsonl", 12)
     with fake_openai("--fault-rate", "1.0", "--hang", "3", "--lifetime", "60") as down:
-        stats = generate(tmp_path / "prompts.jsonl", down, tmp_path / "run", verifier, client=Client(8, 1.0, 1))
+        stats = generate(tmp_path / "prompts.jsonl", down, tmp_path / "run", verifier, client=Client(8, 1.0, 1, None))
     assert stats["failed_conversations"] == 12 and stats["sent"] == 0
     with fake_openai("--lifetime", "60") as up:
         stats = generate(tmp_path / "prompts.jsonl", up, tmp_path / "run", verifier)
@@ -150,30 +147,6 @@ def test_the_store_is_keyed_by_the_request_not_by_eagleflows_code(tmp_path, veri
     assert json.loads((tmp_path / "run/stats.json").read_text())["sent"] == 0
 
 
-def test_another_verifier_or_server_flag_is_another_key(tmp_path, verifier):
-    from workflow_scripts.generate.requests import request_key, server_identity, verifier_fingerprint
-
-    payload = {"model": "verifier", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-    base = server_identity(verifier, SERVER)
-    assert request_key(payload, base) == request_key(
-        json.loads(json.dumps(payload)), server_identity(verifier, dict(SERVER))
-    )
-    assert request_key(payload, base) != request_key(
-        payload, server_identity(verifier, {**SERVER, "dtype": "bfloat16"})
-    )
-    assert request_key(payload, base) == request_key(
-        payload, server_identity(verifier, {**SERVER, "host": "0.0.0.0", "enforce_eager": False})
-    )
-    other = tmp_path / "other"
-    shutil.copytree(verifier, other)
-    assert verifier_fingerprint(other) == verifier_fingerprint(verifier)  # a copy is the same verifier
-    (other / "README.md").write_text("docs do not change replies")
-    (other / "eagleflow_source.json").write_text('{"file": "/another/venv/model.gguf"}')  # where it was found
-    assert verifier_fingerprint(other) == verifier_fingerprint(verifier)
-    (other / "config.json").write_text(json.dumps({"model_type": "fake", "rope_theta": 1.0}))
-    assert verifier_fingerprint(other) != verifier_fingerprint(verifier)
-
-
 def test_several_endpoints_share_the_load(tmp_path, verifier):
     write_prompts(tmp_path / "prompts.jsonl", 40)
     with (
@@ -216,14 +189,15 @@ GENERATE_JOB = textwrap.dedent(
     """
     import json, logging, sys, yaml
     from workflow_scripts.common.process import terminate_on_sigterm
+    from workflow_scripts.common.server import ServerConfig
     from workflow_scripts.generate.run import Client, Requests, run_generate
     logging.basicConfig(level=logging.INFO)
     terminate_on_sigterm()  # as every Snakemake entry point does
     prompts, url, out, verifier = sys.argv[1:5]
-    server = yaml.safe_load(open(sys.argv[5]))["server"]
+    server = ServerConfig.from_section({**yaml.safe_load(open(sys.argv[5]))["server"], "endpoint": url})
     run_generate(prompts, verifier, out + "/store.sqlite", out + "/replies.parquet", out + "/stats.json",
-                 requests=Requests("verifier", {"max_tokens": 12, "temperature": 0.0}, {}), client=Client(8, 5.0, 4),
-                 server=server, server_log=out + "/vllm.log", endpoint=url)
+                 requests=Requests("verifier", {"max_tokens": 12, "temperature": 0.0}, {}),
+                 client=Client(8, 5.0, 4, None), server=server, server_log=out + "/vllm.log")
     """
 )
 

@@ -1,5 +1,6 @@
 """The server lifecycle: healthy start, clear errors, and no process left behind."""
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -9,7 +10,7 @@ import time
 
 import pytest
 
-from tests.helpers import vllm_available
+from tests.helpers import server_config, vllm_available
 from workflow_scripts.common.process import group_alive
 from workflow_scripts.common.server import ServerError, ServerSpec, VllmServer
 
@@ -37,6 +38,11 @@ FAKE_SERVER = textwrap.dedent(
 )
 
 
+def fake_spec(env: dict | None = None, **overrides) -> ServerSpec:
+    spec = ServerSpec.from_config(server_config(), "fake", env=env or {}, **overrides)
+    return FakeSpec(**{f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)})
+
+
 class FakeSpec(ServerSpec):
     def command(self, port):
         return [
@@ -50,7 +56,7 @@ class FakeSpec(ServerSpec):
 
 
 def test_server_group_is_killed_including_workers_that_ignore_sigterm(tmp_path):
-    spec = FakeSpec(model="fake", startup_timeout_s=30, stop_grace_s=2)
+    spec = fake_spec(startup_timeout_s=30, stop_grace_s=2)
     with VllmServer(spec, tmp_path / "server.log") as srv:
         pgid = srv.proc.pid
         assert group_alive(pgid)
@@ -58,7 +64,7 @@ def test_server_group_is_killed_including_workers_that_ignore_sigterm(tmp_path):
 
 
 def test_server_that_dies_raises_with_log_tail(tmp_path):
-    spec = FakeSpec(model="fake", env={"MODE": "die", "DELAY": "0.2"}, startup_timeout_s=30, stop_grace_s=2)
+    spec = fake_spec({"MODE": "die", "DELAY": "0.2"}, startup_timeout_s=30, stop_grace_s=2)
     with pytest.raises(ServerError) as exc:
         with VllmServer(spec, tmp_path / "server.log"):
             pass
@@ -67,7 +73,7 @@ def test_server_that_dies_raises_with_log_tail(tmp_path):
 
 
 def test_server_that_never_gets_healthy_times_out_and_is_killed(tmp_path):
-    spec = FakeSpec(model="fake", env={"DELAY": "60"}, startup_timeout_s=2, stop_grace_s=2)
+    spec = fake_spec({"DELAY": "60"}, startup_timeout_s=2, stop_grace_s=2)
     server = VllmServer(spec, tmp_path / "server.log")
     with pytest.raises(ServerError, match="did not answer .*within 2 s"):
         with server:
@@ -76,10 +82,9 @@ def test_server_that_never_gets_healthy_times_out_and_is_killed(tmp_path):
 
 
 def test_command_binds_loopback_and_uses_python_m():
-    cmd = ServerSpec(
-        model="m",
-        dtype="float32",
-        enforce_eager=True,
+    cmd = ServerSpec.from_config(
+        server_config(dtype="float32", enforce_eager=True),
+        "m",
         speculative_config={"method": "eagle3", "model": "d", "num_speculative_tokens": 3},
     ).command(8000)
     assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
@@ -92,10 +97,11 @@ JOB = textwrap.dedent(
     """
     import sys, time
     from workflow_scripts.common.process import terminate_on_sigterm
+    from tests.helpers import server_config
     from workflow_scripts.common.server import ServerSpec, VllmServer
     terminate_on_sigterm()
-    spec = ServerSpec(model=sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=512,
-                      env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "1"})
+    spec = ServerSpec.from_config(server_config(max_model_len=512), sys.argv[1],
+                                  env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "1"})
     with VllmServer(spec, sys.argv[2]) as srv:
         print("READY", srv.proc.pid, flush=True)
         time.sleep(3600)

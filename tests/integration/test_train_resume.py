@@ -32,7 +32,6 @@ from workflow_scripts.train.data import collate, load_shards, pack
 from workflow_scripts.train.draft import build_draft
 from workflow_scripts.train.launch import run_stage
 from workflow_scripts.train.loop import (
-    KILL_AT_STEP_ENV,
     Runtime,
     evaluate,
     lr_at,
@@ -64,6 +63,7 @@ CFG = dict(
     keep_checkpoints=2,
     nproc_per_node=1,
     seed=0,
+    gpus=0,
 )
 NONDETERMINISTIC = {"tokens_per_s"}
 
@@ -90,17 +90,15 @@ def spec(tmp: Path, inputs, verifier, **cfg) -> dict:
     }
 
 
-def run_subprocess(s: dict, tmp: Path, env_extra: dict | None = None) -> subprocess.CompletedProcess:
-    """`python -m workflow_scripts.train SPEC.json`, as one torchrun rank (or a killed job) runs it."""
+def run_subprocess(s: dict, tmp: Path, kill_at: str | None = None) -> subprocess.CompletedProcess:
+    """`python -m workflow_scripts.train SPEC.json`, as one torchrun rank runs it; with
+    `kill_at` ("STEP[:SIGNAME]"), a process that kills itself once that step is done."""
     path = tmp / f"spec-{os.urandom(4).hex()}.json"
     path.write_text(json.dumps(s))
-    env = (
-        {k: v for k, v in os.environ.items() if k not in (KILL_AT_STEP_ENV,)}
-        | {"PYTHONPATH": str(REPO)}
-        | (env_extra or {})
-    )
+    env = os.environ | {"PYTHONPATH": str(REPO)}
+    module = ["tests.train_faults", str(path), kill_at] if kill_at else ["workflow_scripts.train", str(path)]
     return subprocess.run(
-        [sys.executable, "-m", "workflow_scripts.train", str(path)],
+        [sys.executable, "-m", *module],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -269,7 +267,7 @@ def test_killed_run_resumes_and_matches_uninterrupted(inputs, tiny_llama_dir, un
     ref_dir, ref_rows = uninterrupted
     s = spec(tmp_path, inputs, tiny_llama_dir)
     # Killed at step 6: the newest checkpoint is step 4, so steps 5-6 are trained twice.
-    killed = run_subprocess(s, tmp_path, {KILL_AT_STEP_ENV: f"6:{signame}"})
+    killed = run_subprocess(s, tmp_path, kill_at=f"6:{signame}")
     assert killed.returncode == (-signal.SIGKILL if signame == "SIGKILL" else 128 + signal.SIGTERM), killed.stderr[
         -3000:
     ]
@@ -290,7 +288,7 @@ def test_killed_run_resumes_and_matches_uninterrupted(inputs, tiny_llama_dir, un
 
 def test_changed_config_does_not_resume_stale_checkpoint(inputs, tiny_llama_dir, tmp_path):
     s = spec(tmp_path, inputs, tiny_llama_dir)
-    assert run_subprocess(s, tmp_path, {KILL_AT_STEP_ENV: "6"}).returncode == -signal.SIGKILL
+    assert run_subprocess(s, tmp_path, kill_at="6").returncode == -signal.SIGKILL
     (stale,) = Path(s["checkpoint_dir"]).iterdir()
     changed = {**s, "cfg": {**s["cfg"], "lr": 0.001}}
     done = run_subprocess(changed, tmp_path)

@@ -9,16 +9,33 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.helpers import copy_workflow, save_tiny_llama
+from tests.helpers import REPO, copy_workflow, save_tiny_llama
 from tests.train_inputs import make_train_inputs
 from workflow_scripts.common.atomic import read_jsonl
-from workflow_scripts.train.loop import KILL_AT_STEP_ENV
 
 OVERRIDES = """\
 run: t
 verifier: {name: tiny, source: path, path: resources/verifier/tiny}
 hidden_states: {num_shards: 2}
 train: {nproc_per_node: 2, epochs: 2, batch_tokens: 64, log_every: 1, eval_every: 1, checkpoint_every: 2}
+"""
+
+# The ranks' `python -m workflow_scripts.train` in the test's copy of the workflow.
+KILLED_AFTER_STEP_3 = """
+import json, os, signal, sys
+import torch.distributed as dist
+from workflow_scripts.common.logs import configure_logging
+from workflow_scripts.train.loop import run_from_json
+
+
+def kill_after_step_3(step):
+    if step == 3:
+        dist.barrier()  # rank 0's checkpoint of step 2 is long complete; both ranks die together
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+configure_logging(sys.stderr)
+run_from_json(json.load(open(sys.argv[1])), kill_after_step_3)
 """
 
 
@@ -56,14 +73,19 @@ def test_killed_torchrun_job_resumes_on_rerun(tmp_path, clean_env):
     (wf / "over.yaml").write_text(OVERRIDES)
     log = wf / "results/t/logs/train.log"
 
-    killed = snakemake(wf, clean_env | {KILL_AT_STEP_ENV: "3"})
+    # The copy's package runs (PYTHONPATH), and its ranks kill themselves once step 3 is done.
+    env = clean_env | {"PYTHONPATH": str(wf)}
+    rank_main = wf / "workflow_scripts/train/__main__.py"
+    rank_main.write_text(KILLED_AFTER_STEP_3)
+    killed = snakemake(wf, env)
     assert killed.returncode != 0
     assert "launching 2 training processes" in log.read_text()
     assert not (wf / "results/t/train/metrics.jsonl").exists() and not (wf / "results/t/draft").exists()
     (fp_dir,) = [p for p in (wf / "results/t/train/checkpoints").iterdir() if p.is_dir()]
     assert [p.name for p in fp_dir.iterdir()] == ["step-00000002"], "the failed job's checkpoint survives"
 
-    done = snakemake(wf, clean_env)
+    shutil.copy2(REPO / "workflow_scripts/train/__main__.py", rank_main)
+    done = snakemake(wf, env)
     assert done.returncode == 0, log.read_text()[-4000:]
     assert "resuming from step 2 of 4" in log.read_text()
     rows = read_jsonl(wf / "results/t/train/metrics.jsonl")

@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from tests.helpers import hidden_states_config, server_config
 from workflow_scripts.hidden_states.backend import BACKENDS, open_backend
 from workflow_scripts.hidden_states.hf import decoder_parts, extract, load_verifier, token_budget_batches
 from workflow_scripts.hidden_states.layers import default_aux_layer_ids, resolve_aux_layer_ids, verifier_geometry
@@ -143,14 +144,7 @@ def write_dataset(tmp_path, n=7):
     return rows
 
 
-HF_SETTINGS = {
-    "backend": "hf",
-    "aux_layer_ids": None,
-    "batch_tokens": 32,
-    "dtype": "bfloat16",
-    "device": "cpu",
-    "compute_dtype": "auto",
-}
+HF_SETTINGS = {"backend": "hf", "batch_tokens": 32, "dtype": "bfloat16", "device": "cpu", "compute_dtype": "auto"}
 
 
 def test_shards_are_unpadded_and_partition_the_samples(tiny_llama_dir, tmp_path):
@@ -162,9 +156,12 @@ def test_shards_are_unpadded_and_partition_the_samples(tiny_llama_dir, tmp_path)
             str(tmp_path / "eval.parquet"),
             str(tiny_llama_dir),
             k,
-            2,
             out,
-            settings=HF_SETTINGS,
+            settings=hidden_states_config(**HF_SETTINGS, num_shards=2),
+            server=None,
+            threads=1,
+            trust_remote_code=False,
+            log_path=None,
         )
     seen = []
     for out in shards:
@@ -213,9 +210,12 @@ def test_run_shard_refuses_before_loading_the_verifier(tiny_llama_dir, tmp_path,
             str(tmp_path / "eval.parquet"),
             str(tiny_llama_dir),
             0,
-            1,
             str(out),
-            settings=HF_SETTINGS,
+            settings=hidden_states_config(**HF_SETTINGS, num_shards=1),
+            server=None,
+            threads=1,
+            trust_remote_code=False,
+            log_path=None,
         )
     assert not out.exists()
 
@@ -237,9 +237,12 @@ def test_a_failed_extraction_leaves_no_shard(tiny_llama_dir, tmp_path, monkeypat
             str(tmp_path / "eval.parquet"),
             str(tiny_llama_dir),
             0,
-            1,
             str(out),
-            settings=HF_SETTINGS,
+            settings=hidden_states_config(**HF_SETTINGS, num_shards=1),
+            server=None,
+            threads=1,
+            trust_remote_code=False,
+            log_path=None,
         )
     assert not out.exists()
     assert list(tmp_path.glob("*shard*")) == []
@@ -495,10 +498,11 @@ def test_vllm_backend_matches_hf_backend_on_gpu(tiny_llama_dir, tmp_path):
             str(tmp_path / "eval.parquet"),
             str(tiny_llama_dir),
             0,
-            1,
             outs[backend],
-            settings=settings,
-            server=server,
+            settings=hidden_states_config(**settings, num_shards=1),
+            server=server_config(**server),
+            threads=1,
+            trust_remote_code=False,
             log_path=str(tmp_path / f"{backend}.log"),
         )
     with safe_open(outs["hf"], framework="pt") as hf, safe_open(outs["vllm"], framework="pt") as vl:

@@ -1,6 +1,7 @@
 """The docs stay true to the repository: every config key is documented, every relative
 link resolves, and nothing points outside the repository."""
 
+import json
 import re
 
 import yaml
@@ -49,3 +50,14 @@ def test_nothing_points_outside_the_repository():
         str(p.relative_to(REPO)) for p in places if re.search(r"shared folder|\.\./shared|DESIGN\.md", p.read_text())
     ]
     assert not offenders, offenders
+
+
+def test_the_reference_defaults_are_config_yaml():
+    config = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    rows = re.findall(r"^\| `([a-z_.]+)` \| `(.*?)` \|", (REPO / "config/README.md").read_text(), flags=re.M)
+    assert len(rows) >= 80
+    for key, documented in rows:
+        value = config
+        for part in key.split("."):
+            value = value[part]
+        assert json.loads(documented) == value, f"config/README.md says {key} defaults to {documented}"

@@ -3,6 +3,7 @@ parser, single-token <think>/</think>): exact token streams, reasoning and conte
 fields, the text rebuild agreeing with the server's ids, and the incident this project exists
 for, replayed through the DAG: a broken parser costs no inference once fixed."""
 
+import dataclasses
 import json
 import subprocess
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 import yaml
 from transformers import AutoTokenizer
 
-from tests.helpers import REPO, SNAKEMAKE, copy_workflow, planned_jobs, vllm_available
+from tests.helpers import SNAKEMAKE, copy_workflow, planned_jobs, server_config, vllm_available
 from workflow_scripts.common.atomic import write_jsonl
 from workflow_scripts.common.server import ServerSpec, VllmServer
 from workflow_scripts.generate.run import Client, Requests, run_generate
@@ -26,11 +27,7 @@ THINK_START, THINK_END, EOS = 3, 4, 2  # ids in tests.conftest.char_tokenizer(th
 # few tokens, close the block, answer and stop. Greedy decoding cannot: the bias wins at the
 # first step or never. Seeded sampling is deterministic per request in vLLM.
 SAMPLING = {"max_tokens": 48, "temperature": 1.0, "seed": 0, "logit_bias": {str(THINK_END): 3.5, str(EOS): 3.0}}
-SERVER = {
-    **yaml.safe_load((REPO / "config/config.yaml").read_text())["server"],
-    "max_model_len": 512,
-    "reasoning_parser": "kimi_k2",
-}
+SERVER = server_config(max_model_len=512, reasoning_parser="kimi_k2")
 
 
 @pytest.fixture(scope="module")
@@ -75,13 +72,16 @@ def samples(server, tiny_think_dir, tmp_path_factory):
         str(tmp / "replies.parquet"),
         str(tmp / "stats.json"),
         requests=Requests("verifier", SAMPLING, {}),
-        client=Client(8, 120, 2),
-        server=SERVER,
+        client=Client(8, 120, 2, None),
+        server=dataclasses.replace(SERVER, endpoint=server),
         server_log=str(tmp / "vllm.log"),
-        endpoint=server,
     )
     parsing = Parsing(
-        expect_reasoning=True, think_markers=("<think>", "</think>"), chat_template_kwargs={}, verify_token_ids=True
+        expect_reasoning=True,
+        think_markers=("<think>", "</think>"),
+        chat_template_kwargs={},
+        verify_token_ids=True,
+        trust_remote_code=False,
     )
     run_synth(
         str(tmp / "replies.parquet"),

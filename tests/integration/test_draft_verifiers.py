@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.helpers import hidden_states_config, train_config
 from workflow_scripts.common.verifier_config import read_text_config
 from workflow_scripts.hidden_states.run import run_shard
 from workflow_scripts.hidden_states.shards import write_index
@@ -18,7 +19,7 @@ from workflow_scripts.train.draft import (
     load_draft,
     load_verifier_embeddings,
 )
-from workflow_scripts.train.loop import run_train
+from workflow_scripts.train.loop import TrainJob, run_train
 
 TRAIN_CFG = {
     "num_layers": 1,
@@ -91,24 +92,19 @@ def test_draft_for_each_verifier_trains_exports_and_reloads(tiny_verifier, tmp_p
     ]
     pq.write_table(pa.Table.from_pylist(rows[:8]), tmp_path / "train.parquet")
     pq.write_table(pa.Table.from_pylist(rows[8:]), tmp_path / "eval.parquet")
-    settings = {
-        "backend": "hf",
-        "aux_layer_ids": None,
-        "batch_tokens": 256,
-        "dtype": "bfloat16",
-        "device": "cpu",
-        "compute_dtype": "auto",
-    }
+    settings = hidden_states_config(backend="hf", batch_tokens=256, dtype="bfloat16", device="cpu", num_shards=1)
     shard = str(tmp_path / "shard-00000.safetensors")
     run_shard(
         str(tmp_path / "train.parquet"),
         str(tmp_path / "eval.parquet"),
         str(verifier),
         0,
-        1,
         shard,
         settings=settings,
+        server=None,
+        threads=1,
         trust_remote_code=trust,
+        log_path=None,
     )
 
     t2d = torch.zeros(128, dtype=torch.bool)
@@ -118,18 +114,18 @@ def test_draft_for_each_verifier_trains_exports_and_reloads(tiny_verifier, tmp_p
     draft_dir = tmp_path / "draft"
     index = str(tmp_path / "index.json")
     write_index([shard], str(verifier), index)
-    run_train(
-        [shard],
-        str(tmp_path / "vocab_map.safetensors"),
-        str(verifier),
-        str(draft_dir),
-        str(tmp_path / "metrics.jsonl"),
+    job = TrainJob(
+        shards=[shard],
+        vocab_map=str(tmp_path / "vocab_map.safetensors"),
         index=index,
+        verifier_dir=str(verifier),
+        draft_out=str(draft_dir),
+        metrics_out=str(tmp_path / "metrics.jsonl"),
         checkpoint_dir=str(tmp_path / "checkpoints"),
         serve_verifier_path=str(verifier),
-        cfg=TRAIN_CFG,
         threads=1,
     )
+    run_train(job, train_config(**TRAIN_CFG))
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert any("loss" in m and m["loss"] == m["loss"] for m in metrics)
 

@@ -1,0 +1,69 @@
+"""What generate asks and under which store key (generate/requests.py): pure functions."""
+
+import json
+import shutil
+
+from tests.helpers import server_config
+from workflow_scripts.generate.requests import (
+    history_message,
+    request_key,
+    request_payload,
+    sample_seed,
+    server_identity,
+    verifier_fingerprint,
+)
+
+PAYLOAD = {"model": "verifier", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def write_verifier(d):
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "fake"}))
+    return d
+
+
+def test_another_verifier_or_reply_shaping_flag_is_another_key(tmp_path):
+    verifier = write_verifier(tmp_path / "verifier")
+    base = server_identity(verifier, server_config())
+    assert request_key(PAYLOAD, base) == request_key(
+        json.loads(json.dumps(PAYLOAD)), server_identity(verifier, server_config())
+    )
+    for changed in (server_config(dtype="bfloat16"), server_config(extra_args=["--max-logprobs", "5"])):
+        assert request_key(PAYLOAD, base) != request_key(PAYLOAD, server_identity(verifier, changed))
+    # Speed, not content: the same key.
+    fast = server_config(host="0.0.0.0", enforce_eager=False, tensor_parallel_size=2, env={"X": "1"})
+    assert request_key(PAYLOAD, base) == request_key(PAYLOAD, server_identity(verifier, fast))
+
+    other = tmp_path / "other"
+    shutil.copytree(verifier, other)
+    assert verifier_fingerprint(other) == verifier_fingerprint(verifier)  # a copy is the same verifier
+    (other / "README.md").write_text("docs do not change replies")
+    (other / "eagleflow_source.json").write_text('{"file": "/another/venv/model.gguf"}')  # where it was found
+    assert verifier_fingerprint(other) == verifier_fingerprint(verifier)
+    (other / "config.json").write_text(json.dumps({"model_type": "fake", "rope_theta": 1.0}))
+    assert verifier_fingerprint(other) != verifier_fingerprint(verifier)
+
+
+def test_each_sample_gets_its_own_stable_seed():
+    seeds = {sample_seed(0, f"p{i}", t) for i in range(50) for t in range(2)}
+    assert len(seeds) == 100 and all(0 <= s < 2**31 for s in seeds)
+    assert sample_seed(0, "p1", 0) == sample_seed(0, "p1", 0) != sample_seed(1, "p1", 0)
+    sampling = {"max_tokens": 8, "temperature": 1.0, "seed": 7}
+    one = request_payload([], "p1", 1, model="m", sampling=sampling, chat_template_kwargs={"thinking": True})
+    assert one["seed"] == sample_seed(7, "p1", 1) and one["return_token_ids"] is True
+    assert one["chat_template_kwargs"] == {"thinking": True}
+    greedy = request_payload([], "p1", 1, model="m", sampling={"max_tokens": 8}, chat_template_kwargs={})
+    assert "seed" not in greedy and "chat_template_kwargs" not in greedy
+
+
+def test_history_carries_the_servers_message_without_empty_fields():
+    body = {
+        "choices": [
+            {"message": {"role": "assistant", "content": "4", "reasoning": "2+2", "tool_calls": [], "refusal": None}}
+        ]
+    }
+    assert history_message(body) == {"role": "assistant", "reasoning": "2+2", "content": "4"}
+    assert history_message({"choices": [{"message": {"role": "assistant", "content": None}}]}) == {
+        "role": "assistant",
+        "content": "",
+    }

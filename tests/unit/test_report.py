@@ -1,0 +1,92 @@
+"""The report says what the data cost in inference: requests sent vs reused from the store."""
+
+from workflow_scripts.report import describe_requests, render_markdown
+
+REPORT = {
+    "speculative": {
+        "mean_acceptance_length": 1.6,
+        "acceptance_rate": 0.2,
+        "per_position_acceptance": [0.4, 0.15, 0.05],
+        "output_tokens_per_s": 60.0,
+    },
+    "baseline": {"output_tokens_per_s": 55.0},
+    "speedup": 1.09,
+    "outputs_identical_fraction": 1.0,
+    "verifier": "v",
+    "draft": "d",
+    "prompts": {"count": 4},
+    "sampling": {"max_tokens": 32, "concurrency": 2},
+    "num_speculative_tokens": 3,
+}
+METRICS = [{"split": "eval", "step": 10, "loss": 1.0, "estimated_acceptance_length": 1.7}]
+QUALITY = {"num_samples": 30, "num_prompts": 28, "request_errors": 0, "counts": {"truncated": 3}}
+VOCAB = {"draft_vocab_size": 1024, "verifier_vocab_size": 49152, "coverage_train": 1.0, "coverage_eval": 0.95}
+PLOTS = {k: f"{k}.png" for k in ("acceptance", "training", "quality", "vocab")}
+
+
+def test_requests_sent_and_reused_are_in_the_report():
+    rerun = {"requests": 30, "sent": 0, "reused": 30}
+    md = render_markdown(REPORT, METRICS, QUALITY, VOCAB, rerun, PLOTS)
+    assert "| verifier requests of the last generate | 0 sent / 30 reused from the store (100% reused) |" in md
+    assert "no server was started" in md
+    first = render_markdown(REPORT, METRICS, QUALITY, VOCAB, {"requests": 30, "sent": 24, "reused": 6}, PLOTS)
+    assert "24 sent / 6 reused from the store (20% reused)" in first and "no server was started" not in first
+
+
+def test_no_requests_is_not_a_division_by_zero():
+    assert describe_requests({"requests": 0, "sent": 0, "reused": 0}) == "0 sent / 0 reused from the store (0% reused)"
+
+
+def test_run_report_writes_the_markdown_html_and_four_plots(tmp_path):
+    """The whole report job on small inputs: every output written, PNGs real, the markdown
+    pointing at the plots by paths relative to itself."""
+    from workflow_scripts.common.atomic import write_json, write_jsonl
+    from workflow_scripts.report import REPORT_OUTPUTS, run_report
+
+    metrics = [
+        {"split": "train", "step": 5, "loss": 2.0, "full_acc_0": 0.3, "full_acc_1": 0.1},
+        {
+            "split": "eval",
+            "step": 5,
+            "loss": 1.8,
+            "estimated_acceptance_length": 1.5,
+            "full_acc_0": 0.35,
+            "full_acc_1": 0.15,
+        },
+        {"split": "train", "step": 10, "loss": 1.5, "full_acc_0": 0.4, "full_acc_1": 0.2},
+        {
+            "split": "eval",
+            "step": 10,
+            "loss": 1.6,
+            "estimated_acceptance_length": 1.6,
+            "full_acc_0": 0.4,
+            "full_acc_1": 0.2,
+        },
+    ]
+    vocab = {**VOCAB, "coverage_curve": [{"size": 2**i, "train": i / 12, "eval": i / 13} for i in range(1, 12)]}
+    inputs = {
+        "report": REPORT,
+        "quality": QUALITY,
+        "vocab": vocab,
+        "generate": {"requests": 30, "sent": 24, "reused": 6},
+    }
+    for name, value in inputs.items():
+        write_json(tmp_path / f"{name}.json", value)
+    write_jsonl(tmp_path / "metrics.jsonl", metrics)
+    out = {
+        name: str(tmp_path / "report" / f"{name}.{'png' if name.endswith('png') else name}") for name in REPORT_OUTPUTS
+    }
+    run_report(
+        *(str(tmp_path / f"{n}.json") for n in ("report",)),
+        str(tmp_path / "metrics.jsonl"),
+        str(tmp_path / "quality.json"),
+        str(tmp_path / "vocab.json"),
+        str(tmp_path / "generate.json"),
+        out,
+    )
+    for name in ("acceptance_png", "training_png", "quality_png", "vocab_png"):
+        assert (tmp_path / "report" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    md = (tmp_path / "report" / "md.md").read_text()
+    assert "![per-position acceptance](acceptance_png.png)" in md
+    assert "Best eval loss 1.6000 at step 10" in md and "| **1.60** |" not in md
+    assert "<td>mean acceptance length</td><td>1.600</td>" in (tmp_path / "report" / "html.html").read_text()

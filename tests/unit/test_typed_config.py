@@ -1,0 +1,75 @@
+"""Typed config: every section's dataclass has exactly the schema's keys, config.yaml builds
+every one, and a mismatch names the key."""
+
+import dataclasses
+
+import pytest
+import yaml
+
+from tests.helpers import REPO, config_section
+from workflow_scripts.benchmark.run import BenchmarkConfig
+from workflow_scripts.common.config import ConfigError, typed
+from workflow_scripts.common.server import ServerConfig
+from workflow_scripts.dataset import DatasetConfig
+from workflow_scripts.hidden_states.backend import HiddenStatesConfig, VllmExtractionConfig
+from workflow_scripts.prompts import PromptsConfig
+from workflow_scripts.synth.run import Parsing
+from workflow_scripts.train.loop import TrainConfig
+from workflow_scripts.vocab import VocabConfig
+
+SECTIONS = {
+    "server": ServerConfig,
+    "prompts": PromptsConfig,
+    "dataset": DatasetConfig,
+    "vocab": VocabConfig,
+    "hidden_states": HiddenStatesConfig,
+    "train": TrainConfig,
+    "benchmark": BenchmarkConfig,
+}
+SCHEMA = yaml.safe_load((REPO / "config/schema.yaml").read_text())
+
+
+@pytest.mark.parametrize("name", sorted(SECTIONS))
+def test_section_dataclass_has_exactly_the_schema_keys_and_builds_from_config_yaml(name):
+    cls = SECTIONS[name]
+    assert sorted(f.name for f in dataclasses.fields(cls)) == sorted(SCHEMA["properties"][name]["properties"])
+    built = typed(cls, config_section(name), name)
+    assert dataclasses.is_dataclass(built) and cls.__dataclass_params__.frozen
+
+
+def test_every_schema_key_is_required_so_code_needs_no_default():
+    """config.yaml holds every default; the schema requires every key of every section."""
+
+    def check(schema, where):
+        if "properties" in schema:
+            assert sorted(schema.get("required", [])) == sorted(schema["properties"]), where
+            for key, sub in schema["properties"].items():
+                check(sub, f"{where}.{key}")
+
+    check(SCHEMA, "config")
+
+
+def test_missing_and_unknown_keys_are_named():
+    section = config_section("train")
+    del section["lr"]
+    section["learning_rate"] = 0.1
+    with pytest.raises(ConfigError, match=r"train\.lr: missing; train\.learning_rate: unknown key"):
+        typed(TrainConfig, section, "train")
+
+
+def test_nested_sections_and_tuples_are_typed():
+    hs = typed(HiddenStatesConfig, config_section("hidden_states", aux_layer_ids=[1, 3]), "hidden_states")
+    assert hs.aux_layer_ids == (1, 3)
+    assert (
+        isinstance(hs.vllm, VllmExtractionConfig)
+        and hs.vllm.concurrency == config_section("hidden_states")["vllm"]["concurrency"]
+    )
+    with pytest.raises(ConfigError, match=r"hidden_states\.vllm\.port: unknown key"):
+        typed(HiddenStatesConfig, config_section("hidden_states", vllm={"port": 1}), "hidden_states")
+
+
+def test_synth_parsing_view_takes_think_markers_as_a_pair():
+    synth = config_section("synth", think_markers=["<think>", "</think>"])
+    view = {k: synth[k] for k in ("expect_reasoning", "think_markers", "chat_template_kwargs", "verify_token_ids")}
+    parsing = typed(Parsing, {**view, "trust_remote_code": False}, "synth")
+    assert parsing.think_markers == ("<think>", "</think>")
