@@ -4,6 +4,7 @@ nothing is downloaded), a workflow copy to run Snakemake in, and the fake OpenAI
 import contextlib
 import os
 import shutil
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,18 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
+
+
+def stored_replies(store: Path) -> int:
+    """Replies committed to a response store, read as a second process would (WAL: readers
+    see every commit)."""
+    if not store.exists():
+        return 0
+    with sqlite3.connect(store, timeout=10) as db:
+        try:
+            return db.execute("SELECT COUNT(*) FROM replies").fetchone()[0]
+        except sqlite3.OperationalError:
+            return 0
 
 
 def config_section(name: str, **overrides) -> dict:

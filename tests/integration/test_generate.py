@@ -5,7 +5,6 @@ import json
 import os
 import shutil
 import signal
-import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -15,7 +14,7 @@ from pathlib import Path
 import httpx2
 import pytest
 
-from tests.helpers import REPO, fake_openai, server_config
+from tests.helpers import REPO, fake_openai, server_config, stored_replies
 from workflow_scripts.common.atomic import write_jsonl
 from workflow_scripts.common.replies import read_replies
 from workflow_scripts.generate.run import Client, Requests, run_generate
@@ -219,21 +218,10 @@ def synth_job(prompts: Path, url: str, d: Path, verifier: Path, env=None) -> sub
     )
 
 
-def stored(d: Path) -> int:
-    """Replies committed to the store, read as a second process would (WAL: readers see commits)."""
-    if not (d / "store.sqlite").exists():
-        return 0
-    with sqlite3.connect(d / "store.sqlite", timeout=10) as db:
-        try:
-            return db.execute("SELECT COUNT(*) FROM replies").fetchone()[0]
-        except sqlite3.OperationalError:
-            return 0
-
-
 def interrupt(job: subprocess.Popen, out: Path, after: int, sig: int) -> float:
     """Send `sig` once `after` replies are stored; return seconds until the job ended."""
     deadline = time.monotonic() + 60
-    while stored(out) < after and time.monotonic() < deadline:
+    while stored_replies(out / "store.sqlite") < after and time.monotonic() < deadline:
         time.sleep(0.05)
     job.send_signal(sig)
     sent = time.monotonic()
@@ -251,7 +239,7 @@ def test_sigkill_then_rerun_gives_the_same_replies_and_sends_each_request_once(t
         killed = tmp_path / "killed"
         before = served(url)
         interrupt(synth_job(prompts, url, killed, verifier), killed, 20, signal.SIGKILL)
-        partial = stored(killed)
+        partial = stored_replies(killed / "store.sqlite")
         assert 20 <= partial < 96, f"kill landed at {partial} of 96 replies"
         assert not (killed / "replies.parquet").exists()
 
@@ -274,7 +262,7 @@ def test_sigterm_stops_promptly_and_loses_nothing(tmp_path, verifier):
         job = synth_job(prompts, url, out, verifier)
         assert interrupt(job, out, 10, signal.SIGTERM) < 10
         assert job.returncode != 0
-        kept = stored(out)
+        kept = stored_replies(out / "store.sqlite")
         rerun = synth_job(prompts, url, out, verifier)
         _, err = rerun.communicate(timeout=120)
     assert rerun.returncode == 0, err

@@ -1,6 +1,8 @@
 """The server lifecycle: healthy start, clear errors, and no process left behind."""
 
 import dataclasses
+import json
+import logging
 import os
 import signal
 import subprocess
@@ -11,8 +13,8 @@ import time
 import pytest
 
 from tests.helpers import server_config, vllm_available
-from workflow_scripts.common.process import group_alive
-from workflow_scripts.common.server import ServerError, ServerSpec, VllmServer
+from workflow_scripts.common.process import group_alive, group_members, start_time
+from workflow_scripts.common.server import Lease, ServerError, ServerSpec, VllmServer, free_port
 
 # A stand-in for vLLM's process tree: a parent serving /health, plus a forked worker that
 # ignores SIGTERM (as a wedged engine worker does), so the SIGKILL path is exercised too.
@@ -111,9 +113,10 @@ JOB = textwrap.dedent(
 
 @pytest.mark.vllm
 @pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
-def test_sigterm_to_the_job_kills_every_vllm_process(tiny_llama_dir, tmp_path):
-    """A job holding a real vLLM gets SIGTERM (as Snakemake or SLURM send it): no vLLM
-    process (API server, engine core, workers) may outlive it."""
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_no_vllm_process_outlives_its_job(tiny_llama_dir, tmp_path, sig):
+    """A job holding a real vLLM gets SIGTERM (as Snakemake or SLURM send it) or SIGKILL (the
+    OOM killer, kill -9): no vLLM process (API server, engine core, workers) may outlive it."""
     job = subprocess.Popen(
         [sys.executable, "-c", JOB, str(tiny_llama_dir), str(tmp_path / "vllm.log")], stdout=subprocess.PIPE, text=True
     )
@@ -123,9 +126,9 @@ def test_sigterm_to_the_job_kills_every_vllm_process(tiny_llama_dir, tmp_path):
         pgid = int(line.split()[1])
         members = [p for p in os.listdir("/proc") if p.isdigit() and _pgid(int(p)) == pgid]
         assert len(members) >= 2, "expected the API server and its engine process"
-        job.send_signal(signal.SIGTERM)
+        job.send_signal(sig)
         assert job.wait(timeout=60) != 0
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 15
         while group_alive(pgid) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not group_alive(pgid), "vLLM processes outlived the job"
@@ -139,3 +142,83 @@ def _pgid(pid):
         return os.getpgid(pid)
     except ProcessLookupError:
         return None
+
+
+# A job that launches a fake server and waits; killed from outside.
+FAKE_JOB = textwrap.dedent(
+    """
+    import sys, time
+    from tests.integration.test_server import fake_spec
+    from workflow_scripts.common.server import VllmServer
+    with VllmServer(fake_spec(startup_timeout_s=30, stop_grace_s=2), sys.argv[1]) as srv:
+        print("READY", srv.proc.pid, flush=True)
+        time.sleep(3600)
+    """
+)
+
+
+def test_sigkilled_job_takes_its_server_group_along_and_the_next_job_clears_the_lease(tmp_path):
+    """SIGKILL runs no cleanup in the job: the supervisor, told by the kernel, stops the
+    group (including a worker that ignores SIGTERM). The dead job's lease is what remains,
+    and the next launch removes it."""
+    job = subprocess.Popen(
+        [sys.executable, "-c", FAKE_JOB, str(tmp_path / "logs/a.log")], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        line = job.stdout.readline()
+        assert line.startswith("READY"), line
+        pgid = int(line.split()[1])
+        assert len(group_members(pgid)) >= 3  # supervisor, server, its worker
+        assert (tmp_path / f"logs/servers/vllm-{pgid}.json").is_file()
+        job.kill()
+        job.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not group_alive(pgid), "the server outlived a SIGKILLed job"
+    finally:
+        if job.poll() is None:
+            job.kill()
+    with VllmServer(fake_spec(startup_timeout_s=30, stop_grace_s=2), tmp_path / "logs/b.log") as srv:
+        assert [p.name for p in (tmp_path / "logs/servers").iterdir()] == [f"vllm-{srv.proc.pid}.json"]
+    assert list((tmp_path / "logs/servers").iterdir()) == []
+
+
+def test_a_leftover_server_of_a_dead_job_is_stopped_by_the_next_one(tmp_path, caplog):
+    """What the supervisor cannot cover (it was SIGKILLed itself): a live server group whose
+    lease names a dead owner. The next job's launch stops it and names it in its log."""
+    leftover = subprocess.Popen(
+        FakeSpec(**{f.name: getattr(fake_spec(), f.name) for f in dataclasses.fields(ServerSpec)}).command(free_port()),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+    )
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    lease_dir = tmp_path / "logs/servers"
+    lease = Lease(
+        pgid=leftover.pid,
+        leader_started=start_time(leftover.pid),
+        owner_pid=dead.pid,
+        owner_started=12345,
+        port=1,
+        model="fake",
+        job="snakemake ... (simulated)",
+        log="x.log",
+    )
+    lease_dir.mkdir(parents=True)
+    (lease_dir / f"vllm-{leftover.pid}.json").write_text(json.dumps(dataclasses.asdict(lease)))
+    # A lease of a live job (this test process) is not ours to touch.
+    alive = dataclasses.replace(lease, pgid=os.getpid(), owner_pid=os.getpid(), owner_started=start_time(os.getpid()))
+    (lease_dir / f"vllm-{os.getpid()}.json").write_text(json.dumps(dataclasses.asdict(alive)))
+    time.sleep(1.0)  # the fake forks its worker
+    assert len(group_members(leftover.pid)) == 2
+    with (
+        caplog.at_level(logging.WARNING),
+        VllmServer(fake_spec(startup_timeout_s=30, stop_grace_s=2), tmp_path / "logs/b.log"),
+    ):
+        pass
+    assert (
+        f"stopping a vLLM server left behind by a dead job: process group {leftover.pid} (2 processes)" in caplog.text
+    )
+    assert not group_alive(leftover.pid)
+    assert sorted(p.name for p in lease_dir.iterdir()) == [f"vllm-{os.getpid()}.json"]

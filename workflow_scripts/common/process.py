@@ -48,7 +48,12 @@ def group_alive(pgid: int) -> bool:
     except ProcessLookupError:
         return False
     # killpg(0) also succeeds for zombies that our parent has not reaped yet.
-    return any(_pgid_of(pid) == pgid and not _is_zombie(pid) for pid in _pids())
+    return bool(group_members(pgid))
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of group `pgid`."""
+    return [pid for pid in _pids() if _pgid_of(pid) == pgid and not _is_zombie(pid)]
 
 
 def _pids() -> Iterator[int]:
@@ -64,6 +69,20 @@ def _stat_fields(pid: int) -> list[str] | None:
         return None
     # The command name (field 2) may contain spaces; fields after ')' are fixed.
     return raw[raw.rfind(")") + 2 :].split()
+
+
+def start_time(pid: int) -> int | None:
+    """When `pid` started (clock ticks since boot); None if there is no such process. A pid
+    together with its start time names one process even after the pid is reused."""
+    fields = _stat_fields(pid)
+    return int(fields[19]) if fields else None
+
+
+def package_env(env: dict[str, str]) -> dict[str, str]:
+    """`env` with the directory holding workflow_scripts first on PYTHONPATH: for the
+    `python -m workflow_scripts...` processes a job starts (conda envs do not install it)."""
+    parent = str(Path(__file__).resolve().parents[2])
+    return env | {"PYTHONPATH": os.pathsep.join(filter(None, [parent, env.get("PYTHONPATH")]))}
 
 
 def _pgid_of(pid: int) -> int | None:

@@ -1,9 +1,17 @@
 """Launch and stop vLLM's OpenAI-compatible server for any rule.
 
-One implementation for every stage that needs a server (synth, benchmark, the vLLM
+One implementation for every stage that needs a server (generate, benchmark, the vLLM
 hidden-state backend). The server runs in its own process group so that stopping it also
 stops the engine-core and worker processes it forks (an 8-GPU host otherwise keeps zombie
 workers holding GPU memory). The group is killed on success, on failure and on SIGTERM.
+
+A job can also die without running any cleanup (SIGKILL, the OOM killer, `kill -9` of
+Snakemake's process group). Two things make sure its server does not outlive it:
+- The group's leader is a supervisor (common.supervise) that the kernel signals when the
+  job dies, and that then stops the group.
+- Every launched server has a lease, `<log dir>/servers/vllm-<pgid>.json` (the run's
+  logs directory: pid, process group, port, owning job). Before launching, a job stops any
+  server whose lease names a dead owner, and says so in its log.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -24,8 +33,9 @@ from typing import Any
 
 import httpx2 as httpx
 
+from workflow_scripts.common.atomic import write_json
 from workflow_scripts.common.config import typed
-from workflow_scripts.common.process import kill_group
+from workflow_scripts.common.process import group_members, kill_group, package_env, start_time
 
 log = logging.getLogger(__name__)
 
@@ -143,14 +153,110 @@ def tail(path: Path, lines: int = 40) -> str:
     return "\n".join(text[-lines:])
 
 
-class VllmServer:
-    """A running vLLM server. Use as a context manager: the process group dies on exit."""
+@dataclass(frozen=True)
+class Lease:
+    """Who launched a server, and how to find what is left of it."""
 
-    def __init__(self, spec: ServerSpec, log_path: str | os.PathLike):
+    pgid: int  # the supervisor's pid: the server's process group
+    leader_started: int  # the supervisor's start time (a reused pid is another process)
+    owner_pid: int  # the job process that launched it
+    owner_started: int
+    port: int
+    model: str
+    job: str  # the owning job's command line, for the log line that names it
+    log: str
+
+    @staticmethod
+    def path(lease_dir: Path, pgid: int) -> Path:
+        return lease_dir / f"vllm-{pgid}.json"
+
+
+def stop_leftover_servers(lease_dir: Path, grace_s: float) -> list[Lease]:
+    """Stop every server under `lease_dir` whose owning job is gone; return their leases.
+
+    A lease whose owner is alive belongs to a running job and is left alone. One whose group
+    leader was replaced by an unrelated process (pid reuse) is only removed."""
+    stopped = []
+    for path in sorted(lease_dir.glob("vllm-*.json")):
+        try:
+            lease = Lease(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError) as e:
+            log.warning("removing unreadable server lease %s (%s)", path, e)
+            path.unlink(missing_ok=True)
+            continue
+        if start_time(lease.owner_pid) == lease.owner_started:
+            continue
+        leader = start_time(lease.pgid)
+        members = group_members(lease.pgid) if leader in (None, lease.leader_started) else []
+        if members:
+            log.warning(
+                "stopping a vLLM server left behind by a dead job: process group %d (%d processes), port %d, "
+                "model %s, launched by pid %d (%s); log %s; lease %s",
+                lease.pgid,
+                len(members),
+                lease.port,
+                lease.model,
+                lease.owner_pid,
+                lease.job,
+                lease.log,
+                path,
+            )
+            kill_group(lease.pgid, grace_s)
+            stopped.append(lease)
+        path.unlink(missing_ok=True)
+    return stopped
+
+
+def describe_gpu_holders(gpus_csv: str, apps_csv: str, visible: str | None) -> list[str]:
+    """Processes on the GPUs this job may use, one line each. Pure.
+
+    `gpus_csv`: `nvidia-smi --query-gpu=index,uuid --format=csv,noheader`;
+    `apps_csv`: `nvidia-smi --query-compute-apps=gpu_uuid,pid,process_name,used_memory
+    --format=csv,noheader`; `visible`: CUDA_VISIBLE_DEVICES (indices or UUIDs; None: all)."""
+    index_of = {}
+    for line in gpus_csv.strip().splitlines():
+        index, uuid = (x.strip() for x in line.split(",", 1))
+        index_of[uuid] = index
+    wanted = None if visible is None else {v.strip() for v in visible.split(",") if v.strip()}
+    lines = []
+    for line in apps_csv.strip().splitlines():
+        uuid, pid, name, memory = (x.strip() for x in line.split(",", 3))
+        index = index_of.get(uuid, "?")
+        if wanted is None or index in wanted or uuid in wanted:
+            lines.append(f"GPU {index}: pid {pid} ({name}) holds {memory}")
+    return lines
+
+
+def gpu_holders() -> list[str]:
+    """describe_gpu_holders for this host and job; empty without nvidia-smi."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        query = ["nvidia-smi", "--format=csv,noheader"]
+        gpus = subprocess.run([*query, "--query-gpu=index,uuid"], capture_output=True, text=True, timeout=30)
+        apps = subprocess.run(
+            [*query, "--query-compute-apps=gpu_uuid,pid,process_name,used_memory"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return [f"(nvidia-smi failed: {e})"]
+    return describe_gpu_holders(gpus.stdout, apps.stdout, os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+class VllmServer:
+    """A running vLLM server. Use as a context manager: the process group dies on exit.
+
+    `lease_dir` (default: `servers/` next to the log) holds the leases of a run's servers."""
+
+    def __init__(self, spec: ServerSpec, log_path: str | os.PathLike, lease_dir: str | os.PathLike | None = None):
         self.spec = spec
         self.log_path = Path(log_path)
+        self.lease_dir = Path(lease_dir) if lease_dir else self.log_path.parent / "servers"
         self.port = spec.port or free_port(spec.host)
         self.proc: subprocess.Popen | None = None
+        self.gpu_holders: list[str] = []
 
     @property
     def base_url(self) -> str:
@@ -158,19 +264,59 @@ class VllmServer:
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.lease_dir.mkdir(parents=True, exist_ok=True)
+        stop_leftover_servers(self.lease_dir, self.spec.stop_grace_s)
+        self.gpu_holders = gpu_holders()
+        if self.gpu_holders:
+            log.warning("the GPUs of this job are in use before vLLM starts:\n  %s", "\n  ".join(self.gpu_holders))
         cmd = self.spec.command(self.port)
-        env = {**os.environ, **{k: str(v) for k, v in self.spec.env.items()}}
+        supervised = [
+            sys.executable,
+            "-m",
+            "workflow_scripts.common.supervise",
+            "--parent",
+            str(os.getpid()),
+            "--grace",
+            str(self.spec.stop_grace_s),
+            "--",
+            *cmd,
+        ]
+        env = package_env({**os.environ, **{k: str(v) for k, v in self.spec.env.items()}})
         log.info("starting vLLM on %s (log: %s): %s", self.base_url, self.log_path, " ".join(cmd))
         with open(self.log_path, "ab") as logfile:
             self.proc = subprocess.Popen(
-                cmd,
+                supervised,
                 stdout=logfile,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=env,
                 start_new_session=True,
             )
+        self._write_lease()
         self._wait_healthy()
+
+    def _write_lease(self) -> None:
+        assert self.proc is not None
+        lease = Lease(
+            pgid=self.proc.pid,
+            leader_started=start_time(self.proc.pid) or 0,
+            owner_pid=os.getpid(),
+            owner_started=start_time(os.getpid()) or 0,
+            port=self.port,
+            model=self.spec.model,
+            job=" ".join(sys.argv)[:500],
+            log=str(self.log_path),
+        )
+        write_json(Lease.path(self.lease_dir, lease.pgid), dataclasses.asdict(lease))
+
+    def _failure(self, what: str) -> ServerError:
+        held = (
+            "\nProcesses holding this job's GPUs before the start (not vLLM's own memory):\n  "
+            + "\n  ".join(self.gpu_holders)
+            if self.gpu_holders
+            else ""
+        )
+        return ServerError(f"{what}. Last lines of {self.log_path}:\n{tail(self.log_path)}{held}")
 
     def _wait_healthy(self) -> None:
         assert self.proc is not None
@@ -180,10 +326,8 @@ class VllmServer:
             while True:
                 code = self.proc.poll()
                 if code is not None:
-                    raise ServerError(
-                        f"vLLM exited with code {code} before becoming healthy "
-                        f"(model {self.spec.model}). Last lines of {self.log_path}:\n"
-                        f"{tail(self.log_path)}"
+                    raise self._failure(
+                        f"vLLM exited with code {code} before becoming healthy (model {self.spec.model})"
                     )
                 try:
                     if client.get(f"{self.base_url}/health").status_code == 200:
@@ -192,10 +336,9 @@ class VllmServer:
                 except httpx.HTTPError:
                     pass
                 if time.monotonic() > deadline:
-                    raise ServerError(
+                    raise self._failure(
                         f"vLLM did not answer {self.base_url}/health within "
-                        f"{self.spec.startup_timeout_s:.0f} s (server.startup_timeout_s). "
-                        f"Last lines of {self.log_path}:\n{tail(self.log_path)}"
+                        f"{self.spec.startup_timeout_s:.0f} s (server.startup_timeout_s)"
                     )
                 time.sleep(1.0)
 
@@ -206,6 +349,7 @@ class VllmServer:
         kill_group(self.proc.pid, self.spec.stop_grace_s)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5)
+        Lease.path(self.lease_dir, self.proc.pid).unlink(missing_ok=True)
         self.proc = None
 
     def __enter__(self) -> VllmServer:

@@ -16,13 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from workflow_scripts.common.atomic import write_text
-from workflow_scripts.common.process import kill_group
+from workflow_scripts.common.process import kill_group, package_env
 from workflow_scripts.common.smk import stage
 from workflow_scripts.train.loop import run_from_json
 
 log = logging.getLogger(__name__)
 
-PACKAGE_PARENT = Path(__file__).resolve().parents[2]  # the directory holding workflow_scripts/
 STOP_GRACE_S = 60
 
 
@@ -67,9 +66,7 @@ def run_stage(spec: dict[str, Any], nproc: int) -> None:
     # The spec sits next to the checkpoints: outside the Snakemake outputs, kept for a rerun to read.
     spec_path = Path(spec["checkpoint_dir"]) / "torchrun-spec.json"
     write_text(spec_path, json.dumps(spec, indent=1))
-    env = os.environ | {
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(PACKAGE_PARENT), os.environ.get("PYTHONPATH")]))
-    }
+    env = package_env(dict(os.environ))
     cmd = torchrun_command(spec_path, nproc)
     log.info("launching %d training processes: %s", nproc, " ".join(cmd))
     proc = subprocess.Popen(cmd, env=env, stdout=sys.stderr, stderr=sys.stderr, start_new_session=True)
