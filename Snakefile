@@ -24,4 +24,4 @@ include: "rules/report.smk"
 rule all:
     default_target: True
     input:
-        results("benchmark/report.md"),
+        results("report.md"),

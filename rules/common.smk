@@ -1,19 +1,34 @@
-# Helpers shared by every rule: config validation, paths, code fingerprints.
+# Helpers shared by every rule: config validation, paths, code fingerprints, variants.
+import re
 from pathlib import Path
 
 from workflow_scripts.common.config import validate_config
 from workflow_scripts.common.fingerprint import code_fingerprint
 from workflow_scripts.generate.requests import REPLY_SHAPING_FLAGS
+from workflow_scripts.variants import (
+    draft_id,
+    draft_variant,
+    validate_variants,
+    variant_config,
+    variant_overrides,
+    vocab_id,
+    vocab_section,
+)
 
 validate_config(config)
+validate_variants(config)
 
 RUN = config["run"]
+VARIANTS = list(variant_overrides(config))
 SCRIPTS_DIR = Path(workflow.basedir) / "workflow_scripts"
 VERIFIER_DIR = f"resources/verifier/{config['verifier']['name']}"
 
 
 wildcard_constraints:
     shard=r"\d{5}",
+    variant="|".join(re.escape(v) for v in VARIANTS),
+    vocab=r"default|v-[0-9a-f]{8}",
+    draft=r"default|d-[0-9a-f]{8}",
 
 
 def results(path):
@@ -57,6 +72,127 @@ def _sorted(value):
     if isinstance(value, list):
         return [_sorted(v) for v in value]
     return value
+
+
+def variant_results(path):
+    """Path of a variant's output: results/<run>/variants/{variant}/<path>."""
+    return results(f"variants/{{variant}}/{path}")
+
+
+def every_variant(path):
+    """`path` under every variant of the run (variants/<name>/<path>)."""
+    return expand(results(f"variants/{{variant}}/{path}"), variant=VARIANTS)
+
+
+def variant_section(name):
+    """Config section `name` as the job's variant sees it, as a param (keys sorted)."""
+
+    def param(wildcards):
+        return _sorted(variant_config(config, wildcards.variant)[name])
+
+    return param
+
+
+def draft_results(path):
+    """Path of a draft's output: results/<run>/drafts/{draft}/<path> (shared by the variants
+    whose vocab and train sections agree)."""
+    return results(f"drafts/{{draft}}/{path}")
+
+
+def draft_section(name):
+    """Config section `name` (vocab or train) of the job's draft, as a param."""
+
+    def param(wildcards):
+        return _sorted(
+            variant_config(config, draft_variant(config, wildcards.draft))[name]
+        )
+
+    return param
+
+
+def draft_vocab(file):
+    """A file of the vocabulary the job's draft is trained with."""
+
+    def path(wildcards):
+        return results(
+            f"vocab/{vocab_id(config, draft_variant(config, wildcards.draft))}/{file}"
+        )
+
+    return path
+
+
+def variant_draft(path):
+    """A file of the job's variant's draft."""
+
+    def resolve(wildcards):
+        return results(f"drafts/{draft_id(config, wildcards.variant)}/{path}")
+
+    return resolve
+
+
+def variant_vocab(file):
+    """A file of the job's variant's vocabulary."""
+
+    def path(wildcards):
+        return results(f"vocab/{vocab_id(config, wildcards.variant)}/{file}")
+
+    return path
+
+
+def every_draft(path):
+    """`path` of every variant's draft, in the order of VARIANTS (repeats where shared)."""
+    return [results(f"drafts/{draft_id(config, v)}/{path}") for v in VARIANTS]
+
+
+def every_train_benchmark():
+    """The train job's benchmark file of every variant's draft, in the order of VARIANTS."""
+    return [benchmarks(f"train.{draft_id(config, v)}") for v in VARIANTS]
+
+
+def vocab_param(wildcards):
+    """The vocab section behind the job's vocab id, as a param."""
+    return _sorted(vocab_section(config, wildcards.vocab))
+
+
+def checkpoint_dir(wildcards):
+    """Not an output: a failed or killed train job's checkpoints must survive for the rerun."""
+    return results(f"drafts/{wildcards.draft}/train/checkpoints")
+
+
+def baseline_report(wildcards):
+    """The shared baseline measurement, unless every benchmark measures its own (paired)."""
+    return (
+        []
+        if config["benchmark"]["paired_baseline"]
+        else results("baseline/report.json")
+    )
+
+
+def baseline_workload():
+    """What the verifier alone is measured on: the benchmark settings that shape the workload
+    (the number of speculative tokens does not), so every draft's benchmark reuses it.
+    """
+    return {
+        key: config["benchmark"][key]
+        for key in ("num_prompts", "max_tokens", "concurrency")
+    }
+
+
+def learning_curve_variants():
+    """The variants trained on a subset of the training conversations."""
+    return [
+        v for v in VARIANTS if variant_config(config, v)["train"]["sample_fraction"] < 1
+    ]
+
+
+def k_variants():
+    """The variants that differ from the config only in benchmark.num_speculative_tokens: the
+    measured checks of the report's k prediction."""
+    return [
+        v
+        for v, o in variant_overrides(config).items()
+        if v != VARIANTS[0] and set(o) == {"benchmark"}
+    ]
 
 
 def all_cores():

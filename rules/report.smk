@@ -1,47 +1,98 @@
 rule report:
     input:
-        report=results("benchmark/report.json"),
-        metrics=results("train/metrics.jsonl"),
+        report=variant_results("benchmark/report.json"),
+        metrics=variant_draft("train/metrics.jsonl"),
         quality=results("synth/quality.json"),
-        vocab_stats=results("vocab/stats.json"),
+        vocab_stats=variant_vocab("stats.json"),
         generate=results("generate/stats.json"),
     output:
-        md=results("benchmark/report.md"),
+        md=variant_results("report/report.md"),
         html=report(
-            results("benchmark/summary.html"),
+            variant_results("report/summary.html"),
             caption="report/summary.rst",
             category="1. Benchmark",
-            labels={"figure": "summary"},
+            subcategory="{variant}",
+            labels={"variant": "{variant}", "figure": "summary"},
         ),
         acceptance_png=report(
-            results("benchmark/acceptance_per_position.png"),
+            variant_results("report/acceptance_per_position.png"),
             caption="report/acceptance.rst",
             category="1. Benchmark",
-            labels={"figure": "acceptance per position"},
+            subcategory="{variant}",
+            labels={"variant": "{variant}", "figure": "acceptance per position"},
         ),
         training_png=report(
-            results("benchmark/training_curves.png"),
+            variant_results("report/training_curves.png"),
             caption="report/training.rst",
             category="2. Training",
-            labels={"figure": "training curves"},
+            subcategory="{variant}",
+            labels={"variant": "{variant}", "figure": "training curves"},
         ),
         quality_png=report(
-            results("benchmark/data_quality.png"),
+            variant_results("report/data_quality.png"),
             caption="report/quality.rst",
             category="3. Data",
-            labels={"figure": "data quality"},
+            subcategory="{variant}",
+            labels={"variant": "{variant}", "figure": "data quality"},
         ),
         vocab_png=report(
-            results("benchmark/vocab_coverage.png"),
+            variant_results("report/vocab_coverage.png"),
             caption="report/vocab.rst",
             category="3. Data",
-            labels={"figure": "vocabulary coverage"},
+            subcategory="{variant}",
+            labels={"variant": "{variant}", "figure": "vocabulary coverage"},
         ),
     log:
-        logs("report"),
+        logs("report.{variant}"),
     conda:
         "../envs/data.yaml"
     params:
         code=code("report"),
     script:
         "../workflow_scripts/entry/report.py"
+
+
+rule compare:
+    input:
+        reports=every_variant("benchmark/report.json"),
+        metrics=every_draft("train/metrics.jsonl"),
+        drafts=every_draft("draft"),
+        variant_reports=every_variant("report/report.md"),
+        train_benchmarks=every_train_benchmark(),
+    output:
+        md=results("report.md"),
+        html=report(
+            results("report/comparison.html"),
+            caption="report/comparison.rst",
+            category="0. Comparison",
+            labels={"figure": "table"},
+        ),
+        acceptance_png=report(
+            results("report/acceptance_by_variant.png"),
+            caption="report/acceptance_by_variant.rst",
+            category="0. Comparison",
+            labels={"figure": "acceptance per position, per variant"},
+        ),
+        learning_curve_png=report(
+            results("report/learning_curve.png"),
+            caption="report/learning_curve.rst",
+            category="0. Comparison",
+            labels={"figure": "learning curve"},
+        ),
+        k_png=report(
+            results("report/speculative_tokens.png"),
+            caption="report/speculative_tokens.rst",
+            category="0. Comparison",
+            labels={"figure": "number of speculative tokens"},
+        ),
+    log:
+        logs("compare"),
+    conda:
+        "../envs/data.yaml"
+    params:
+        variants=VARIANTS,
+        learning_curve=learning_curve_variants(),
+        k_variants=k_variants(),
+        code=code("compare"),
+    script:
+        "../workflow_scripts/entry/compare.py"

@@ -4,16 +4,16 @@ rule vocab:
         train=results("dataset/train.parquet"),
         eval=results("dataset/eval.parquet"),
     output:
-        vocab_map=results("vocab/vocab_map.safetensors"),
-        stats=results("vocab/stats.json"),
+        vocab_map=results("vocab/{vocab}/vocab_map.safetensors"),
+        stats=results("vocab/{vocab}/stats.json"),
     log:
-        logs("vocab"),
+        logs("vocab.{vocab}"),
     benchmark:
-        benchmarks("vocab")
+        benchmarks("vocab.{vocab}")
     conda:
         "../envs/train.yaml"
     params:
-        vocab=section("vocab"),
+        vocab=vocab_param,
         code=code("vocab"),
     script:
         "../workflow_scripts/entry/vocab.py"

@@ -16,7 +16,7 @@ from workflow_scripts.common.smk import stage
 log = logging.getLogger(__name__)
 
 
-def _pyplot():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -25,15 +25,15 @@ def _pyplot():
     return plt
 
 
-def _save(fig, out: str) -> None:
+def save_figure(fig, out: str) -> None:
     fig.tight_layout()
     with atomic_path(out) as tmp:
         fig.savefig(tmp, format="png", dpi=120)
-    _pyplot().close(fig)
+    pyplot().close(fig)
 
 
 def plot_acceptance(report: dict[str, Any], out: str) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     per_pos = report["speculative"]["per_position_acceptance"]
     fig, ax = plt.subplots(figsize=(5, 3.2))
     bars = ax.bar([f"pos {i + 1}" for i in range(len(per_pos))], per_pos, color="#3b6ea8")
@@ -41,11 +41,11 @@ def plot_acceptance(report: dict[str, Any], out: str) -> None:
     ax.set_ylim(0, 1)
     ax.set_ylabel("accepted / drafts")
     ax.set_title(f"Per-position acceptance (mean length {report['speculative']['mean_acceptance_length']:.2f})")
-    _save(fig, out)
+    save_figure(fig, out)
 
 
 def plot_training(metrics: list[dict[str, Any]], out: str) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     train = [m for m in metrics if m["split"] == "train"]
     evals = [m for m in metrics if m["split"] == "eval"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.2))
@@ -61,12 +61,12 @@ def plot_training(metrics: list[dict[str, Any]], out: str) -> None:
     ax2.set_ylabel("eval accuracy")
     ax2.set_ylim(0, 1)
     ax2.legend()
-    _save(fig, out)
+    save_figure(fig, out)
 
 
 def plot_quality(quality: dict[str, Any], out: str) -> None:
     """Samples per defect class; classes that keep a sample out of training stand out."""
-    plt = _pyplot()
+    plt = pyplot()
     names = list(quality["counts"]) + ["request_errors"]
     counts = [quality["counts"][n] for n in quality["counts"]] + [quality["request_errors"]]
     colors = ["#b8473b" if n in EXCLUDING or n == "request_errors" else "#3b6ea8" for n in names]
@@ -77,12 +77,12 @@ def plot_quality(quality: dict[str, Any], out: str) -> None:
     ax.set_xlim(0, max(1, max(counts)) * 1.35)
     ax.set_xlabel(f"samples (of {quality['num_samples']}); red: kept out of training")
     ax.set_title("Synthetic data defects")
-    _save(fig, out)
+    save_figure(fig, out)
 
 
 def plot_vocab_coverage(vocab: dict[str, Any], out: str) -> None:
     """Loss-token coverage against draft vocabulary size, the configured size marked."""
-    plt = _pyplot()
+    plt = pyplot()
     curve = vocab["coverage_curve"]
     fig, ax = plt.subplots(figsize=(6, 3.4))
     for split in ("train", "eval"):
@@ -96,7 +96,7 @@ def plot_vocab_coverage(vocab: dict[str, Any], out: str) -> None:
     ax.set_ylabel("loss tokens covered")
     ax.set_title(f"Vocabulary coverage (eval {vocab['coverage_eval']:.1%} at the configured size)")
     ax.legend(loc="lower right")
-    _save(fig, out)
+    save_figure(fig, out)
 
 
 def describe_requests(generate: dict) -> str:
@@ -133,7 +133,8 @@ def describe_measurement(report: dict) -> str:
         f"Verifier `{report['verifier']}`, draft `{report['draft']}`, "
         f"{report['prompts']['count']} held-out prompts, temperature 0, "
         f"max {report['sampling']['max_tokens']} tokens, concurrency {report['sampling']['concurrency']}, "
-        f"{report['num_speculative_tokens']} speculative tokens. Measured by vLLM's own counters."
+        f"{report['num_speculative_tokens']} speculative tokens. Measured by vLLM's own counters; "
+        f"the verifier alone: {report['baseline_measurement']}."
     )
 
 

@@ -65,12 +65,20 @@ def test_only_the_killed_shard_and_its_downstream_rerun(tmp_path, clean_env):
     (partial / "shard-00001.safetensors").write_text("half a shard")
     for done_downstream in (
         "hidden_states/index.json",
-        "train/metrics.jsonl",
-        "benchmark/report.json",
-        "benchmark/report.md",
+        "drafts/default/train/metrics.jsonl",
+        "variants/default/benchmark/report.json",
+        "variants/default/report/report.md",
+        "report.md",
     ):
         (wf / "results/small" / done_downstream).unlink()
 
     jobs = planned_jobs(wf, clean_env)
     assert [j for j in jobs if j[0] == "hidden_states"] == [("hidden_states", "wildcards: shard=00001")]
-    assert {rule for rule, _ in jobs} == {"hidden_states", "hidden_states_index", "train", "benchmark", "report"}
+    assert {rule for rule, _ in jobs} == {
+        "hidden_states",
+        "hidden_states_index",
+        "train",
+        "benchmark",
+        "report",
+        "compare",
+    }

@@ -48,12 +48,12 @@ def test_every_stage_output_meets_its_contract(finished_run):
         assert row["input_ids"] == s["prompt_token_ids"] + s["completion_token_ids"]
         assert row["loss_mask"] == [0] * len(s["prompt_token_ids"]) + [1] * len(s["completion_token_ids"])
 
-    vocab = load_file(r / "vocab/vocab_map.safetensors")
+    vocab = load_file(r / "vocab/default/vocab_map.safetensors")
     assert vocab["d2t"].shape == (1024,) and vocab["d2t"].dtype == torch.int64
     assert vocab["t2d"].shape == (49152,) and vocab["t2d"].dtype == torch.bool and vocab["t2d"].sum() == 1024
     chosen = torch.arange(1024) + vocab["d2t"]
     assert torch.equal(torch.nonzero(vocab["t2d"]).flatten(), chosen)
-    assert json.loads((r / "vocab/stats.json").read_text())["coverage_train"] > 0.9
+    assert json.loads((r / "vocab/default/stats.json").read_text())["coverage_train"] > 0.9
 
     index = json.loads((r / "hidden_states/index.json").read_text())
     assert index["aux_layer_ids"] == [2, 15, 27] and len(index["shards"]) == 2
@@ -61,7 +61,7 @@ def test_every_stage_output_meets_its_contract(finished_run):
     with safe_open(str(r / "hidden_states/shard-00000.safetensors"), framework="pt") as f:
         assert f.get_slice("hidden_states").get_shape()[1] == 3 * 576
 
-    metrics = [json.loads(line) for line in (r / "train/metrics.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line) for line in (r / "drafts/default/train/metrics.jsonl").read_text().splitlines()]
     assert any(m["split"] == "train" for m in metrics) and any(m["split"] == "eval" for m in metrics)
     assert {"step", "loss", "lr", "tokens_per_s", "full_acc_0", "full_acc_2"} <= set(metrics[0])
 
@@ -71,7 +71,7 @@ def test_every_stage_output_meets_its_contract(finished_run):
     assert draft_config["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
     assert (r / "draft/model.safetensors").is_file()
 
-    report = json.loads((r / "benchmark/report.json").read_text())
+    report = json.loads((r / "variants/default/benchmark/report.json").read_text())
     for key in ("output_tokens_per_s",):
         assert report["baseline"][key] > 0 and report["speculative"][key] > 0
     spec = report["speculative"]
@@ -81,14 +81,14 @@ def test_every_stage_output_meets_its_contract(finished_run):
     assert 0.0 <= spec["acceptance_rate"] <= 1.0
     assert report["speedup"] == pytest.approx(spec["output_tokens_per_s"] / report["baseline"]["output_tokens_per_s"])
     assert 0.0 <= report["outputs_identical_fraction"] <= 1.0
-    md = (r / "benchmark/report.md").read_text()
+    md = (r / "variants/default/report/report.md").read_text()
     assert "mean acceptance length" in md and "speedup" in md
     assert f"{len(responses)} sent / 0 reused from the store" in md
     for plot in ("acceptance_per_position", "training_curves", "data_quality", "vocab_coverage"):
         assert (r / f"benchmark/{plot}.png").read_bytes()[:4] == b"\x89PNG", plot
         assert f"({plot}.png)" in md
-    assert "mean acceptance length" in (r / "benchmark/summary.html").read_text()
-    curve = json.loads((r / "vocab/stats.json").read_text())["coverage_curve"]
+    assert "mean acceptance length" in (r / "variants/default/report/summary.html").read_text()
+    curve = json.loads((r / "vocab/default/stats.json").read_text())["coverage_curve"]
     assert curve[-1]["train"] == pytest.approx(1.0) and any(p["size"] == 1024 for p in curve)
 
 
@@ -139,7 +139,9 @@ DOWNSTREAM_OF_SYNTH = {
     "train",
     "benchmark",
     "report",
+    "compare",
 }
+PER_DRAFT = {"train", "benchmark", "report", "compare"}
 
 
 @pytest.mark.parametrize(
@@ -149,11 +151,12 @@ DOWNSTREAM_OF_SYNTH = {
         ("synth/assemble.py", DOWNSTREAM_OF_SYNTH),
         ("synth/quality.py", DOWNSTREAM_OF_SYNTH),
         ("dataset.py", DOWNSTREAM_OF_SYNTH - {"synth"}),
-        ("vocab.py", {"vocab", "train", "benchmark", "report"}),
-        ("hidden_states/hf.py", {"hidden_states", "hidden_states_index", "train", "benchmark", "report"}),
-        ("train/loop.py", {"train", "benchmark", "report"}),
-        ("benchmark/run.py", {"benchmark", "report"}),
-        ("report.py", {"report"}),
+        ("vocab.py", PER_DRAFT | {"vocab"}),
+        ("hidden_states/hf.py", PER_DRAFT | {"hidden_states", "hidden_states_index"}),
+        ("train/loop.py", PER_DRAFT),
+        ("benchmark/run.py", {"baseline", "benchmark", "report", "compare"}),
+        ("report.py", {"report", "compare"}),
+        ("compare.py", {"compare"}),
     ],
 )
 def test_editing_a_stage_module_restales_exactly_it_and_downstream(finished_run, module, expected):
@@ -184,8 +187,8 @@ def test_comments_and_docs_restale_nothing(finished_run):
 @pytest.mark.parametrize(
     "override, expected",
     [
-        ({"train": {"lr": 0.001}}, {"train", "benchmark", "report"}),
-        ({"vocab": {"draft_vocab_size": 512}}, {"vocab", "train", "benchmark", "report"}),
+        ({"train": {"lr": 0.001}}, PER_DRAFT),
+        ({"vocab": {"draft_vocab_size": 512}}, PER_DRAFT | {"vocab"}),
         ({"synth": {"expect_reasoning": True}}, DOWNSTREAM_OF_SYNTH),
         ({"synth": {"concurrency": 3, "max_attempts": 2}}, set()),
         ({"synth": {"max_tokens": 40}}, DOWNSTREAM_OF_SYNTH | {"generate"}),
@@ -201,3 +204,66 @@ def test_a_parameter_change_restales_exactly_its_stage_and_downstream(finished_r
     changed = tmp_path / "changed.yaml"
     changed.write_text(yaml.safe_dump(cfg))
     assert stale_rules(finished_run, changed) == expected
+
+
+def planned(wf: Path, config: Path) -> set[tuple[str, str]]:
+    """(rule, variant or "") of every job `snakemake -n` plans."""
+    out = subprocess.run(
+        SNAKEMAKE + ["-n", "--configfile", str(config)], cwd=wf, capture_output=True, text=True, check=True
+    ).stdout
+    jobs, rule, variant = set(), None, ""
+    for line in [*out.splitlines(), "rule end:"]:
+        if line.startswith(("rule ", "localrule ")):
+            if rule:
+                jobs.add((rule, variant))
+            rule, variant = line.split()[-1].rstrip(":"), ""
+        elif "wildcards:" in line and "variant=" in line:
+            variant = line.split("variant=")[1].split(",")[0].strip()
+    return jobs - {("all", ""), ("end", "")}
+
+
+@pytest.mark.parametrize(
+    "variants, expected",
+    [
+        (
+            {"lr-low": {"train": {"lr": 0.0003}}},
+            {("train", ""), ("benchmark", "lr-low"), ("report", "lr-low"), ("compare", "")},
+        ),
+        (
+            {"vocab-512": {"vocab": {"draft_vocab_size": 512}}},
+            {
+                ("vocab", ""),
+                ("train", ""),
+                ("benchmark", "vocab-512"),
+                ("report", "vocab-512"),
+                ("compare", ""),
+            },
+        ),
+        (
+            {"k2": {"benchmark": {"num_speculative_tokens": 2}}},
+            {("benchmark", "k2"), ("report", "k2"), ("compare", "")},
+        ),
+    ],
+    ids=["train", "vocab", "k"],
+)
+def test_adding_a_variant_plans_only_its_own_jobs(finished_run, tmp_path, variants, expected):
+    """Never the baseline, the default draft or anything upstream of the vocabulary; a
+    vocabulary only when the variant's vocab section differs."""
+    import yaml
+
+    cfg = yaml.safe_load((REPO / "tests/config/small.yaml").read_text()) | {"variants": variants}
+    changed = tmp_path / "variants.yaml"
+    changed.write_text(yaml.safe_dump(cfg))
+    assert planned(finished_run, changed) == expected
+
+
+def test_the_run_report_compares_its_variants(finished_run):
+    r = finished_run / "results/small"
+    md = (r / "report.md").read_text()
+    assert "| default | 3 |" in md and "## Learning curve" in md and "## Number of speculative tokens" in md
+    for png in ("acceptance_by_variant.png", "learning_curve.png", "speculative_tokens.png"):
+        assert (r / "report" / png).read_bytes()[:4] == b"\x89PNG"
+    baseline = json.loads((r / "baseline/report.json").read_text())
+    report = json.loads((r / "variants/default/benchmark/report.json").read_text())
+    assert report["baseline"]["output_tokens_per_s"] == baseline["output_tokens_per_s"]
+    assert report["baseline_measurement"].startswith("the run's baseline job")

@@ -104,7 +104,7 @@ def test_the_gate_stops_the_dag_before_anything_downstream(tmp_path):
     log = (run / "logs/dataset.log").read_text()
     assert proc.returncode != 0
     assert "quality gate refused" in log and "empty_reasoning: 20 samples (100.0%)" in log
-    for downstream in ("dataset/train.parquet", "vocab/vocab_map.safetensors", "hidden_states", "draft", "benchmark"):
+    for downstream in ("dataset/train.parquet", "vocab", "hidden_states", "drafts", "variants", "baseline"):
         assert not (run / downstream).exists(), f"{downstream} was built from refused data"
     assert not (run / "logs/synth.log").exists() and not (run / "logs/generate.log").exists(), (
         "synth should not have rerun"

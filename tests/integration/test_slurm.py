@@ -75,7 +75,7 @@ def test_production_profile_asks_for_nodes_gpus_and_cluster_settings(repo):
     for rule, resources in jobs:
         by_rule.setdefault(rule, []).append(resources)
     kimi = yaml.safe_load(KIMI.read_text())
-    for rule in ("generate", "benchmark"):
+    for rule in ("generate", "baseline", "benchmark"):
         (resources,) = by_rule[rule]
         assert resources["gpu"] == str(kimi["server"]["gpus"]) == "8" and resources["slurm_extra"] == "--exclusive"
     shards = by_rule["hidden_states"]
@@ -86,7 +86,7 @@ def test_production_profile_asks_for_nodes_gpus_and_cluster_settings(repo):
     assert by_rule["train"][0]["gpu"] == str(kimi["train"]["gpus"])
     assert all(
         "gpu" not in r
-        for rule in ("prepare_verifier", "prompts", "synth", "dataset", "vocab", "report")
+        for rule in ("prepare_verifier", "prompts", "synth", "dataset", "vocab", "report", "compare")
         for r in by_rule[rule]
     )
     assert all(r["slurm_partition"] == "<your-partition>" and r["slurm_account"] == "<your-account>" for _, r in jobs)
@@ -96,8 +96,8 @@ def test_production_profile_asks_for_nodes_gpus_and_cluster_settings(repo):
 
 def test_cpu_config_requests_no_gpus(repo):
     jobs = dry_run_jobs(repo, "--configfile", str(SMALL))
-    gpu_rules = ("generate", "hidden_states", "train", "benchmark")
-    assert [r["gpu"] for rule, r in jobs if rule in gpu_rules] == ["0"] * 5
+    gpu_rules = ("generate", "hidden_states", "train", "baseline", "benchmark")
+    assert [r["gpu"] for rule, r in jobs if rule in gpu_rules] == ["0"] * 6
 
 
 # ----------------------------------------------------------------------------------------
@@ -145,7 +145,7 @@ def profile_for_test_cluster(real: dict, partition: str, cpus: int) -> dict:
 
 
 # The SLURM job comments (rule_<rule>) of what `--forcerun train` runs on a finished run.
-EXPECTED_JOBS = {"rule_train", "rule_benchmark", "rule_report"}
+EXPECTED_JOBS = {f"rule_{r}_wildcards_default" for r in ("train", "benchmark", "report")} | {"rule_compare"}
 
 
 @pytest.fixture(scope="module")
@@ -215,11 +215,11 @@ def test_every_job_ran_as_a_completed_slurm_job(slurm_run, slurm_jobs):
 @pytest.mark.vllm
 def test_jobs_got_what_the_profile_asks(slurm_run, slurm_jobs):
     _, _, profile = slurm_run
-    job = slurm_jobs["rule_benchmark"]
+    job = slurm_jobs["rule_benchmark_wildcards_default"]
     assert job["oversubscribe"] == "NO", job  # --exclusive: the whole node
     assert job["time_limit"] == minutes(profile["set-resources"]["benchmark"]["runtime"])
-    assert slurm_jobs["rule_report"]["time_limit"] == minutes(profile["default-resources"]["runtime"])
-    assert int(slurm_jobs["rule_train"]["cpus"]) == profile["set-threads"]["train"]
+    assert slurm_jobs["rule_report_wildcards_default"]["time_limit"] == minutes(profile["default-resources"]["runtime"])
+    assert int(slurm_jobs["rule_train_wildcards_default"]["cpus"]) == profile["set-threads"]["train"]
 
 
 def minutes(n: int) -> str:
@@ -235,7 +235,7 @@ def minutes(n: int) -> str:
 @pytest.mark.vllm
 def test_the_slurm_run_ends_in_the_report_and_leaves_no_vllm(slurm_run):
     wf, _, _ = slurm_run
-    md = (wf / "results/small/benchmark/report.md").read_text()
+    md = (wf / "results/small/variants/default/report/report.md").read_text()
     assert "mean acceptance length" in md and "speedup" in md
     assert vllm_processes(str(wf)) == []
     assert list((wf / "results/small/logs/servers").glob("*.json")) == [], "a server lease was left behind"

@@ -64,6 +64,7 @@ CFG = dict(
     nproc_per_node=1,
     seed=0,
     gpus=0,
+    sample_fraction=1.0,
 )
 NONDETERMINISTIC = {"tokens_per_s"}
 

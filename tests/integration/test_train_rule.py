@@ -52,7 +52,7 @@ def snakemake(wf: Path, env: dict) -> subprocess.CompletedProcess:
             "--configfile",
             "over.yaml",
             "--",
-            "results/t/train/metrics.jsonl",
+            "results/t/drafts/default/train/metrics.jsonl",
         ],
         cwd=wf,
         env=env,
@@ -68,10 +68,10 @@ def test_killed_torchrun_job_resumes_on_rerun(tmp_path, clean_env):
     inputs = make_train_inputs(
         wf / "results/t/hidden_states", verifier, [30, 25, 40, 20, 35, 28, 33, 22], [30, 35, 25], draft_vocab=64
     )
-    (wf / "results/t/vocab").mkdir(parents=True)
-    shutil.move(inputs["vocab_map"], wf / "results/t/vocab/vocab_map.safetensors")
+    (wf / "results/t/vocab/default").mkdir(parents=True)
+    shutil.move(inputs["vocab_map"], wf / "results/t/vocab/default/vocab_map.safetensors")
     (wf / "over.yaml").write_text(OVERRIDES)
-    log = wf / "results/t/logs/train.log"
+    log = wf / "results/t/logs/train.default.log"
 
     # The copy's package runs (PYTHONPATH), and its ranks kill themselves once step 3 is done.
     env = clean_env | {"PYTHONPATH": str(wf)}
@@ -80,15 +80,18 @@ def test_killed_torchrun_job_resumes_on_rerun(tmp_path, clean_env):
     killed = snakemake(wf, env)
     assert killed.returncode != 0
     assert "launching 2 training processes" in log.read_text()
-    assert not (wf / "results/t/train/metrics.jsonl").exists() and not (wf / "results/t/draft").exists()
-    (fp_dir,) = [p for p in (wf / "results/t/train/checkpoints").iterdir() if p.is_dir()]
+    assert (
+        not (wf / "results/t/drafts/default/train/metrics.jsonl").exists()
+        and not (wf / "results/t/drafts/default/draft").exists()
+    )
+    (fp_dir,) = [p for p in (wf / "results/t/drafts/default/train/checkpoints").iterdir() if p.is_dir()]
     assert [p.name for p in fp_dir.iterdir()] == ["step-00000002"], "the failed job's checkpoint survives"
 
     shutil.copy2(REPO / "workflow_scripts/train/__main__.py", rank_main)
     done = snakemake(wf, env)
     assert done.returncode == 0, log.read_text()[-4000:]
     assert "resuming from step 2 of 4" in log.read_text()
-    rows = read_jsonl(wf / "results/t/train/metrics.jsonl")
+    rows = read_jsonl(wf / "results/t/drafts/default/train/metrics.jsonl")
     assert [(r["step"], r["split"]) for r in rows] == [(s, split) for s in (1, 2, 3, 4) for split in ("train", "eval")]
-    assert (wf / "results/t/draft/model.safetensors").is_file()
+    assert (wf / "results/t/drafts/default/draft/model.safetensors").is_file()
     assert not fp_dir.exists()

@@ -17,6 +17,7 @@ REPORT = {
     "prompts": {"count": 4},
     "sampling": {"max_tokens": 32, "concurrency": 2},
     "num_speculative_tokens": 3,
+    "baseline_measurement": "the run's baseline job (baseline/report.json)",
 }
 METRICS = [{"split": "eval", "step": 10, "loss": 1.0, "estimated_acceptance_length": 1.7}]
 QUALITY = {"num_samples": 30, "num_prompts": 28, "request_errors": 0, "counts": {"truncated": 3}}

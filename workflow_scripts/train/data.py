@@ -15,6 +15,11 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 
+from workflow_scripts.common.fingerprint import stable_fraction
+
+# Seed of the learning curve's subsets; fixed, so that subsets are the same in every run.
+SUBSET_SEED = 0
+
 
 @dataclass
 class Sample:
@@ -27,8 +32,19 @@ class Sample:
         return self.input_ids.shape[0]
 
 
-def load_shards(paths: list[str], dtype: torch.dtype = torch.float32) -> tuple[list[Sample], list[Sample], list[int]]:
-    """(train samples, eval samples, aux layer ids) from hidden-state shards, already shifted."""
+def in_training_subset(sample_id: str, fraction: float) -> bool:
+    """Whether a training sample is in the `fraction` subset of the training conversations. Pure.
+
+    Whole conversations (a sample id is `<prompt id>#t<turn>`) are in or out, by a stable hash
+    of the prompt id: the same on every run, and a smaller subset lies inside a larger one."""
+    return fraction >= 1 or stable_fraction(SUBSET_SEED, sample_id.split("#", 1)[0]) < fraction
+
+
+def load_shards(
+    paths: list[str], dtype: torch.dtype = torch.float32, train_fraction: float = 1.0
+) -> tuple[list[Sample], list[Sample], list[int]]:
+    """(train samples, eval samples, aux layer ids) from hidden-state shards, already shifted;
+    only the `train_fraction` subset of the training conversations (in_training_subset)."""
     train, evals, layer_ids = [], [], None
     for path in paths:
         with safe_open(path, framework="pt") as f:
@@ -37,9 +53,10 @@ def load_shards(paths: list[str], dtype: torch.dtype = torch.float32) -> tuple[l
                 raise ValueError(f"{path}: aux_layer_ids {ids} differ from other shards ({layer_ids})")
             layer_ids = ids
             t = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is no dict)
+            sample_ids = json.loads(f.metadata()["sample_ids"])
         offsets = t["offsets"].tolist()
         for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:], strict=True)):
-            if b - a < 2:
+            if b - a < 2 or not (t["is_eval"][i] or in_training_subset(sample_ids[i], train_fraction)):
                 continue
             s = shift(
                 t["input_ids"][a:b].long(),

@@ -80,6 +80,7 @@ class TrainConfig:
     eval_every: int
     checkpoint_every: int
     keep_checkpoints: int
+    sample_fraction: float
     nproc_per_node: int
     seed: int
     gpus: int
@@ -351,7 +352,7 @@ class Trainer:
             job.shards,
             code_fingerprint("workflow_scripts.train.loop"),
         )
-        train, evals, aux_layer_ids = load_shards(job.shards)
+        train, evals, aux_layer_ids = load_shards(job.shards, train_fraction=cfg.sample_fraction)
         if not train or not evals:
             raise ValueError(
                 f"hidden-state shards hold {len(train)} train and {len(evals)} eval samples; both must be non-empty"
@@ -530,7 +531,9 @@ class Trainer:
         """Validation metrics as a row; the best weights so far are kept for export."""
         state = self.state
         val = evaluate(self.model, self.evals, self.cfg.batch_tokens, self.fwd_kwargs, self.rt, self.keys)
-        state.rows.append({"step": state.step, "epoch": epoch, "split": "eval", **val})
+        state.rows.append(
+            {"step": state.step, "epoch": epoch, "split": "eval", "train_samples": len(self.train), **val}
+        )
         if val["loss"] < state.best_loss:
             state.best_loss, state.best_step = val["loss"], state.step
             if self.rt.is_main:

@@ -1,0 +1,67 @@
+"""The comparison report's models: the learning-curve fit and the k prediction, and the report."""
+
+import math
+
+import pytest
+
+from workflow_scripts.compare import fit_learning_curve, predict_k, recommend_k, run_compare
+
+
+def test_a_clean_log_curve_is_recovered_with_a_tight_interval():
+    pts = [(n, 1.2 + 0.1 * math.log2(n) + e) for n, e in ((100, 0.002), (200, -0.001), (400, 0.001), (800, -0.002))]
+    fit = fit_learning_curve(pts)
+    assert fit["fit"] and fit["b"] == pytest.approx(0.1, abs=0.005) and fit["low"] < 0.1 < fit["high"]
+
+
+def test_points_that_do_not_support_a_fit_say_so():
+    assert not fit_learning_curve([(100, 1.3), (200, 1.4)])["fit"]  # two sizes: no uncertainty
+    noisy = fit_learning_curve([(100, 1.5), (200, 1.3), (400, 1.52)])
+    assert not noisy["fit"] and "contains 0" in noisy["why"]
+
+
+def test_k_prediction_is_chain_drafting_with_a_linear_step_cost():
+    p = [0.5, 0.3, 0.1]
+    # Verifier alone 100 tok/s (T_v = 10 ms); with k=3, L = 1.9 at 95 tok/s: c = (1.9/95 - 0.01)/3.
+    pred = predict_k(p, 100.0, 95.0)
+    assert [x["mean_acceptance_length"] for x in pred] == pytest.approx([1.5, 1.8, 1.9])
+    c = (1.9 / 95 - 0.01) / 3
+    assert pred[2]["speedup"] == pytest.approx(0.95)  # the measured point is reproduced
+    assert pred[0]["speedup"] == pytest.approx(1.5 / (1 + c / 0.01))
+    assert "Recommended: k=1" in recommend_k(pred)
+    assert "No k is predicted" in recommend_k(predict_k([0.1, 0.05], 100.0, 60.0))
+
+
+def row(name, k, per_pos, samples, tps=50.0):
+    return {
+        "variant": name,
+        "k": k,
+        "mean_acceptance_length": 1 + sum(per_pos),
+        "per_position_acceptance": per_pos,
+        "training_estimate": 1.9,
+        "train_samples": samples,
+        "tokens_per_s": tps,
+        "baseline_tokens_per_s": 55.0,
+        "speedup": tps / 55.0,
+        "train_s": 120.0,
+        "draft_mb": 12.5,
+    }
+
+
+def test_the_report_carries_the_table_the_curve_and_the_k_check(tmp_path):
+    rows = [
+        row("default", 3, [0.4, 0.2, 0.1], 400),
+        row("lc-25", 3, [0.3, 0.1, 0.05], 100),
+        row("lc-50", 3, [0.35, 0.15, 0.07], 200),
+        row("k2", 2, [0.4, 0.2], 400, tps=52.0),
+    ]
+    out = {
+        k: str(tmp_path / f"{k}.{'md' if k == 'md' else 'html' if k == 'html' else 'png'}")
+        for k in ("md", "html", "acceptance_png", "learning_curve_png", "k_png")
+    }
+    run_compare(rows, ["lc-25", "lc-50"], ["k2"], out)
+    md = (tmp_path / "md.md").read_text()
+    assert "| default | 3 | 1.700 | 0.400 / 0.200 / 0.100 |" in md
+    assert "Doubling the training conversations (400 → 800)" in md or "do not support a fit" in md
+    assert "Check against variant `k2` measured at k=2: mean acceptance length 1.600 measured vs 1.600 predicted" in md
+    for name in ("acceptance_png", "learning_curve_png", "k_png"):
+        assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,3 @@
+from workflow_scripts.compare import main
+
+main(snakemake)
