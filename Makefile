@@ -25,10 +25,8 @@ $(STAMP): pyproject.toml envs/cpu-constraints.txt
 demo: setup
 	$(BIN)/snakemake --cores $(CORES)
 
-# Two workers: one takes the shared DAG run and what reads it (xdist_group "dag"), the other
-# the rest; most of a test's time is waiting on a server, Snakemake or a subprocess.
 test: setup
-	$(BIN)/python -m pytest -n 2 --dist loadgroup -v -rs --durations=25
+	$(BIN)/python -m pytest -v -rs --durations=25
 
 # Unit tests: no server, no Snakemake; every stage's pure code in about a minute.
 test-fast: setup

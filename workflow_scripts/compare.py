@@ -136,16 +136,22 @@ def describe_learning_curve(fit: dict[str, Any], largest_n: int) -> str:
 # --- the right k -----------------------------------------------------------------------------
 
 
+def per_token_cost(per_position: list[float], baseline_tps: float, speculative_tps: float) -> float:
+    """c of the step-time model, in units of the verifier's step time T_v. Pure. Negative when
+    the run with the draft took less time per step than the verifier alone, which the model
+    cannot explain (the machine's speed changed between the two measurements)."""
+    k = len(per_position)
+    return ((1 + sum(per_position)) * baseline_tps / speculative_tps - 1) / k
+
+
 def predict_k(per_position: list[float], baseline_tps: float, speculative_tps: float) -> list[dict[str, float]]:
     """Predicted mean acceptance length and speedup for k' = 1..k from one run at k. Pure."""
     k = len(per_position)
-    measured_length = 1 + sum(per_position)
-    t_verify = 1 / baseline_tps
-    per_token = max(0.0, (measured_length / speculative_tps - t_verify) / k)
+    c = max(0.0, per_token_cost(per_position, baseline_tps, speculative_tps))
     out = []
     for kk in range(1, k + 1):
         length = 1 + sum(per_position[:kk])
-        out.append({"k": kk, "mean_acceptance_length": length, "speedup": length / (1 + per_token * kk / t_verify)})
+        out.append({"k": kk, "mean_acceptance_length": length, "speedup": length / (1 + c * kk)})
     return out
 
 
@@ -190,7 +196,7 @@ TABLE = [
     ("mean acceptance length (vLLM)", "mean_acceptance_length", "{:.3f}"),
     ("per position", "per_position_acceptance", None),
     ("training estimate", "training_estimate", "{:.3f}"),
-    ("train conversations' samples", "train_samples", "{}"),
+    ("training samples", "train_samples", "{}"),
     ("tokens/s with draft", "tokens_per_s", "{:.1f}"),
     ("speedup", "speedup", "{:.2f}x"),
     ("training time", "train_s", "{:.0f} s"),
@@ -259,6 +265,13 @@ def render_comparison(
         recommend_k(predictions),
         "",
     ]
+    if per_token_cost(source["per_position_acceptance"], source["baseline_tokens_per_s"], source["tokens_per_s"]) < 0:
+        lines += [
+            "Caution: with the draft, a verifier step took less time than without it, which the model "
+            "cannot explain: the machine's speed changed between the two measurements. Speedups here are "
+            "not reliable; `benchmark.paired_baseline: true` measures both in the same job.",
+            "",
+        ]
     for run, predicted in checks:
         lines.append(
             f"Check against variant `{run['variant']}` measured at k={run['k']}: mean acceptance length "

@@ -15,7 +15,6 @@ from tests.helpers import REPO, SNAKEMAKE, planned_jobs, vllm_available, vllm_pr
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed"),
-    pytest.mark.xdist_group("dag"),  # one worker computes the shared run
 ]
 
 
@@ -69,11 +68,11 @@ def test_every_stage_output_meets_its_contract(finished_run):
     assert any(m["split"] == "train" for m in metrics) and any(m["split"] == "eval" for m in metrics)
     assert {"step", "loss", "lr", "tokens_per_s", "full_acc_0", "full_acc_2"} <= set(metrics[0])
 
-    draft_config = json.loads((r / "draft/config.json").read_text())
+    draft_config = json.loads((r / "drafts/default/draft/config.json").read_text())
     assert draft_config["speculators_model_type"] == "eagle3"
     assert draft_config["draft_vocab_size"] == 1024
     assert draft_config["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
-    assert (r / "draft/model.safetensors").is_file()
+    assert (r / "drafts/default/draft/model.safetensors").is_file()
 
     report = json.loads((r / "variants/default/benchmark/report.json").read_text())
     for key in ("output_tokens_per_s",):
@@ -256,21 +255,17 @@ def test_adding_a_variant_plans_only_its_own_jobs(finished_run, tmp_path, varian
     import yaml
 
     cfg = yaml.safe_load((REPO / "tests/config/small.yaml").read_text())
-    cfg["variants"] = cfg["variants"] | variants
+    cfg["variants"] = variants
     changed = tmp_path / "variants.yaml"
     changed.write_text(yaml.safe_dump(cfg))
     assert planned(finished_run, changed) == expected
 
 
-def test_the_run_report_compares_its_variants(finished_run):
+def test_the_run_report_has_the_comparison_of_its_one_variant(finished_run):
     r = finished_run / "results/small"
     md = (r / "report.md").read_text()
-    assert "| default | 3 |" in md and "| lc-50 | 3 |" in md
-    assert "## Learning curve" in md and "do not support a fit: 2 training size(s)" in md
+    assert "| default | 3 |" in md and "No learning curve in this run" in md
     assert "No run at another k to check the prediction against" in md
-    for png in ("acceptance_by_variant.png", "learning_curve.png", "speculative_tokens.png"):
-        assert (r / "report" / png).read_bytes()[:4] == b"\x89PNG"
     baseline = json.loads((r / "baseline/report.json").read_text())
     report = json.loads((r / "variants/default/benchmark/report.json").read_text())
     assert report["baseline"]["output_tokens_per_s"] == baseline["output_tokens_per_s"]
-    assert report["baseline_measurement"].startswith("the run's baseline job")

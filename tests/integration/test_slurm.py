@@ -4,12 +4,14 @@ tail of the small DAG run on a real SLURM cluster.
 The cluster is one node on this machine (tests/slurm/start_cluster.sh, run as root: Debian's
 slurm-wlm and munge, accounting off). The run goes through the production profile with only
 what that node cannot give changed (`profile_for_test_cluster`). It starts from a copy of the
-run the pipeline tests share and forces the learning-curve draft (`lc-50`): its train job
-(multi-threaded), its benchmark (a whole-node vLLM job), its report and the comparison go
-through sbatch, without spending CI time on generating and extracting the same data again.
+run the pipeline tests share and adds a variant to it, a two-point learning curve (`lc-50`):
+its train job (multi-threaded), its benchmark (a whole-node vLLM job), its report and the
+comparison of the two drafts go through sbatch, without generating and extracting the same
+data a second time. The comparison report it ends in is checked here too.
 """
 
 import copy
+import json
 import os
 import re
 import shutil
@@ -22,9 +24,6 @@ import yaml
 from tests.helpers import REPO, SNAKEMAKE, merged, vllm_processes
 from workflow_scripts.variants import draft_id
 
-# The real-cluster run copies the shared DAG run: on the worker that computed it.
-pytestmark = pytest.mark.xdist_group("dag")
-
 PROFILE = REPO / "profiles/slurm/config.yaml"
 START_CLUSTER = REPO / "tests/slurm/start_cluster.sh"
 SMALL = REPO / "tests/config/small.yaml"
@@ -34,9 +33,14 @@ KIMI = REPO / "config/kimi-k2.5-8xgpu.yaml"
 TEST_MEM_MB = 2000
 
 
+# The small config with a learning curve: one more variant, lc-50, on the shared run's data.
+WITH_CURVE = {"learning_curve": {"fractions": [0.5]}}
+
+
 def load_small() -> dict:
-    """The small config as a run sees it: merged over config/config.yaml."""
-    return merged(yaml.safe_load((REPO / "config/config.yaml").read_text()), yaml.safe_load(SMALL.read_text()))
+    """The small config with the learning curve, as a run sees it: merged over config/config.yaml."""
+    small = merged(yaml.safe_load((REPO / "config/config.yaml").read_text()), yaml.safe_load(SMALL.read_text()))
+    return merged(small, WITH_CURVE)
 
 
 def real_profile() -> dict:
@@ -106,8 +110,8 @@ def test_production_profile_asks_for_nodes_gpus_and_cluster_settings(repo):
 def test_cpu_config_requests_no_gpus(repo):
     jobs = dry_run_jobs(repo, "--configfile", str(SMALL))
     gpu_rules = ("generate", "hidden_states", "train", "baseline", "benchmark")
-    # generate, 2 shards, 2 drafts (default, lc-50), baseline, 2 benchmarks
-    assert [r["gpu"] for rule, r in jobs if rule in gpu_rules] == ["0"] * 8
+    # generate, 2 shards, train, baseline, benchmark
+    assert [r["gpu"] for rule, r in jobs if rule in gpu_rules] == ["0"] * 6
 
 
 # ----------------------------------------------------------------------------------------
@@ -175,8 +179,8 @@ def slurm_run(finished_run, tmp_path_factory):
     (profile_dir / "config.yaml").write_text(yaml.safe_dump(profile, sort_keys=False))
     # A run started from inside a SLURM job would inherit its allocation's variables.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SNAKEMAKE", "SLURM_", "SBATCH_", "SRUN_"))}
-    forced = f"results/small/drafts/{LC_DRAFT}/train/metrics.jsonl"
-    cmd = SNAKEMAKE + ["--workflow-profile", str(profile_dir), "--forcerun", forced, "--configfile", str(SMALL)]
+    (wf / "curve.yaml").write_text(yaml.safe_dump(WITH_CURVE))
+    cmd = SNAKEMAKE + ["--workflow-profile", str(profile_dir), "--configfile", str(SMALL), "curve.yaml"]
     proc = subprocess.run(cmd, cwd=wf, env=env, capture_output=True, text=True, timeout=2400)
     if proc.returncode != 0:
         logs = sorted((wf / "results/small/logs").glob("*.log")) + sorted((wf / "logs/slurm").rglob("*.log"))
@@ -256,3 +260,24 @@ def test_the_slurm_run_ends_in_the_report_and_leaves_no_vllm(slurm_run):
     assert "mean acceptance length" in md and "speedup" in md
     assert vllm_processes(str(wf)) == []
     assert list((wf / "results/small/logs/servers").glob("*.json")) == [], "a server lease was left behind"
+
+
+@pytest.mark.slurm
+@pytest.mark.vllm
+def test_the_run_report_compares_its_variants(slurm_run):
+    """Two variants (the default draft and lc-50, a two-point learning curve) end to end."""
+    wf, _, _ = slurm_run
+    r = wf / "results/small"
+    md = (r / "report.md").read_text()
+    assert "| default | 3 |" in md and "| lc-50 | 3 |" in md
+    assert "## Learning curve" in md and "do not support a fit: 2 training size(s)" in md
+    for png in ("acceptance_by_variant.png", "learning_curve.png", "speculative_tokens.png"):
+        assert (r / "report" / png).read_bytes()[:4] == b"\x89PNG"
+    baseline = json.loads((r / "baseline/report.json").read_text())
+    for variant in ("default", "lc-50"):
+        report = json.loads((r / f"variants/{variant}/benchmark/report.json").read_text())
+        assert report["baseline"]["output_tokens_per_s"] == baseline["output_tokens_per_s"]
+        assert report["baseline_measurement"].startswith("the run's baseline job")
+    rows = [json.loads(line) for line in (r / f"drafts/{LC_DRAFT}/train/metrics.jsonl").read_text().splitlines()]
+    full = [json.loads(line) for line in (r / "drafts/default/train/metrics.jsonl").read_text().splitlines()]
+    assert 0 < rows[-1]["train_samples"] < full[-1]["train_samples"]

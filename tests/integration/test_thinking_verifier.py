@@ -23,7 +23,6 @@ from workflow_scripts.synth.run import Parsing, run_synth
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed"),
-    pytest.mark.xdist_group("thinking"),  # one worker, one vLLM for the module
 ]
 
 THINK_START, THINK_END, EOS = 3, 4, 2  # ids in tests.conftest.char_tokenizer(think=True)

@@ -41,9 +41,6 @@ from workflow_scripts.train.loop import (
     steps_in,
 )
 
-# Module fixtures (the inputs, the uninterrupted reference run) are built once, on one worker.
-pytestmark = pytest.mark.xdist_group("train_resume")
-
 TRAIN_LENGTHS = [30, 25, 40, 20, 35, 28, 33, 22, 38, 26, 31, 24]
 EVAL_LENGTHS = [30, 35, 25]
 CFG = dict(

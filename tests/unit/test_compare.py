@@ -67,3 +67,13 @@ def test_the_report_carries_the_table_the_curve_and_the_k_check(tmp_path):
     assert "Check against variant `k2` measured at k=2: mean acceptance length 1.600 measured vs 1.600 predicted" in md
     for name in ("acceptance_png", "learning_curve_png", "k_png"):
         assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_draft_run_faster_per_step_than_the_verifier_alone_is_flagged(tmp_path):
+    """L=1.1 at 80 tok/s against 55 tok/s alone: a step took less time with the draft."""
+    out = {k: str(tmp_path / f"{k}.x") for k in ("md", "html", "acceptance_png", "learning_curve_png", "k_png")}
+    run_compare([row("default", 3, [0.1, 0.0, 0.0], 400, tps=80.0)], [], [], out)
+    assert "Caution: with the draft, a verifier step took less time" in (tmp_path / "md.x").read_text()
+    out2 = {k: str(tmp_path / f"b{k}.x") for k in out}
+    run_compare([row("default", 3, [0.4, 0.2, 0.1], 400, tps=50.0)], [], [], out2)
+    assert "Caution" not in (tmp_path / "bmd.x").read_text()
