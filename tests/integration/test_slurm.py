@@ -179,7 +179,10 @@ def slurm_run(finished_run, tmp_path_factory):
     (profile_dir / "config.yaml").write_text(yaml.safe_dump(profile, sort_keys=False))
     # A run started from inside a SLURM job would inherit its allocation's variables.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SNAKEMAKE", "SLURM_", "SBATCH_", "SRUN_"))}
-    (wf / "curve.yaml").write_text(yaml.safe_dump(WITH_CURVE))
+    # The drafts name the verifier by path (verifier.serve_path, default: the prepared dir, resolved):
+    # keep the original run's, or the copy's new location would restale the default draft.
+    serve_path = str((finished_run / "resources/verifier" / load_small()["verifier"]["name"]).resolve())
+    (wf / "curve.yaml").write_text(yaml.safe_dump(WITH_CURVE | {"verifier": {"serve_path": serve_path}}))
     cmd = SNAKEMAKE + ["--workflow-profile", str(profile_dir), "--configfile", str(SMALL), "curve.yaml"]
     proc = subprocess.run(cmd, cwd=wf, env=env, capture_output=True, text=True, timeout=2400)
     if proc.returncode != 0:
