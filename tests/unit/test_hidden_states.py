@@ -147,22 +147,27 @@ def write_dataset(tmp_path, n=7):
 HF_SETTINGS = {"backend": "hf", "batch_tokens": 32, "dtype": "bfloat16", "device": "cpu", "compute_dtype": "auto"}
 
 
+def run_hf_shard(tmp_path, verifier, shard: int, out: str, num_shards: int) -> None:
+    """Shard `shard` of `num_shards` of write_dataset's data, by the hf backend on CPU."""
+    run_shard(
+        str(tmp_path / "train.parquet"),
+        str(tmp_path / "eval.parquet"),
+        str(verifier),
+        shard,
+        out,
+        settings=hidden_states_config(**HF_SETTINGS, num_shards=num_shards),
+        server=None,
+        threads=1,
+        trust_remote_code=False,
+        log_path=None,
+    )
+
+
 def test_shards_are_unpadded_and_partition_the_samples(tiny_llama_dir, tmp_path):
     rows = write_dataset(tmp_path)
     shards = [str(tmp_path / f"shard-{k:05d}.safetensors") for k in range(2)]
     for k, out in enumerate(shards):
-        run_shard(
-            str(tmp_path / "train.parquet"),
-            str(tmp_path / "eval.parquet"),
-            str(tiny_llama_dir),
-            k,
-            out,
-            settings=hidden_states_config(**HF_SETTINGS, num_shards=2),
-            server=None,
-            threads=1,
-            trust_remote_code=False,
-            log_path=None,
-        )
+        run_hf_shard(tmp_path, tiny_llama_dir, k, out, num_shards=2)
     seen = []
     for out in shards:
         with safe_open(out, framework="pt") as f:
@@ -205,18 +210,7 @@ def test_run_shard_refuses_before_loading_the_verifier(tiny_llama_dir, tmp_path,
     monkeypatch.setattr(hf, "load_verifier", lambda *a, **k: pytest.fail("loaded the verifier before the disk check"))
     out = tmp_path / "shard-00000.safetensors"
     with pytest.raises(OSError, match="only 10 bytes"):
-        run_shard(
-            str(tmp_path / "train.parquet"),
-            str(tmp_path / "eval.parquet"),
-            str(tiny_llama_dir),
-            0,
-            str(out),
-            settings=hidden_states_config(**HF_SETTINGS, num_shards=1),
-            server=None,
-            threads=1,
-            trust_remote_code=False,
-            log_path=None,
-        )
+        run_hf_shard(tmp_path, tiny_llama_dir, 0, str(out), num_shards=1)
     assert not out.exists()
 
 
@@ -232,18 +226,7 @@ def test_a_failed_extraction_leaves_no_shard(tiny_llama_dir, tmp_path, monkeypat
     monkeypatch.setattr(hs.HfBackend, "extract", dies)
     out = tmp_path / "shard-00000.safetensors"
     with pytest.raises(KeyboardInterrupt):
-        run_shard(
-            str(tmp_path / "train.parquet"),
-            str(tmp_path / "eval.parquet"),
-            str(tiny_llama_dir),
-            0,
-            str(out),
-            settings=hidden_states_config(**HF_SETTINGS, num_shards=1),
-            server=None,
-            threads=1,
-            trust_remote_code=False,
-            log_path=None,
-        )
+        run_hf_shard(tmp_path, tiny_llama_dir, 0, str(out), num_shards=1)
     assert not out.exists()
     assert list(tmp_path.glob("*shard*")) == []
 
