@@ -59,6 +59,7 @@ rule compare:
         drafts=every_draft("draft"),
         variant_reports=every_variant("report/report.md"),
         train_benchmarks=every_train_benchmark(),
+        generate=results("generate/stats.json"),
     output:
         md=results("report.md"),
         html=report(
@@ -84,6 +85,12 @@ rule compare:
             caption="report/speculative_tokens.rst",
             category="0. Comparison",
             labels={"figure": "number of speculative tokens"},
+        ),
+        concurrency_png=report(
+            results("report/generate_concurrency.png"),
+            caption="report/generate_concurrency.rst",
+            category="0. Comparison",
+            labels={"figure": "generate concurrency"},
         ),
     log:
         logs("compare"),

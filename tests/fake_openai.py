@@ -9,6 +9,10 @@ a pure function of the request messages, so an interrupted run and an uninterrup
 produce identical samples. Faults are drawn per request from a seeded generator:
 500/503, 429, connection reset, a hang past the client's timeout, and malformed JSON. A
 conversation whose last user message contains POISON always gets HTTP 500.
+
+`--capacity 8@0,2@4` makes a server of changing capacity: 8 requests at once from its start,
+2 from 4 s on; a request above the capacity gets 503 at once. GET /stats says, per phase,
+how many requests it accepted, the most it held at once and how many it refused.
 """
 
 from __future__ import annotations
@@ -58,16 +62,54 @@ def reply_for(messages: list[dict], max_tokens: int) -> dict:
     }
 
 
+def parse_capacity(spec: str | None) -> list[tuple[float, int]]:
+    """ "8@0,2@4" -> [(0.0, 8), (4.0, 2)]: (from second, capacity), in time order."""
+    if not spec:
+        return []
+    phases = sorted((float(at), int(cap)) for cap, at in (part.split("@") for part in spec.split(",")))
+    assert phases[0][0] == 0, "the first capacity phase must start at 0"
+    return phases
+
+
 class FakeServer:
-    def __init__(self, latency_s: float, fault_rate: float, seed: int, hang_s: float):
+    def __init__(self, latency_s: float, fault_rate: float, seed: int, hang_s: float, capacity: str | None = None):
         self.latency_s = latency_s
         self.fault_rate = fault_rate
         self.rng = random.Random(seed)
         self.hang_s = hang_s
         self.requests = 0
+        self.capacity = parse_capacity(capacity)
+        self.started = time.monotonic()
+        self.in_flight = 0
+        self.phases = [
+            {"from_s": at, "capacity": cap, "accepted": 0, "max_in_flight": 0, "refused": 0}
+            for at, cap in self.capacity
+        ]
+
+    def _phase(self) -> dict | None:
+        elapsed = time.monotonic() - self.started
+        current = None
+        for phase in self.phases:
+            if phase["from_s"] <= elapsed:
+                current = phase
+        return current
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         self.requests += 1
+        phase = self._phase()
+        if phase is not None and self.in_flight >= phase["capacity"]:
+            phase["refused"] += 1
+            return web.json_response({"error": "over capacity"}, status=503)
+        self.in_flight += 1
+        try:
+            if phase is not None:
+                phase["accepted"] += 1
+                phase["max_in_flight"] = max(phase["max_in_flight"], self.in_flight)
+            return await self._reply(request)
+        finally:
+            self.in_flight -= 1
+
+    async def _reply(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         if self.latency_s:
             await asyncio.sleep(self.latency_s)
@@ -97,12 +139,17 @@ class FakeServer:
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(text=f"fake_requests_total {self.requests}\n")
 
+    async def stats(self, request: web.Request) -> web.Response:
+        started_at = time.time() - (time.monotonic() - self.started)
+        return web.json_response({"requests": self.requests, "started_at": started_at, "phases": self.phases})
+
 
 async def serve(port: int, lifetime_s: float, max_requests: int | None, server: FakeServer) -> None:
     app = web.Application()
     app.router.add_post("/v1/chat/completions", server.chat)
     app.router.add_get("/health", server.health)
     app.router.add_get("/metrics", server.metrics)
+    app.router.add_get("/stats", server.stats)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", port, backlog=1024)
@@ -124,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lifetime", type=float, default=300.0, help="exit after this many seconds")
     p.add_argument("--max-requests", type=int, default=None)
+    p.add_argument("--capacity", default=None, help="CAP@SECONDS,...: requests held at once from then on")
     a = p.parse_args(argv)
     try:
         import uvloop
@@ -131,7 +179,9 @@ def main(argv: list[str] | None = None) -> None:
         uvloop.install()
     except ImportError:
         pass
-    asyncio.run(serve(a.port, a.lifetime, a.max_requests, FakeServer(a.latency, a.fault_rate, a.seed, a.hang)))
+    asyncio.run(
+        serve(a.port, a.lifetime, a.max_requests, FakeServer(a.latency, a.fault_rate, a.seed, a.hang, a.capacity))
+    )
     sys.exit(0)
 
 

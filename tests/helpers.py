@@ -46,6 +46,13 @@ def server_config(**overrides):
     return ServerConfig.from_section(config_section("server", **overrides))
 
 
+def lean_server_config(**overrides):
+    """The server section of the test DAG (tests/config/small.yaml): the vLLM that starts in
+    about 21 s instead of 36 on this machine (no worker process, a 1 GiB KV cache)."""
+    lean = yaml.safe_load((REPO / "tests/config/small.yaml").read_text())["server"]
+    return server_config(**merged(lean, overrides))
+
+
 def hidden_states_config(**overrides):
     from workflow_scripts.common.config import typed
     from workflow_scripts.hidden_states.backend import HiddenStatesConfig

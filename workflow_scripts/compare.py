@@ -54,7 +54,8 @@ def main(smk) -> None:
                 strict=True,
             )
         ]
-        run_compare(rows, list(smk.params.learning_curve), smk.params.k_variants, dict(smk.output))
+        generate = json.loads(Path(smk.input.generate).read_text())
+        run_compare(rows, list(smk.params.learning_curve), smk.params.k_variants, dict(smk.output), generate)
 
 
 # --- rows ------------------------------------------------------------------------------------
@@ -170,9 +171,14 @@ def recommend_k(predictions: list[dict[str, float]]) -> str:
 
 
 def run_compare(
-    rows: list[dict[str, Any]], learning_curve: list[str], k_variants: list[str], out: dict[str, str]
+    rows: list[dict[str, Any]],
+    learning_curve: list[str],
+    k_variants: list[str],
+    out: dict[str, str],
+    generate: dict[str, Any],
 ) -> None:
-    """Write out['md'], out['html'] and the plots out['acceptance_png'], ['learning_curve_png'], ['k_png']."""
+    """Write out['md'], out['html'] and the plots out['acceptance_png'], ['learning_curve_png'],
+    ['k_png'] and ['concurrency_png'] (from generate's stats.json: `generate`)."""
     by_name = {r["variant"]: r for r in rows}
     curve = [by_name[v] for v in ["default", *learning_curve] if v in by_name]
     fit = fit_learning_curve([(r["train_samples"], r["mean_acceptance_length"]) for r in curve])
@@ -183,9 +189,14 @@ def run_compare(
     plot_acceptance_by_variant(rows, out["acceptance_png"])
     plot_learning_curve(curve, fit, out["learning_curve_png"])
     plot_k(predictions, source, checks, out["k_png"])
+    plot_concurrency(generate.get("concurrency"), out["concurrency_png"])
     md_dir = Path(out["md"]).parent
-    plots = {k: str(Path(out[k]).relative_to(md_dir)) for k in ("acceptance_png", "learning_curve_png", "k_png")}
-    write_text(out["md"], render_comparison(rows, curve, fit, source, predictions, checks, plots))
+    plots = {
+        k: str(Path(out[k]).relative_to(md_dir))
+        for k in ("acceptance_png", "learning_curve_png", "k_png", "concurrency_png")
+    }
+    md = render_comparison(rows, curve, fit, source, predictions, checks, plots)
+    write_text(out["md"], md + render_generation(generate, plots["concurrency_png"]))
     write_text(out["html"], render_html(rows))
     log.info("compared %d variant(s); %s", len(rows), recommend_k(predictions))
 
@@ -287,6 +298,29 @@ def render_comparison(
     return "\n".join(lines)
 
 
+def render_generation(stats: dict[str, Any], plot: str) -> str:
+    """The generate stage's section of report.md: what it sent, and its concurrency. Pure."""
+    lines = [
+        "## Generation",
+        "",
+        f"{stats['requests']} requests: {stats['sent']} sent to the verifier, {stats['reused']} answered by the "
+        f"response store; {stats['failed_conversations']} failed conversations; "
+        f"{stats.get('server_restarts', 0)} server restart(s); {stats['wall_s']:.0f} s.",
+        "",
+    ]
+    limit = stats.get("concurrency")
+    if not stats["sent"] or not limit:
+        lines.append("No request went to the server in the last generate job: no concurrency to show.")
+    else:
+        mode = (
+            f"adaptive, ceiling {limit['ceiling']}: {limit['decreases']} decrease(s), ended at {limit['final']}"
+            if limit["adaptive"]
+            else f"fixed at {limit['ceiling']}"
+        )
+        lines.append(f"Concurrency {mode}; the server reported {limit['server_preemptions']} preemption(s).")
+    return "\n".join([*lines, "", f"![generate concurrency]({plot})", ""])
+
+
 def render_html(rows: list[dict[str, Any]]) -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for h, _, _ in TABLE)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells(r)) + "</tr>" for r in rows)
@@ -326,6 +360,25 @@ def plot_learning_curve(curve: list[dict[str, Any]], fit: dict[str, Any], out: s
     ax.set_ylabel("mean acceptance length")
     ax.set_title("Learning curve" if len(ns) > 1 else "Learning curve (one point: no curve)")
     ax.legend(fontsize=8)
+    save_figure(fig, out)
+
+
+def plot_concurrency(limit: dict[str, Any] | None, out: str) -> None:
+    """The limit and the requests in flight over the last generate job (a step plot)."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 3.0))
+    trace = (limit or {}).get("trace") or []
+    if len(trace) > 1:
+        ts = [t for t, _, _ in trace]
+        ax.step(ts, [c for _, c, _ in trace], where="post", label="limit")
+        ax.step(ts, [n for _, _, n in trace], where="post", alpha=0.6, label="in flight (at changes)")
+        ax.axhline(limit["ceiling"], color="grey", linestyle="--", label=f"ceiling {limit['ceiling']}")
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no request sent in the last generate job", ha="center", va="center")
+    ax.set_xlabel("seconds into the generate job")
+    ax.set_ylabel("requests")
+    ax.set_title("Generate: concurrency over time")
     save_figure(fig, out)
 
 

@@ -2,47 +2,111 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
+import warnings
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import REPO, SNAKEMAKE, copy_workflow, stored_replies, vllm_available
-from workflow_scripts.common.process import group_members
+from workflow_scripts.common.process import group_members, parent_pid
+
+
+@pytest.fixture(scope="session", autouse=True)
+def slurm_controller_up_or_no_slurm():
+    """Every `snakemake` start loads the SLURM executor plugin, which asks the controller for
+    its config (`scontrol show config`) and waits 10 s for an answer when SLURM's client is
+    installed but no controller runs: on a machine where an earlier session installed the test
+    cluster, that is 10 s per Snakemake call, about a hundred calls here. Start the cluster
+    (tests/slurm/start_cluster.sh, idempotent) before the first one, as the SLURM test would."""
+    if (
+        shutil.which("scontrol") is None
+        or subprocess.run(["pgrep", "-x", "slurmctld"], capture_output=True).returncode == 0
+    ):
+        return
+    if os.geteuid() != 0:
+        warnings.warn(
+            "SLURM is installed but its controller is down: every snakemake call waits 10 s for it", stacklevel=1
+        )
+        return
+    proc = subprocess.run([str(REPO / "tests/slurm/start_cluster.sh")], capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        warnings.warn(
+            f"tests/slurm/start_cluster.sh failed, snakemake calls wait 10 s each: {proc.stderr[-1000:]}", stacklevel=1
+        )
 
 
 @pytest.fixture(scope="session")
 def finished_run(tmp_path_factory):
     """The run every test here reads. It starts with a hard kill: `kill -9` of Snakemake's
     whole process group mid-generate (an OOM kill, a crashed terminal); what the kill left is
-    in `hard_kill.json`. Then `--unlock` and the same command, as docs/operations.md says."""
+    in `hard_kill.json`. Then `--unlock` and the same command, as docs/operations.md says;
+    during that rerun, generate's vLLM is SIGKILLed once (`server_kill.json`)."""
     if not vllm_available():
         pytest.skip("vLLM is not installed")
     wf = copy_workflow(tmp_path_factory.mktemp("wf"))
     cmd = SNAKEMAKE + ["--cores", "2", "--configfile", str(REPO / "tests/config/small.yaml")]
     (wf / "hard_kill.json").write_text(json.dumps(hard_kill_mid_generate(wf, cmd)))
     subprocess.run([*cmd, "--unlock"], cwd=wf, capture_output=True, check=True)
-    proc = subprocess.run(cmd, cwd=wf, capture_output=True, text=True, timeout=1800)
+    with open(wf / "rerun.out", "w") as out, open(wf / "rerun.err", "w") as err:
+        rerun = subprocess.Popen(cmd, cwd=wf, stdout=out, stderr=err, text=True)
+        (wf / "server_kill.json").write_text(json.dumps(sigkill_vllm_mid_generate(wf, rerun)))
+        rerun.wait(timeout=1800)
+    proc = subprocess.CompletedProcess(
+        cmd, rerun.returncode, (wf / "rerun.out").read_text(), (wf / "rerun.err").read_text()
+    )
     if proc.returncode != 0:
         logs = "\n".join(f"--- {p}\n{p.read_text()[-2500:]}" for p in sorted((wf / "results/small/logs").glob("*.log")))
         pytest.fail(f"snakemake failed ({proc.returncode}):\n{proc.stderr[-4000:]}\n{logs}")
     return wf
 
 
-def hard_kill_mid_generate(wf: Path, cmd: list[str]) -> dict:
-    run = subprocess.Popen(cmd, cwd=wf, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+def sigkill_vllm_mid_generate(wf: Path, run: subprocess.Popen) -> dict:
+    """In the rerun, once generate has stored two more replies: SIGKILL of its vLLM API
+    server (the supervisor's child, as the OOM killer would), for the stage to restart it."""
     store, deadline = wf / "results/small/generate/store.sqlite", time.monotonic() + 900
-    while stored_replies(store) < 3:
-        assert run.poll() is None and time.monotonic() < deadline, "generate never stored a reply"
+    before = stored_replies(store)
+    servers = wf / "results/small/logs/servers"
+    while time.monotonic() < deadline and run.poll() is None:
+        leases = [json.loads(p.read_text()) for p in servers.glob("vllm-*.json")]
+        if leases and stored_replies(store) >= before + 2:
+            supervisor = leases[0]["pgid"]
+            children = [pid for pid in group_members(supervisor) if parent_pid(pid) == supervisor]
+            if children:
+                os.kill(children[0], signal.SIGKILL)
+                return {"stored_before_rerun": before, "stored_at_kill": stored_replies(store), "killed": children[0]}
+        time.sleep(0.1)
+    return {"stored_before_rerun": before, "killed": None}
+
+
+def hard_kill_mid_generate(wf: Path, cmd: list[str]) -> dict:
+    """kill -9 of Snakemake's process group once generate's vLLM has its engine process (the
+    moment that leaves the most processes behind, and the cheapest: no reply is waited for)."""
+    run = subprocess.Popen(cmd, cwd=wf, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    servers, deadline = wf / "results/small/logs/servers", time.monotonic() + 900
+    while not any(engine_started(json.loads(p.read_text())["pgid"]) for p in servers.glob("vllm-*.json")):
+        assert run.poll() is None and time.monotonic() < deadline, "generate's vLLM never started its engine"
         time.sleep(0.2)
     os.killpg(run.pid, signal.SIGKILL)
     run.wait()
-    killed_at = stored_replies(store)
-    leases = [json.loads(p.read_text()) for p in (wf / "results/small/logs/servers").glob("vllm-*.json")]
+    killed_at = stored_replies(wf / "results/small/generate/store.sqlite")
+    leases = [json.loads(p.read_text()) for p in servers.glob("vllm-*.json")]
     deadline = time.monotonic() + 15
     while any(group_members(lease["pgid"]) for lease in leases) and time.monotonic() < deadline:
         time.sleep(0.2)
     left = [pid for lease in leases for pid in group_members(lease["pgid"])]
     return {"stored_at_kill": killed_at, "leases": len(leases), "vllm_processes_left": left}
+
+
+def engine_started(pgid: int) -> bool:
+    """Whether vLLM's group has its engine-core process (titled VLLM::EngineCore)."""
+    for pid in group_members(pgid):
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().startswith("VLLM::Engine"):
+                return True
+        except OSError:
+            continue
+    return False

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -18,11 +19,12 @@ from tests.helpers import REPO, fake_openai, server_config, stored_replies
 from workflow_scripts.common.atomic import write_jsonl
 from workflow_scripts.common.client import RetryPolicy
 from workflow_scripts.common.replies import read_replies
+from workflow_scripts.common.server import ServerError, free_port
 from workflow_scripts.generate.run import Client, Requests, run_generate
 from workflow_scripts.generate.store import ResponseStore, StoreError
 
 REQUESTS = Requests(model="verifier", sampling={"max_tokens": 12, "temperature": 0.0}, chat_template_kwargs={})
-CLIENT = Client(concurrency=8, request_timeout_s=1.0, max_attempts=8, api_key_env=None)
+CLIENT = Client(concurrency=8, adaptive=True, request_timeout_s=1.0, max_attempts=8, api_key_env=None)
 
 
 def write_prompts(path: Path, n: int, poison: int | None = None) -> list[dict]:
@@ -44,7 +46,7 @@ def verifier(tmp_path_factory) -> Path:
     return d
 
 
-def generate(prompts: Path, url, d: Path, verifier: Path, requests=REQUESTS, client=CLIENT) -> dict:
+def generate(prompts: Path, url, d: Path, verifier: Path, requests=REQUESTS, client=CLIENT, **server) -> dict:
     d.mkdir(parents=True, exist_ok=True)
     run_generate(
         str(prompts),
@@ -54,7 +56,7 @@ def generate(prompts: Path, url, d: Path, verifier: Path, requests=REQUESTS, cli
         str(d / "stats.json"),
         requests=requests,
         client=client,
-        server=server_config(endpoint=url),
+        server=server_config(endpoint=url, **server),
         server_log=str(d / "vllm.log"),
     )
     return json.loads((d / "stats.json").read_text())
@@ -101,7 +103,9 @@ def test_a_later_turn_carries_the_servers_own_message(tmp_path, verifier):
 def test_a_rerun_retries_failed_conversations_and_reuses_every_stored_reply(tmp_path, verifier):
     write_prompts(tmp_path / "prompts.jsonl", 12)
     with fake_openai("--fault-rate", "1.0", "--hang", "3", "--lifetime", "60") as down:
-        stats = generate(tmp_path / "prompts.jsonl", down, tmp_path / "run", verifier, client=Client(8, 1.0, 1, None))
+        stats = generate(
+            tmp_path / "prompts.jsonl", down, tmp_path / "run", verifier, client=Client(8, True, 1.0, 1, None)
+        )
     assert stats["failed_conversations"] == 12 and stats["sent"] == 0
     with fake_openai("--lifetime", "60") as up:
         stats = generate(tmp_path / "prompts.jsonl", up, tmp_path / "run", verifier)
@@ -161,6 +165,81 @@ def test_several_endpoints_share_the_load(tmp_path, verifier):
     assert min(load) >= 0.3 * sum(load), f"load was not shared: {load}"
 
 
+def limit_at(trace: list, t: float) -> int:
+    """The limit in force at t seconds (a step function of the trace's points)."""
+    current = trace[0][1]
+    for at, limit, _ in trace:
+        if at > t:
+            break
+        current = limit
+    return current
+
+
+def test_concurrency_follows_a_server_whose_capacity_changes_and_nothing_is_lost(tmp_path, verifier, monkeypatch):
+    """A server that refuses (503) what it cannot hold: 12 requests at once, 3 from 3 s on,
+    8 from 6 s on. The adaptive limit (ceiling 32) follows it down and up again; every turn is
+    answered exactly once. The same run at a fixed 32 is refused many times more often."""
+    monkeypatch.setattr(RetryPolicy, "delay", lambda self, attempt: 0.05)
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 600)
+    turns = sum(len(p["turns"]) for p in prompts)
+    runs = {}
+    for adaptive in (True, False):
+        client = Client(concurrency=32, adaptive=adaptive, request_timeout_s=5, max_attempts=1000, api_key_env=None)
+        with fake_openai("--latency", "0.1", "--capacity", "12@0,3@3,8@6", "--lifetime", "300") as url:
+            stats = generate(tmp_path / "prompts.jsonl", url, tmp_path / f"run-{adaptive}", verifier, client=client)
+            server = httpx2.get(f"{url}/stats").json()
+        assert (stats["sent"], stats["failed_conversations"], stats["store_entries"]) == (turns, 0, turns)
+        accepted = sum(phase["accepted"] for phase in server["phases"])
+        assert accepted == turns, "a turn was generated twice (or never)"
+        runs[adaptive] = (stats["concurrency"], server)
+
+    trace = runs[True][0]["trace"]
+    offset = runs[True][0]["started_at"] - runs[True][1]["started_at"]  # server clock = trace clock + offset
+    phases = runs[True][1]["phases"]
+    for phase, after in zip(phases, [*phases[1:], None], strict=True):
+        # Sample the limit from 1.5 s into the phase (time to adapt) to its end (or the run's).
+        start = phase["from_s"] + 1.5 - offset
+        end = (after["from_s"] if after else phase["from_s"] + 3) - offset
+        if end > trace[-1][0]:
+            continue  # the run ended before this phase had settled
+        samples = [limit_at(trace, start + k * (end - start) / 10) for k in range(11)]
+        cap = phase["capacity"]
+        assert max(samples) <= cap + 2 and sum(samples) / len(samples) >= 0.4 * cap, (cap, samples, trace)
+    refused = {adaptive: sum(p["refused"] for p in server["phases"]) for adaptive, (_, server) in runs.items()}
+    assert refused[True] * 3 < refused[False], refused
+
+
+def test_an_endpoint_that_goes_away_is_waited_for_within_its_budget(tmp_path, verifier):
+    """server.endpoint: the server exits mid-run (its --lifetime) and another comes up on the
+    same port 4 s later: the run waits, resumes and sends every turn once. Without a second
+    server, the job fails once server.endpoint_wait_s is spent, and says so."""
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 60)
+    turns = sum(len(p["turns"]) for p in prompts)
+    port = str(free_port("127.0.0.1"))
+    done = threading.Event()
+
+    def second_server():
+        time.sleep(4)
+        with fake_openai("--port", port, "--latency", "0.05", "--lifetime", "120"):
+            done.wait(120)
+
+    client = Client(concurrency=4, adaptive=True, request_timeout_s=5, max_attempts=4, api_key_env=None)
+    with fake_openai("--port", port, "--latency", "0.1", "--lifetime", "1.5") as url:
+        revive = threading.Thread(target=second_server)
+        revive.start()
+        try:
+            stats = generate(tmp_path / "prompts.jsonl", url, tmp_path / "run", verifier, client=client)
+        finally:
+            done.set()
+            revive.join()
+    assert (stats["sent"], stats["failed_conversations"], stats["store_entries"]) == (turns, 0, turns)
+
+    with fake_openai("--port", port, "--latency", "0.1", "--lifetime", "1.5") as url:
+        with pytest.raises(ServerError, match=r"has not answered for \d+ s in this job \(server.endpoint_wait_s: 2\)"):
+            generate(tmp_path / "prompts.jsonl", url, tmp_path / "gone", verifier, client=client, endpoint_wait_s=2)
+    assert 0 < stored_replies(tmp_path / "gone/store.sqlite") < turns, "what was answered before is kept"
+
+
 def test_a_corrupt_store_is_refused_with_what_to_do(tmp_path):
     bad = tmp_path / "store.sqlite"
     bad.write_bytes(b"this is not a database" * 100)
@@ -199,7 +278,7 @@ GENERATE_JOB = textwrap.dedent(
     server = ServerConfig.from_section({**yaml.safe_load(open(sys.argv[5]))["server"], "endpoint": url})
     run_generate(prompts, verifier, out + "/store.sqlite", out + "/replies.parquet", out + "/stats.json",
                  requests=Requests("verifier", {"max_tokens": 12, "temperature": 0.0}, {}),
-                 client=Client(8, 5.0, 4, None), server=server, server_log=out + "/vllm.log")
+                 client=Client(8, True, 5.0, 4, None), server=server, server_log=out + "/vllm.log")
     """
 )
 

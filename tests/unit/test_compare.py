@@ -48,6 +48,26 @@ def row(name, k, per_pos, samples, tps=50.0):
     }
 
 
+# generate's stats.json, as run_generate writes it (trace: [seconds, limit, in flight]).
+GENERATE = {
+    "requests": 30,
+    "sent": 20,
+    "reused": 10,
+    "failed_conversations": 0,
+    "server_restarts": 1,
+    "wall_s": 12.5,
+    "concurrency": {
+        "adaptive": True,
+        "ceiling": 16,
+        "final": 6,
+        "decreases": 1,
+        "server_preemptions": 2,
+        "started_at": 0.0,
+        "trace": [[0.0, 4, 0], [1.0, 8, 8], [2.0, 12, 12], [3.0, 6, 12], [5.0, 6, 0]],
+    },
+}
+
+
 def test_the_report_carries_the_table_the_curve_and_the_k_check(tmp_path):
     rows = [
         row("default", 3, [0.4, 0.2, 0.1], 400),
@@ -57,23 +77,29 @@ def test_the_report_carries_the_table_the_curve_and_the_k_check(tmp_path):
     ]
     out = {
         k: str(tmp_path / f"{k}.{'md' if k == 'md' else 'html' if k == 'html' else 'png'}")
-        for k in ("md", "html", "acceptance_png", "learning_curve_png", "k_png")
+        for k in ("md", "html", "acceptance_png", "learning_curve_png", "k_png", "concurrency_png")
     }
-    run_compare(rows, ["lc-25", "lc-50"], ["k2"], out)
+    run_compare(rows, ["lc-25", "lc-50"], ["k2"], out, GENERATE)
     md = (tmp_path / "md.md").read_text()
     assert "Speedups are against the verifier alone: the run's baseline job (baseline/report.json)." in md
     assert "| default | 3 | 1.700 | 0.400 / 0.200 / 0.100 |" in md
     assert "Doubling the training conversations (400 → 800)" in md or "do not support a fit" in md
     assert "Check against variant `k2` measured at k=2: mean acceptance length 1.600 measured vs 1.600 predicted" in md
-    for name in ("acceptance_png", "learning_curve_png", "k_png"):
+    assert "30 requests: 20 sent to the verifier, 10 answered by the response store" in md
+    assert "1 server restart(s)" in md and "adaptive, ceiling 16: 1 decrease(s), ended at 6" in md
+    assert "![generate concurrency](concurrency_png.png)" in md
+    for name in ("acceptance_png", "learning_curve_png", "k_png", "concurrency_png"):
         assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_a_draft_run_faster_per_step_than_the_verifier_alone_is_flagged(tmp_path):
     """L=1.1 at 80 tok/s against 55 tok/s alone: a step took less time with the draft."""
-    out = {k: str(tmp_path / f"{k}.x") for k in ("md", "html", "acceptance_png", "learning_curve_png", "k_png")}
-    run_compare([row("default", 3, [0.1, 0.0, 0.0], 400, tps=80.0)], [], [], out)
+    out = {
+        k: str(tmp_path / f"{k}.x")
+        for k in ("md", "html", "acceptance_png", "learning_curve_png", "k_png", "concurrency_png")
+    }
+    run_compare([row("default", 3, [0.1, 0.0, 0.0], 400, tps=80.0)], [], [], out, GENERATE)
     assert "Caution: with the draft, a verifier step took less time" in (tmp_path / "md.x").read_text()
     out2 = {k: str(tmp_path / f"b{k}.x") for k in out}
-    run_compare([row("default", 3, [0.4, 0.2, 0.1], 400, tps=50.0)], [], [], out2)
+    run_compare([row("default", 3, [0.4, 0.2, 0.1], 400, tps=50.0)], [], [], out2, GENERATE)
     assert "Caution" not in (tmp_path / "bmd.x").read_text()

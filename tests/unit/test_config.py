@@ -75,3 +75,12 @@ def test_load_config_reads_yaml(tmp_path, default):
     path.write_text(yaml.safe_dump(default))
     with pytest.raises(ConfigError, match=r"server\.dtype: expected one of"):
         load_config(path)
+
+
+def test_concurrency_is_a_ceiling_or_auto(default):
+    default["synth"]["concurrency"] = "auto"
+    default["hidden_states"]["vllm"]["concurrency"] = 12
+    validate_config(default)
+    default["synth"]["concurrency"] = "lots"
+    with pytest.raises(ConfigError, match=r"synth\.concurrency"):
+        validate_config(default)

@@ -384,20 +384,27 @@ class FakeExtractionServer:
         self.server.shutdown()
 
 
-def test_vllm_backend_reassembles_unpadded_states_in_sample_order(tmp_path):
+def vllm_backend_for(fake: FakeExtractionServer, concurrency: int):
+    from workflow_scripts.common.concurrency import Concurrency
+    from workflow_scripts.common.server import WaitForEndpoint
     from workflow_scripts.hidden_states.vllm import VllmBackend
 
+    return VllmBackend(
+        fake.url,
+        "verifier",
+        num_aux=3,
+        hidden_size=8,
+        store_dtype=torch.bfloat16,
+        limit=Concurrency(concurrency, adaptive=False),
+        request_timeout_s=10,
+        recovery=WaitForEndpoint(0),
+    )
+
+
+def test_vllm_backend_reassembles_unpadded_states_in_sample_order(tmp_path):
     fake = FakeExtractionServer(tmp_path, num_states=4, hidden=8)
     try:
-        backend = VllmBackend(
-            fake.url,
-            "verifier",
-            num_aux=3,
-            hidden_size=8,
-            store_dtype=torch.bfloat16,
-            concurrency=4,
-            request_timeout_s=10,
-        )
+        backend = vllm_backend_for(fake, concurrency=4)
         samples = [{"id": f"s{i}", "input_ids": list(range(10 * i + 1, 10 * i + 2 + i))} for i in range(6)]
         states = backend.extract(samples)
     finally:
@@ -411,19 +418,9 @@ def test_vllm_backend_reassembles_unpadded_states_in_sample_order(tmp_path):
 
 
 def test_vllm_backend_retries_a_briefly_unavailable_server(tmp_path):
-    from workflow_scripts.hidden_states.vllm import VllmBackend
-
     fake = FakeExtractionServer(tmp_path, num_states=4, hidden=8, unavailable_first=2)
     try:
-        backend = VllmBackend(
-            fake.url,
-            "verifier",
-            num_aux=3,
-            hidden_size=8,
-            store_dtype=torch.bfloat16,
-            concurrency=1,
-            request_timeout_s=10,
-        )
+        backend = vllm_backend_for(fake, concurrency=1)
         ((aux, final),) = backend.extract([{"id": "s0", "input_ids": [5, 6, 7]}])
     finally:
         fake.close()
@@ -432,19 +429,9 @@ def test_vllm_backend_retries_a_briefly_unavailable_server(tmp_path):
 
 
 def test_vllm_backend_reply_without_states_path_is_an_error(tmp_path):
-    from workflow_scripts.hidden_states.vllm import VllmBackend
-
     fake = FakeExtractionServer(tmp_path, num_states=4, hidden=8, drop_path_for=[7, 8])
     try:
-        backend = VllmBackend(
-            fake.url,
-            "verifier",
-            num_aux=3,
-            hidden_size=8,
-            store_dtype=torch.bfloat16,
-            concurrency=2,
-            request_timeout_s=10,
-        )
+        backend = vllm_backend_for(fake, concurrency=2)
         with pytest.raises(HiddenStatesFileError, match="sample bad: .*no kv_transfer_params.hidden_states_path"):
             backend.extract([{"id": "ok", "input_ids": [1, 2]}, {"id": "bad", "input_ids": [7, 8]}])
     finally:

@@ -4,25 +4,36 @@ httpx2 (the client stack `openai` itself ships; httpx 0.28's connection pool spe
 quadratic in the pool size per request, see BENCHMARKS.md) with explicit timeouts and a
 connection pool sized to the concurrency limit;
 retries with exponential backoff and jitter on connection errors, timeouts, 429 and 5xx.
+With a `Concurrency` (common.concurrency) each attempt holds one of its slots and reports
+how it went; with a `Recovery` (common.server) a dropped connection first asks whether the
+server died, and a request that waited for its restart does not spend an attempt.
 The API key comes from an environment variable named in config and is never logged.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import random
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx2 as httpx
+
+from workflow_scripts.common.concurrency import DISCONNECT, FAILED, OK, OVERLOAD, TIMEOUT, Concurrency
+
+if TYPE_CHECKING:
+    from workflow_scripts.common.server import Recovery
 
 log = logging.getLogger(__name__)
 
 RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
+OVERLOAD_STATUS = frozenset({429, 502, 503, 504})  # the server (or a proxy before it) is over capacity
 
 
 class RequestFailed(RuntimeError):
@@ -61,6 +72,8 @@ class ChatClient:
         request_timeout_s: float,
         retry: RetryPolicy = RetryPolicy(),
         api_key_env: str | None = None,
+        limit: Concurrency | None = None,
+        recovery: Recovery | None = None,
     ):
         headers = {"Content-Type": "application/json"}
         if api_key_env:
@@ -73,6 +86,8 @@ class ChatClient:
             raise ValueError("ChatClient needs at least one endpoint")
         self.base_urls = [u.rstrip("/") for u in urls]
         self.retry = retry
+        self.limit = limit
+        self.recovery = recovery
         self._in_flight = [0] * len(self.base_urls)
         self._clients = [
             httpx.AsyncClient(
@@ -108,38 +123,71 @@ class ChatClient:
         return await self._post("/v1/completions", payload)
 
     async def _post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
-        last, failed = "no attempt made", None
-        for attempt in range(self.retry.max_attempts):
+        last, failed, attempt = "no attempt made", None, 0
+        while attempt < self.retry.max_attempts:
             if attempt:
                 await asyncio.sleep(self.retry.delay(attempt))
-            i = self._pick(failed)
+            attempt += 1
+            i, body, error, server_trouble = await self._attempt(failed, path, payload, attempt)
+            if body is not None:
+                return body
+            last, failed = error, i
+            # Outside the slot: a restart can take minutes.
+            if server_trouble and self.recovery is not None and await self.recovery.recover(self.base_urls[i], error):
+                attempt -= 1  # the server was down and is back: this try does not count
+        raise RequestFailed(last, self.retry.max_attempts)
+
+    async def _attempt(
+        self, avoid: int | None, path: str, payload: dict[str, Any], attempt: int
+    ) -> tuple[int, dict[str, Any] | None, str, bool]:
+        """One try, holding a concurrency slot, at the endpoint with the fewest requests in
+        flight once the slot is granted (preferably not `avoid`): (endpoint, body, "", False)
+        on success, else (endpoint, None, why, whether the server itself may be down: a failed
+        connection or an HTTP 500, which vLLM answers once its engine died). Raises
+        RequestFailed when not retryable."""
+        async with self._slot() as report:
+            i = self._pick(avoid)
             url = self.base_urls[i]
             self._in_flight[i] += 1
+            started = time.monotonic()
             try:
                 resp = await self._clients[i].post(path, json=payload)
-            except (httpx.TimeoutException, httpx.TransportError) as exc:
-                last, failed = f"{type(exc).__name__}: {exc or 'no detail'} ({url})", i
-                continue
+            except httpx.TimeoutException as exc:
+                report(TIMEOUT)
+                return i, None, f"{type(exc).__name__}: {exc or 'no detail'} ({url})", False
+            except httpx.TransportError as exc:
+                report(DISCONNECT)
+                return i, None, f"{type(exc).__name__}: {exc or 'no detail'} ({url})", True
             finally:
                 self._in_flight[i] -= 1
             if resp.status_code in RETRYABLE_STATUS:
-                last, failed = f"HTTP {resp.status_code} from {url}: {resp.text[:200]}", i
-                continue
+                report(OVERLOAD if resp.status_code in OVERLOAD_STATUS else FAILED)
+                return i, None, f"HTTP {resp.status_code} from {url}: {resp.text[:200]}", resp.status_code == 500
             if resp.status_code != 200:
-                raise RequestFailed(f"HTTP {resp.status_code} from {url}: {resp.text[:300]}", attempt + 1)
+                raise RequestFailed(f"HTTP {resp.status_code} from {url}: {resp.text[:300]}", attempt)
             try:
                 body = resp.json()
             except json.JSONDecodeError:
-                last, failed = f"malformed JSON from {url}: {resp.text[:200]!r}", i
-                continue
+                return i, None, f"malformed JSON from {url}: {resp.text[:200]!r}", False
             if not isinstance(body, dict) or not body.get("choices"):
-                last, failed = f"reply without choices from {url}: {str(body)[:200]}", i
-                continue
-            return body
-        raise RequestFailed(last, self.retry.max_attempts)
+                return i, None, f"reply without choices from {url}: {str(body)[:200]}", False
+            tokens = (body.get("usage") or {}).get("completion_tokens")
+            report(OK, time.monotonic() - started, tokens if isinstance(tokens, int) else None)
+            return i, body, "", False
+
+    def _slot(self):
+        """A slot of the concurrency limit for one attempt (none without a limit)."""
+        if self.limit is not None:
+            return self.limit.slot()
+        return _no_limit()
 
     async def get_text(self, path: str) -> str:
         """GET `path` from the first endpoint (e.g. /metrics of the one server a benchmark runs)."""
         resp = await self._clients[0].get(path)
         resp.raise_for_status()
         return resp.text
+
+
+@contextlib.asynccontextmanager
+async def _no_limit():
+    yield lambda *args, **kwargs: None

@@ -71,6 +71,12 @@ def _stat_fields(pid: int) -> list[str] | None:
     return raw[raw.rfind(")") + 2 :].split()
 
 
+def parent_pid(pid: int) -> int | None:
+    """The parent of `pid`; None if there is no such process."""
+    fields = _stat_fields(pid)
+    return int(fields[1]) if fields else None
+
+
 def start_time(pid: int) -> int | None:
     """When `pid` started (clock ticks since boot); None if there is no such process. A pid
     together with its start time names one process even after the pid is reused."""

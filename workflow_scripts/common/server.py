@@ -16,12 +16,14 @@ Snakemake's process group). Two things make sure its server does not outlive it:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -62,6 +64,8 @@ class ServerConfig:
     extra_args: tuple[str, ...]
     env: dict[str, str]
     startup_timeout_s: float
+    max_restarts: int
+    endpoint_wait_s: float
 
     @classmethod
     def from_section(cls, section: dict[str, Any]) -> ServerConfig:
@@ -263,6 +267,14 @@ class VllmServer:
         return f"http://{self.spec.host}:{self.port}"
 
     def start(self) -> None:
+        self.launch()
+        self.wait_healthy()
+
+    def launch(self) -> None:
+        """Start the process group (not waiting for health). Call it from a thread that
+        outlives the server: Linux sends the parent-death signal when the *thread* that
+        started a process exits, so a server launched from a pool's worker thread would be
+        stopped by its supervisor when that thread retires."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.lease_dir.mkdir(parents=True, exist_ok=True)
         stop_leftover_servers(self.lease_dir, self.spec.stop_grace_s)
@@ -293,7 +305,6 @@ class VllmServer:
                 start_new_session=True,
             )
         self._write_lease()
-        self._wait_healthy()
 
     def _write_lease(self) -> None:
         assert self.proc is not None
@@ -318,7 +329,7 @@ class VllmServer:
         )
         return ServerError(f"{what}. Last lines of {self.log_path}:\n{tail(self.log_path)}{held}")
 
-    def _wait_healthy(self) -> None:
+    def wait_healthy(self) -> None:
         assert self.proc is not None
         deadline = time.monotonic() + self.spec.startup_timeout_s
         started = time.monotonic()
@@ -352,6 +363,11 @@ class VllmServer:
         Lease.path(self.lease_dir, self.proc.pid).unlink(missing_ok=True)
         self.proc = None
 
+    def exit_status(self) -> int | None:
+        """The launched server's exit status (the supervisor's: vLLM's, 128 + n after signal
+        n), or None while it runs."""
+        return self.proc.poll() if self.proc is not None else None
+
     def __enter__(self) -> VllmServer:
         try:
             self.start()
@@ -364,15 +380,147 @@ class VllmServer:
         self.stop()
 
 
+def describe_exit(status: int) -> str:
+    if status > 128 and status - 128 in signal.Signals._value2member_map_:
+        return f"killed by {signal.Signals(status - 128).name}"
+    return f"exit status {status}"
+
+
+async def _health(url: str) -> int | None:
+    """The status of GET `url`/health, or None when nothing answers."""
+    try:
+        async with httpx.AsyncClient(timeout=5.0) as client:
+            return (await client.get(f"{url.rstrip('/')}/health")).status_code
+    except httpx.HTTPError:
+        return None
+
+
+async def answers(url: str) -> bool:
+    """Whether anything listens at `url`: any HTTP reply to GET /health (an OpenAI-compatible
+    server without that route answers 404) counts; a refused or dropped connection does not."""
+    return await _health(url) is not None
+
+
+async def healthy(url: str) -> bool:
+    """Whether vLLM at `url` says it is healthy (its /health is 500 once its engine died)."""
+    return await _health(url) == 200
+
+
+class Recovery:
+    """What a client does when its server stops answering: `recover` returns True when the
+    server is back (the failed request is retried without spending an attempt), False when
+    the server is fine (the failure was the request's own: the retry policy goes on), or
+    raises ServerError when it gives up."""
+
+    restarts = 0  # servers this job started again
+
+    async def recover(self, url: str, cause: str) -> bool:
+        raise NotImplementedError
+
+
+class RestartDeadServer(Recovery):
+    """For a server this job launched: when it died (or lives on without a healthy engine:
+    /health is not 200), start it again, at most `max_restarts` times per job. The requests
+    in flight are sent again; nothing stored is lost."""
+
+    def __init__(self, server: VllmServer, max_restarts: int):
+        self.server = server
+        self.max_restarts = max_restarts
+        self._lock = asyncio.Lock()
+
+    async def recover(self, url: str, cause: str) -> bool:
+        restarts = self.restarts
+        async with self._lock:
+            if self.restarts != restarts:
+                return True  # restarted while this request waited for the lock
+            trouble = await self._trouble(url)
+            if trouble is None:
+                return False
+            what = f"vLLM ({self.server.spec.model}) {trouble}"
+            if self.restarts >= self.max_restarts:
+                raise self.server._failure(
+                    f"{what}, after {self.restarts} restart(s) in this job (server.max_restarts: {self.max_restarts})"
+                )
+            self.restarts += 1
+            log.warning(
+                "%s (a request saw: %s). Restart %d of %d; last lines of %s:\n%s",
+                what,
+                cause,
+                self.restarts,
+                self.max_restarts,
+                self.server.log_path,
+                tail(self.server.log_path, 20),
+            )
+            # Again on the same port, so clients keep their URL. The launch runs in this thread,
+            # the event loop's, which lives as long as the job (see VllmServer.launch).
+            await asyncio.to_thread(self.server.stop)
+            self.server.launch()
+            await asyncio.to_thread(self.server.wait_healthy)
+            return True
+
+    async def _trouble(self, url: str) -> str | None:
+        """None while /health answers 200; what is wrong once the server has exited, or has
+        not answered 200 for the stop grace period and 10 s (a dropped connection can come a
+        moment before the supervisor has stopped the group and exited)."""
+        deadline = time.monotonic() + self.server.spec.stop_grace_s + 10
+        while True:
+            status = self.server.exit_status()
+            if status is not None:
+                return f"died while serving ({describe_exit(status)})"
+            if await healthy(url):
+                return None
+            if time.monotonic() > deadline:
+                return f"runs, but its /health has not answered 200 for {self.server.spec.stop_grace_s + 10:.0f} s"
+            await asyncio.sleep(0.5)
+
+
+class WaitForEndpoint(Recovery):
+    """For a server this job did not start (`server.endpoint`): wait for it to answer again,
+    at most `budget_s` in all for the job (server.endpoint_wait_s)."""
+
+    def __init__(self, budget_s: float):
+        self.budget_s = budget_s
+        self.waited_s = 0.0
+        self._lock = asyncio.Lock()
+
+    async def recover(self, url: str, cause: str) -> bool:
+        async with self._lock:
+            if await answers(url):
+                return False
+            log.warning("the server at %s does not answer (%s): waiting for it (server.endpoint_wait_s)", url, cause)
+            while self.waited_s < self.budget_s:
+                started = time.monotonic()
+                await asyncio.sleep(min(5.0, self.budget_s - self.waited_s))
+                back = await answers(url)
+                self.waited_s += time.monotonic() - started
+                if back:
+                    log.warning("the server at %s answers again; %.0f s of waiting spent", url, self.waited_s)
+                    return True
+            raise ServerError(
+                f"the server at {url} has not answered for {self.waited_s:.0f} s in this job "
+                f"(server.endpoint_wait_s: {self.budget_s:g}); last error: {cause}"
+            )
+
+
+@dataclass(frozen=True)
+class Served:
+    """Where requests go (one URL, or several replicas), and what to do when the server
+    behind them stops answering."""
+
+    url: str | list[str]
+    recovery: Recovery
+
+
 @contextlib.contextmanager
 def serve(
-    spec: ServerSpec, log_path: str | os.PathLike, endpoint: str | list[str] | None = None
-) -> Iterator[str | list[str]]:
-    """Yield the base URL(s) of the server: `endpoint` (one URL or a list of replicas) when
-    already running, else the URL of a fresh vLLM that is stopped on exit."""
+    spec: ServerSpec, log_path: str | os.PathLike, config: ServerConfig, endpoint: str | list[str] | None
+) -> Iterator[Served]:
+    """The running server(s) at `endpoint` (`server.endpoint`, or a stage's own), or a fresh
+    vLLM launched as `spec` says and stopped on exit; either way with the recovery that the
+    `server` section (`config`) asks for."""
     if endpoint:
-        log.info("using the already running server(s) at %s (server.endpoint)", endpoint)
-        yield endpoint
+        log.info("using the already running server(s) at %s", endpoint)
+        yield Served(endpoint, WaitForEndpoint(config.endpoint_wait_s))
         return
     with VllmServer(spec, log_path) as server:
-        yield server.base_url
+        yield Served(server.base_url, RestartDeadServer(server, config.max_restarts))

@@ -21,8 +21,9 @@ from tqdm import tqdm
 
 from workflow_scripts.common.atomic import read_jsonl, write_json
 from workflow_scripts.common.client import ChatClient, RequestFailed, RetryPolicy
+from workflow_scripts.common.concurrency import Concurrency, parse_ceiling
 from workflow_scripts.common.replies import write_replies
-from workflow_scripts.common.server import ServerConfig, ServerSpec, serve
+from workflow_scripts.common.server import Served, ServerConfig, ServerSpec, serve
 from workflow_scripts.common.smk import stage
 from workflow_scripts.generate.requests import history_message, request_key, request_payload, server_identity
 from workflow_scripts.generate.store import ResponseStore
@@ -43,9 +44,12 @@ class Requests:
 
 @dataclass(frozen=True)
 class Client:
-    """How it is asked: these change speed and robustness, never a reply."""
+    """How it is asked: these change speed and robustness, never a reply. `concurrency` is
+    the ceiling of an adaptive limit (common.concurrency), or the fixed number of requests
+    in flight without `adaptive`."""
 
-    concurrency: int
+    concurrency: int | str
+    adaptive: bool
     request_timeout_s: float
     max_attempts: int
     api_key_env: str | None
@@ -57,7 +61,13 @@ def main(smk) -> None:
         server = ServerConfig.from_section(smk.config["server"])
         synth = smk.config["synth"]
         # Operational settings come from the config, not params: changing them must not rerun the rule.
-        client = Client(synth["concurrency"], synth["request_timeout_s"], synth["max_attempts"], server.api_key_env)
+        client = Client(
+            synth["concurrency"],
+            synth["adaptive_concurrency"],
+            synth["request_timeout_s"],
+            synth["max_attempts"],
+            server.api_key_env,
+        )
         run_generate(
             smk.input.prompts,
             smk.input.verifier,
@@ -149,25 +159,24 @@ async def _from_store(prompts, requests, identity, store) -> tuple[dict[str, lis
 
 
 async def _from_server(
-    base_url, todo, requests, identity, store, client_cfg: Client, counts: Counts
+    served: Served, todo, requests, identity, store, client_cfg: Client, counts: Counts, limit: Concurrency
 ) -> dict[str, list]:
     done: dict[str, list] = {}
     bar = tqdm(total=len(todo), desc="generate", unit="conv", mininterval=2.0)
     started, tokens = time.monotonic(), 0
-    sem = asyncio.Semaphore(client_cfg.concurrency)
-    retry = RetryPolicy(max_attempts=client_cfg.max_attempts)
     async with ChatClient(
-        base_url,
-        concurrency=client_cfg.concurrency,
+        served.url,
+        concurrency=limit.ceiling,
         request_timeout_s=client_cfg.request_timeout_s,
-        retry=retry,
+        retry=RetryPolicy(max_attempts=client_cfg.max_attempts),
         api_key_env=client_cfg.api_key_env,
+        limit=limit,
+        recovery=served.recovery,
     ) as client:
 
         async def one(prompt):
             nonlocal tokens
-            async with sem:
-                rows = await walk_conversation(prompt, requests, identity, store, client.chat, counts)
+            rows = await walk_conversation(prompt, requests, identity, store, client.chat, counts)
             done[prompt["id"]] = rows
             tokens += sum(((r["response"] or {}).get("usage") or {}).get("completion_tokens") or 0 for r in rows)
             elapsed = time.monotonic() - started
@@ -175,12 +184,19 @@ async def _from_server(
                 sent=counts.sent,
                 reused=counts.reused,
                 tok_s=f"{tokens / elapsed:.0f}",
+                in_flight=f"{limit.in_flight}/{limit.current}",
                 failed=counts.failed_conversations,
                 refresh=False,
             )
             bar.update()
 
-        await asyncio.gather(*(one(p) for p in todo))
+        # Every conversation is a task; the limit admits their requests (turn by turn).
+        watch = asyncio.create_task(limit.watch(lambda: client.get_text("/metrics")))
+        try:
+            await asyncio.gather(*(one(p) for p in todo))
+        finally:
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
     bar.close()
     return done
 
@@ -214,10 +230,13 @@ def run_generate(
             entries_before,
             len(todo),
         )
+        limit = Concurrency(parse_ceiling(client.concurrency), client.adaptive, name="generate")
+        restarts = 0
         if todo:
             spec = ServerSpec.from_config(server, verifier_dir)
-            with serve(spec, server_log, server.endpoint) as base_url:
-                done |= asyncio.run(_from_server(base_url, todo, requests, identity, store, client, counts))
+            with serve(spec, server_log, server, server.endpoint) as served:
+                done |= asyncio.run(_from_server(served, todo, requests, identity, store, client, counts, limit))
+                restarts = served.recovery.restarts
         rows = [row for p in prompts for row in done[p["id"]]]
         keys = store.keys()
         unused = len(keys - {r["key"] for r in rows})
@@ -232,6 +251,8 @@ def run_generate(
         "store": str(store_path),
         "store_entries": len(keys),
         "store_entries_unused": unused,
+        "server_restarts": restarts,
+        "concurrency": limit.summary(),
         "wall_s": round(time.monotonic() - started, 3),
     }
     write_json(stats_out, stats)

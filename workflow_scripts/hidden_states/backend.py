@@ -28,7 +28,8 @@ class VllmExtractionConfig:
 
     endpoint: str | None
     storage_dir: str | None
-    concurrency: int
+    concurrency: int | str
+    adaptive_concurrency: bool
     request_timeout_s: float
 
 

@@ -19,7 +19,8 @@ import torch
 from tqdm import tqdm
 
 from workflow_scripts.common.client import ChatClient, RequestFailed
-from workflow_scripts.common.server import ServerSpec, serve
+from workflow_scripts.common.concurrency import Concurrency, parse_ceiling
+from workflow_scripts.common.server import Recovery, ServerSpec, serve
 from workflow_scripts.hidden_states.backend import ExtractionJob, register_backend
 from workflow_scripts.hidden_states.layers import States, vllm_layer_ids
 
@@ -142,8 +143,9 @@ class VllmBackend:
     num_aux: int
     hidden_size: int
     store_dtype: torch.dtype
-    concurrency: int
+    limit: Concurrency
     request_timeout_s: float
+    recovery: Recovery
     api_key_env: str | None = None
 
     async def _one(self, client: ChatClient, sample: dict[str, Any]) -> States:
@@ -180,21 +182,23 @@ class VllmBackend:
             unit_scale=True,
             mininterval=2.0,
         )
-        slots = asyncio.Semaphore(self.concurrency)
         client = ChatClient(
             self.base_url,
-            concurrency=self.concurrency,
+            concurrency=self.limit.ceiling,
             request_timeout_s=self.request_timeout_s,
             api_key_env=self.api_key_env,
+            limit=self.limit,
+            recovery=self.recovery,
         )
 
         async def one(sample: dict[str, Any]) -> States:
-            async with slots:
-                states = await self._one(client, sample)
+            states = await self._one(client, sample)
             bar.update(len(sample["input_ids"]))
             return states
 
         async with client:
+            # The limit admits the requests; reading a reply's file happens outside its slot.
+            watch = asyncio.create_task(self.limit.watch(lambda: client.get_text("/metrics")))
             tasks = [asyncio.create_task(one(s)) for s in samples]
             try:
                 return list(await asyncio.gather(*tasks))
@@ -205,6 +209,8 @@ class VllmBackend:
                 await asyncio.gather(*tasks, return_exceptions=True)
                 raise
             finally:
+                watch.cancel()
+                await asyncio.gather(watch, return_exceptions=True)
                 bar.close()
 
 
@@ -229,14 +235,15 @@ def vllm_backend(job: ExtractionJob) -> Iterator[VllmBackend]:
         spec = replace(spec, speculative_config=speculative_config, extra_args=(*spec.extra_args, *extra, *trust))
         # The server's log goes next to the rule's log.
         log_path = Path(job.log_path).with_suffix(".vllm.log") if job.log_path else Path(storage_dir) / "vllm.log"
-        with serve(spec, log_path, opts.endpoint) as url:
+        with serve(spec, log_path, job.server, opts.endpoint) as served:
             yield VllmBackend(
-                base_url=url if isinstance(url, str) else url[0],
+                base_url=served.url if isinstance(served.url, str) else served.url[0],
                 served_model_name=spec.served_model_name,
                 num_aux=len(job.aux_layer_ids),
                 hidden_size=job.geometry.hidden_size,
                 store_dtype=job.store_dtype,
-                concurrency=opts.concurrency,
+                limit=Concurrency(parse_ceiling(opts.concurrency), opts.adaptive_concurrency, name="hidden states"),
                 request_timeout_s=opts.request_timeout_s,
+                recovery=served.recovery,
                 api_key_env=job.server.api_key_env,
             )
