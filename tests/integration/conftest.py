@@ -13,6 +13,7 @@ import pytest
 
 from tests.helpers import REPO, SNAKEMAKE, copy_workflow, stored_replies, vllm_available
 from workflow_scripts.common.process import group_members, parent_pid
+from workflow_scripts.common.server import ServerSpec
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -94,7 +95,9 @@ def hard_kill_mid_generate(wf: Path, cmd: list[str]) -> dict:
     run.wait()
     killed_at = stored_replies(wf / "results/small/generate/store.sqlite")
     leases = [json.loads(p.read_text()) for p in servers.glob("vllm-*.json")]
-    deadline = time.monotonic() + 15
+    # The supervisor SIGTERMs the group, and SIGKILLs it after the grace period: a vLLM still
+    # importing its modules answers SIGTERM late or never.
+    deadline = time.monotonic() + ServerSpec.stop_grace_s + 10
     while any(group_members(lease["pgid"]) for lease in leases) and time.monotonic() < deadline:
         time.sleep(0.2)
     left = [pid for lease in leases for pid in group_members(lease["pgid"])]
