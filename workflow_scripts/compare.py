@@ -196,7 +196,7 @@ def run_compare(
         for k in ("acceptance_png", "learning_curve_png", "k_png", "concurrency_png")
     }
     md = render_comparison(rows, curve, fit, source, predictions, checks, plots)
-    write_text(out["md"], md + render_generation(generate, plots["concurrency_png"]))
+    write_text(out["md"], md + "\n" + render_generation(generate, plots["concurrency_png"]))
     write_text(out["html"], render_html(rows))
     log.info("compared %d variant(s); %s", len(rows), recommend_k(predictions))
 

@@ -8,6 +8,7 @@ import pytest
 
 from workflow_scripts.common.concurrency import (
     AUTO_CEILING,
+    DISCONNECT,
     INITIAL,
     OK,
     OVERLOAD,
@@ -223,3 +224,30 @@ def test_summary_traces_the_limit_over_time():
     times = [t for t, _, _ in summary["trace"]]
     limits = [c for _, c, _ in summary["trace"]]
     assert times == sorted(times) and limits[0] == INITIAL and limits[-1] == 8
+
+
+def test_a_dead_server_does_not_cut_the_limit():
+    """Refused connections while a server restarts fail at once, retry after retry: they say
+    nothing about capacity (the recovery handles them), so the limit stays where it was."""
+    limit = Concurrency(64, adaptive=True)
+    limit.limit = 16.0
+
+    async def refused_many_times():
+        for _ in range(20):
+            async with limit.slot() as report:
+                report(DISCONNECT)
+
+    asyncio.run(refused_many_times())
+    assert limit.current == 16 and limit.decreases == 0
+
+
+def test_the_limit_stops_at_one_without_counting_more_cuts():
+    limit = Concurrency(8, adaptive=True)
+
+    async def refused_again_and_again():
+        for _ in range(12):
+            async with limit.slot() as report:
+                report(OVERLOAD)
+
+    asyncio.run(refused_again_and_again())
+    assert limit.current == 1 and limit.decreases == 2  # 4 -> 2 -> 1, then nothing left to cut

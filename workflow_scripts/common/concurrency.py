@@ -9,7 +9,8 @@ Adaptive (the default), the limit moves between 1 and the configured ceiling by 
   no pressure. Until the first congestion the limit doubles per window instead (slow start),
   from `INITIAL`.
 - **decrease**: ×0.5 on congestion: vLLM's preemption counter moved, or a request sent under
-  the current limit met a 429/503, a timeout or a dropped connection. At most once per
+  the current limit met a 429/503 or a timeout (not a dropped connection: a dead server is
+  restarted or waited for, not a reason to send less). At most once per
   window: signals from requests sent before the last decrease are ignored (they were sent
   under the old limit, as TCP ignores losses of packets sent before its last cut).
 - **hold**: neither, while more requests wait in vLLM's queue than a small margin
@@ -62,7 +63,9 @@ MAX_TRACE = 4000  # trace points kept (older ones are thinned, every other one d
 
 # Outcomes a request reports when it gives its slot back.
 OK, OVERLOAD, TIMEOUT, DISCONNECT, FAILED = "ok", "overload", "timeout", "disconnect", "failed"
-CONGESTION = frozenset({OVERLOAD, TIMEOUT, DISCONNECT})
+# A dropped or refused connection is not counted: a server that died is the Recovery's business
+# (common.server), and every instant retry against it would otherwise cut the limit again.
+CONGESTION = frozenset({OVERLOAD, TIMEOUT})
 
 
 def parse_ceiling(value: int | str) -> int:
@@ -227,6 +230,8 @@ class Concurrency:
         return None
 
     def _decrease(self, why: str) -> None:
+        if self.limit <= 1.0:
+            return  # at the floor: nothing to take away, nothing to log
         self._slow_start = False
         self.decreases += 1
         self._window_start = self._tickets  # signals of requests already sent are of the old limit
