@@ -63,12 +63,9 @@ def one_row(url: str, prompts: Path, work: Path, max_tokens: int, concurrency: i
     stats = json.loads((work / "stats.json").read_text())
     tokens = sum(r["response"]["usage"]["completion_tokens"] for r in read_replies(work / "replies.parquet"))
     limit = stats["concurrency"]
-    after_cut = [
-        c
-        for _, c, _ in limit["trace"][
-            next((i for i, p in enumerate(limit["trace"]) if i and p[1] < limit["trace"][i - 1][1]), 0) :
-        ]
-    ]
+    limits = [c for _, c, _ in limit["trace"]]
+    first_cut = next((i for i in range(1, len(limits)) if limits[i] < limits[i - 1]), 0)
+    after_cut = limits[first_cut:]
     return {
         "mode": f"adaptive (ceiling {concurrency})" if adaptive else f"fixed {concurrency}",
         "tokens_per_s": tokens / wall,

@@ -56,12 +56,10 @@ def finished_run(tmp_path_factory):
         rerun = subprocess.Popen(cmd, cwd=wf, stdout=out, stderr=err, text=True)
         (wf / "server_kill.json").write_text(json.dumps(sigkill_vllm_mid_generate(wf, rerun)))
         rerun.wait(timeout=1800)
-    proc = subprocess.CompletedProcess(
-        cmd, rerun.returncode, (wf / "rerun.out").read_text(), (wf / "rerun.err").read_text()
-    )
-    if proc.returncode != 0:
+    if rerun.returncode != 0:
         logs = "\n".join(f"--- {p}\n{p.read_text()[-2500:]}" for p in sorted((wf / "results/small/logs").glob("*.log")))
-        pytest.fail(f"snakemake failed ({proc.returncode}):\n{proc.stderr[-4000:]}\n{logs}")
+        stderr = (wf / "rerun.err").read_text()
+        pytest.fail(f"snakemake failed ({rerun.returncode}):\n{stderr[-4000:]}\n{logs}")
     return wf
 
 

@@ -5,7 +5,8 @@ quadratic in the pool size per request, see BENCHMARKS.md) with explicit timeout
 connection pool sized to the concurrency limit;
 retries with exponential backoff and jitter on connection errors, timeouts, 429 and 5xx.
 With a `Concurrency` (common.concurrency) each attempt holds one of its slots and reports
-how it went; with a `Recovery` (common.server) a dropped connection first asks whether the
+how it went, and while the client is open the limit watches the server's /metrics; with a
+`Recovery` (common.server) a dropped connection first asks whether the
 server died, and a request that waited for its restart does not spend an attempt.
 The API key comes from an environment variable named in config and is never logged.
 """
@@ -89,6 +90,7 @@ class ChatClient:
         self.limit = limit
         self.recovery = recovery
         self._in_flight = [0] * len(self.base_urls)
+        self._watch: asyncio.Task | None = None
         self._clients = [
             httpx.AsyncClient(
                 base_url=url,
@@ -104,9 +106,14 @@ class ChatClient:
         return self.base_urls[0]
 
     async def __aenter__(self) -> ChatClient:
+        if self.limit is not None:
+            self._watch = asyncio.create_task(self.limit.watch(lambda: self.get_text("/metrics")))
         return self
 
     async def __aexit__(self, *exc) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            await asyncio.gather(self._watch, return_exceptions=True)
         for client in self._clients:
             await client.aclose()
 

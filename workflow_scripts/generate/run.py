@@ -191,12 +191,7 @@ async def _from_server(
             bar.update()
 
         # Every conversation is a task; the limit admits their requests (turn by turn).
-        watch = asyncio.create_task(limit.watch(lambda: client.get_text("/metrics")))
-        try:
-            await asyncio.gather(*(one(p) for p in todo))
-        finally:
-            watch.cancel()
-            await asyncio.gather(watch, return_exceptions=True)
+        await asyncio.gather(*(one(p) for p in todo))
     bar.close()
     return done
 

@@ -198,7 +198,6 @@ class VllmBackend:
 
         async with client:
             # The limit admits the requests; reading a reply's file happens outside its slot.
-            watch = asyncio.create_task(self.limit.watch(lambda: client.get_text("/metrics")))
             tasks = [asyncio.create_task(one(s)) for s in samples]
             try:
                 return list(await asyncio.gather(*tasks))
@@ -209,8 +208,6 @@ class VllmBackend:
                 await asyncio.gather(*tasks, return_exceptions=True)
                 raise
             finally:
-                watch.cancel()
-                await asyncio.gather(watch, return_exceptions=True)
                 bar.close()
 
 
