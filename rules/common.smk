@@ -1,10 +1,14 @@
 # Helpers shared by every rule: config validation, paths, code fingerprints, variants.
 import re
+import sys
 from pathlib import Path
+
+from snakemake.logging import logger
 
 from workflow_scripts.common.config import validate_config
 from workflow_scripts.common.fingerprint import code_fingerprint
 from workflow_scripts.generate.requests import REPLY_SHAPING_FLAGS
+from workflow_scripts.loads import PlannedLoadsLog
 from workflow_scripts.variants import (
     draft_id,
     draft_variant,
@@ -17,6 +21,10 @@ from workflow_scripts.variants import (
 
 validate_config(config)
 validate_variants(config)
+# `snakemake -n` (and every run) says how many times the jobs it plans load the verifier.
+logger.addHandler(
+    PlannedLoadsLog(config, lambda line: print(line, file=sys.stderr, flush=True))
+)
 
 RUN = config["run"]
 VARIANTS = list(variant_overrides(config))

@@ -1,3 +1,7 @@
+# One extraction server (vLLM, or transformers for the hf backend) serves every shard job:
+# the first job launches it, the others attach, and hidden_states_index stops it
+# (workflow_scripts/hidden_states/backend.py: sharing). The SLURM profile puts the shard
+# jobs in one group, so that they run in one submission on the node holding the server.
 rule hidden_states:
     input:
         verifier=VERIFIER_DIR,
@@ -9,9 +13,12 @@ rule hidden_states:
         logs("hidden_states.shard-{shard}"),
     benchmark:
         benchmarks("hidden_states.shard-{shard}")
+    # Before other GPU jobs that are ready at the same time: between two shard jobs the
+    # server would otherwise hold the GPUs another job was given.
+    priority: 10
     conda:
         "../envs/train.yaml"
-    threads: 1
+    threads: all_cores()
     resources:
         gpu=gpus("hidden_states"),
     params:

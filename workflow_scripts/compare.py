@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from workflow_scripts.common.atomic import read_jsonl, write_text
+from workflow_scripts.common.loads import count_loads, read_loads
 from workflow_scripts.common.smk import stage
 from workflow_scripts.report import pyplot, save_figure
 
@@ -55,7 +56,8 @@ def main(smk) -> None:
             )
         ]
         generate = json.loads(Path(smk.input.generate).read_text())
-        run_compare(rows, list(smk.params.learning_curve), smk.params.k_variants, dict(smk.output), generate)
+        loads = count_loads(read_loads(Path(smk.log[0]).parent / "servers"))
+        run_compare(rows, list(smk.params.learning_curve), smk.params.k_variants, dict(smk.output), generate, loads)
 
 
 # --- rows ------------------------------------------------------------------------------------
@@ -176,9 +178,11 @@ def run_compare(
     k_variants: list[str],
     out: dict[str, str],
     generate: dict[str, Any],
+    loads: dict[str, dict[str, int]],
 ) -> None:
     """Write out['md'], out['html'] and the plots out['acceptance_png'], ['learning_curve_png'],
-    ['k_png'] and ['concurrency_png'] (from generate's stats.json: `generate`)."""
+    ['k_png'] and ['concurrency_png'] (from generate's stats.json: `generate`); `loads` are
+    the verifier loads recorded so far (loads.count_loads)."""
     by_name = {r["variant"]: r for r in rows}
     curve = [by_name[v] for v in ["default", *learning_curve] if v in by_name]
     fit = fit_learning_curve([(r["train_samples"], r["mean_acceptance_length"]) for r in curve])
@@ -196,7 +200,9 @@ def run_compare(
         for k in ("acceptance_png", "learning_curve_png", "k_png", "concurrency_png")
     }
     md = render_comparison(rows, curve, fit, source, predictions, checks, plots)
-    write_text(out["md"], md + "\n" + render_generation(generate, plots["concurrency_png"]))
+    write_text(
+        out["md"], md + "\n" + render_generation(generate, plots["concurrency_png"]) + "\n" + render_loads(loads)
+    )
     write_text(out["html"], render_html(rows))
     log.info("compared %d variant(s); %s", len(rows), recommend_k(predictions))
 
@@ -319,6 +325,23 @@ def render_generation(stats: dict[str, Any], plot: str) -> str:
         )
         lines.append(f"Concurrency {mode}; the server reported {limit['server_preemptions']} preemption(s).")
     return "\n".join([*lines, "", f"![generate concurrency]({plot})", ""])
+
+
+def render_loads(loads: dict[str, dict[str, int]]) -> str:
+    """The verifier loads section of report.md: starts and restarts per stage. Pure."""
+    lines = [
+        "## Verifier loads",
+        "",
+        "Every start of the verifier recorded in this run directory (every invocation, retrains included; "
+        "`logs/servers/loads.jsonl`). The hidden-state shard jobs share one server per phase.",
+        "",
+        "| stage | starts | restarts after a crash |",
+        "|---|---|---|",
+    ]
+    for name, kinds in loads.items():
+        lines.append(f"| {name} | {kinds.get('start', 0)} | {kinds.get('restart', 0)} |")
+    total = sum(sum(k.values()) for k in loads.values())
+    return "\n".join([*lines, f"| total | {total} | |", ""])
 
 
 def render_html(rows: list[dict[str, Any]]) -> str:

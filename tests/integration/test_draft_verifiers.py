@@ -103,8 +103,9 @@ def test_draft_for_each_verifier_trains_exports_and_reloads(tiny_verifier, tmp_p
         settings=settings,
         server=None,
         threads=1,
+        gpus=0,
         trust_remote_code=trust,
-        log_path=None,
+        log_path=str(tmp_path / "logs/hidden_states.shard-00000.log"),
     )
 
     t2d = torch.zeros(128, dtype=torch.bool)

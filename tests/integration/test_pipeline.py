@@ -11,6 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from tests.helpers import REPO, SNAKEMAKE, planned_jobs, vllm_available, vllm_processes
+from workflow_scripts.common.loads import count_loads, read_loads
 
 pytestmark = [
     pytest.mark.vllm,
@@ -129,6 +130,21 @@ def test_no_vllm_process_outlives_the_run(finished_run):
     assert vllm_processes(str(finished_run)) == []
     # The killed generate's lease was cleared by the rerun's; the others by their own jobs.
     assert list((finished_run / "results/small/logs/servers").glob("*.json")) == []
+
+
+def test_the_hf_shard_jobs_load_the_verifier_once_and_the_report_counts_every_load(finished_run):
+    run = finished_run / "results/small"
+    loads = count_loads(read_loads(run / "logs/servers"))
+    shard_logs = sorted((run / "logs").glob("hidden_states.shard-*.log"))
+    assert len(shard_logs) == 2
+    assert loads["hidden_states"] == {"start": 1}, loads
+    launcher = "this job started the phase's shared hf extraction server"
+    started = [p.name for p in shard_logs if launcher in p.read_text()]
+    assert len(started) == 1, started
+    # generate: the hard-killed run's start, the rerun's, and the restart after its SIGKILL.
+    assert loads["generate"] == {"start": 2, "restart": 1} and loads["baseline"] == loads["benchmark"] == {"start": 1}
+    report = (run / "report.md").read_text()
+    assert "## Verifier loads" in report and "| hidden_states | 1 | 0 |" in report and "| total | 6 | |" in report
 
 
 def test_dry_run_after_a_full_run_has_nothing_to_do(finished_run):

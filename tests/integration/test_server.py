@@ -159,8 +159,8 @@ def test_sigkilled_job_takes_its_server_group_along_and_the_next_job_clears_the_
         if job.poll() is None:
             job.kill()
     with VllmServer(fake_spec(startup_timeout_s=30, stop_grace_s=2), tmp_path / "logs/b.log") as srv:
-        assert [p.name for p in (tmp_path / "logs/servers").iterdir()] == [f"vllm-{srv.proc.pid}.json"]
-    assert list((tmp_path / "logs/servers").iterdir()) == []
+        assert [p.name for p in (tmp_path / "logs/servers").glob("vllm-*.json")] == [f"vllm-{srv.proc.pid}.json"]
+    assert list((tmp_path / "logs/servers").glob("vllm-*.json")) == []
 
 
 def test_a_leftover_server_of_a_dead_job_is_stopped_by_the_next_one(tmp_path, caplog):
@@ -200,4 +200,61 @@ def test_a_leftover_server_of_a_dead_job_is_stopped_by_the_next_one(tmp_path, ca
         f"stopping a vLLM server left behind by a dead job: process group {leftover.pid} (2 processes)" in caplog.text
     )
     assert not group_alive(leftover.pid)
-    assert sorted(p.name for p in lease_dir.iterdir()) == [f"vllm-{os.getpid()}.json"]
+    assert sorted(p.name for p in lease_dir.glob("vllm-*.json")) == [f"vllm-{os.getpid()}.json"]
+
+
+# --- a server shared by the jobs of a phase ----------------------------------------------
+
+
+def test_a_shared_server_outlives_its_launcher_keeps_its_gpus_and_stops_after_the_linger(tmp_path, monkeypatch):
+    from workflow_scripts.common.gpus import claim_gpus
+    from workflow_scripts.common.loads import read_loads
+    from workflow_scripts.common.server import SharedServer, Sharing
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    monkeypatch.setenv("EAGLEFLOW_GPU_LOCK_DIR", str(tmp_path / "gpu-locks"))
+    spec = fake_spec(startup_timeout_s=30, stop_grace_s=2)
+    sharing = Sharing(name="hidden_states", linger_s=3, gpus=1)
+    servers = tmp_path / "logs/servers"
+    with SharedServer(spec, sharing, servers) as first:
+        pgid, url = first.state["pgid"], first.base_url
+    # The launching job is done; the server and the device it locked stay.
+    assert group_alive(pgid)
+    with pytest.raises(RuntimeError, match="could not lock 2"):
+        claim_gpus(2, ["0", "1"], tmp_path / "gpu-locks", timeout_s=0.3)
+    with SharedServer(spec, sharing, servers) as second:  # the next job, within the linger time
+        assert (second.state["pgid"], second.base_url) == (pgid, url)
+    assert [(r["stage"], r["kind"], r["shared"]) for r in read_loads(servers)] == [("hidden_states", "start", True)]
+    deadline = time.monotonic() + 30
+    while group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not group_alive(pgid)
+    assert claim_gpus(2, ["0", "1"], tmp_path / "gpu-locks", timeout_s=5).devices == ["0", "1"]
+    assert list(servers.glob("vllm-*.json")) == []
+
+
+def test_a_shared_server_that_dies_is_restarted_once_for_every_job(tmp_path):
+    from workflow_scripts.common.loads import read_loads
+    from workflow_scripts.common.server import RestartSharedServer, SharedServer, Sharing, stop_idle_shared_servers
+
+    spec = fake_spec(startup_timeout_s=30, stop_grace_s=2)
+    sharing = Sharing(name="hidden_states", linger_s=60)
+    servers = tmp_path / "logs/servers"
+    with SharedServer(spec, sharing, servers) as a, SharedServer(spec, sharing, servers) as b:
+        old = a.state["pgid"]
+        child = next(pid for pid in group_members(old) if parent_pid(pid) == old)
+        os.kill(child, signal.SIGKILL)  # the OOM killer takes the server
+
+        async def both_recover():
+            return await asyncio.gather(
+                RestartSharedServer(a, 3).recover(a.base_url, "connection lost"),
+                RestartSharedServer(b, 3).recover(b.base_url, "connection lost"),
+            )
+
+        assert asyncio.run(both_recover()) == [True, True]
+        assert a.state["pgid"] == b.state["pgid"] != old and a.base_url == b.base_url
+    kinds = [r["kind"] for r in read_loads(servers)]
+    assert kinds == ["start", "restart"]  # one restart, whichever job saw the death first
+    # The phase is over: the index job stops the idle server at once, not after the linger.
+    assert stop_idle_shared_servers(servers, "hidden_states") == 1
+    assert not group_alive(a.state["pgid"]) and list(servers.glob("vllm-*.json")) == []

@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from tests.helpers import REPO, SNAKEMAKE, merged, vllm_processes
+from workflow_scripts.common.loads import read_loads
 from workflow_scripts.variants import draft_id
 
 PROFILE = REPO / "profiles/slurm/config.yaml"
@@ -52,8 +53,9 @@ def dry_run_jobs(wf: Path, *args: str) -> list[tuple[str, dict[str, str]]]:
     out = subprocess.run(SNAKEMAKE + ["-n", *args], cwd=wf, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     jobs, rule = [], None
+    # Jobs of a group (the hidden-state shards, grouped by the profile) are listed indented.
     for line in out.stdout.splitlines():
-        if m := re.match(r"(?:local)?rule (\w+):", line):
+        if m := re.match(r"\s*(?:local)?rule (\w+):", line):
             rule = m.group(1)
         elif line.strip().startswith("resources:") and rule:
             pairs = line.split(":", 1)[1].split(", ")
@@ -93,7 +95,7 @@ def test_production_profile_asks_for_nodes_gpus_and_cluster_settings(repo):
         assert resources["gpu"] == str(kimi["server"]["gpus"]) == "8" and resources["slurm_extra"] == "--exclusive"
     shards = by_rule["hidden_states"]
     assert len(shards) == kimi["hidden_states"]["num_shards"]
-    # vllm backend: every shard job launches the extraction server, which takes server.gpus
+    # vllm backend: the shard jobs share one extraction server, which takes server.gpus
     assert kimi["hidden_states"]["backend"] == "vllm"
     assert all(r["gpu"] == str(kimi["server"]["gpus"]) for r in shards)
     assert by_rule["train"][0]["gpu"] == str(kimi["train"]["gpus"])
@@ -105,6 +107,10 @@ def test_production_profile_asks_for_nodes_gpus_and_cluster_settings(repo):
     assert all(r["slurm_partition"] == "<your-partition>" and r["slurm_account"] == "<your-account>" for _, r in jobs)
     profile = real_profile()
     assert profile["executor"] == "slurm" and profile["slurm-status-command"] == "squeue"
+    # The shard jobs: one group, bundled into one submission; the run holds at most 8 GPUs.
+    assert profile["groups"] == ["hidden_states=hidden_states"]
+    assert int(profile["group-components"][0].split("=")[1]) >= kimi["hidden_states"]["num_shards"]
+    assert profile["resources"] == ["gpu=8"]
 
 
 def test_cpu_config_requests_no_gpus(repo):
@@ -142,7 +148,8 @@ def node_cpus() -> int:
 def profile_for_test_cluster(real: dict, partition: str, cpus: int) -> dict:
     """The production profile, changed only where a one-node CPU test cluster cannot follow
     it: its partition, no account (accounting is off), no GPUs (the small config serves vLLM
-    on CPU), CPUs and memory within the node, and status polls from 1 s on instead of 40 s."""
+    on CPU), CPUs (the run's too) and memory within the node, and status polls from 1 s on
+    instead of 40 s."""
     profile = copy.deepcopy(real)
     defaults = profile["default-resources"]
     defaults["slurm_partition"] = partition
@@ -153,6 +160,8 @@ def profile_for_test_cluster(real: dict, partition: str, cpus: int) -> dict:
         resources.pop("gpu", None)
         if "mem_mb" in resources:
             resources["mem_mb"] = min(resources["mem_mb"], TEST_MEM_MB)
+    # A group of jobs asks for what its jobs hold at once, within `cores`: one node's worth.
+    profile["cores"] = cpus
     profile["slurm-init-seconds-before-status-checks"] = 1
     profile["seconds-between-status-checks"] = 1
     return profile
@@ -284,3 +293,53 @@ def test_the_run_report_compares_its_variants(slurm_run):
     rows = [json.loads(line) for line in (r / f"drafts/{LC_DRAFT}/train/metrics.jsonl").read_text().splitlines()]
     full = [json.loads(line) for line in (r / "drafts/default/train/metrics.jsonl").read_text().splitlines()]
     assert 0 < rows[-1]["train_samples"] < full[-1]["train_samples"]
+
+
+# ----------------------------------------------------------------------------------------
+# The hidden-state phase on the cluster: one submission, one server for every shard job
+
+
+@pytest.fixture(scope="module")
+def slurm_shards(finished_run, tmp_path_factory):
+    """The shard jobs and the index of the shared run again (bfloat16 -> float16 storage:
+    new content, so no shard comes from the shard cache), through the test cluster."""
+    partition = start_cluster()
+    wf = tmp_path_factory.mktemp("slurm-shards") / "wf"
+    shutil.copytree(finished_run, wf, symlinks=True)
+    profile_dir = wf / "profiles/slurm-test"
+    profile_dir.mkdir(parents=True)
+    (profile_dir / "config.yaml").write_text(
+        yaml.safe_dump(profile_for_test_cluster(real_profile(), partition, node_cpus()), sort_keys=False)
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SNAKEMAKE", "SLURM_", "SBATCH_", "SRUN_"))}
+    (wf / "fp16.yaml").write_text(yaml.safe_dump({"hidden_states": {"dtype": "float16"}}))
+    servers = wf / "results/small/logs/servers"
+    loads_before = len(read_loads(servers))
+    target = "results/small/hidden_states/index.json"
+    cmd = SNAKEMAKE + [target, "--workflow-profile", str(profile_dir), "--configfile", str(SMALL), "fp16.yaml"]
+    proc = subprocess.run(cmd, cwd=wf, env=env, capture_output=True, text=True, timeout=1200)
+    if proc.returncode != 0:
+        logs = sorted((wf / "results/small/logs").glob("hidden_states*.log")) + sorted(
+            (wf / "logs/slurm").rglob("*.log")
+        )
+        tails = "\n".join(f"--- {p}\n{p.read_text()[-2000:]}" for p in logs)
+        pytest.fail(f"snakemake on SLURM failed ({proc.returncode}):\n{proc.stderr[-5000:]}\n{tails}")
+    return wf, proc.stderr + proc.stdout, read_loads(servers)[loads_before:]
+
+
+@pytest.mark.slurm
+def test_the_shard_jobs_run_in_one_submission_against_one_server(slurm_shards):
+    wf, out, loads = slurm_shards
+    submissions = re.findall(r"submitted with SLURM jobid (\d+) \(log: (\S+)\)", out)
+    shard_logs = [log for _, log in submissions if "group_hidden_states" in log]
+    assert len(shard_logs) == 1, submissions  # the shard jobs: one sbatch
+    text = Path(shard_logs[0].rstrip(").")).read_text()
+    num_shards = yaml.safe_load(SMALL.read_text())["hidden_states"]["num_shards"]
+    assert num_shards > 1 and text.count("Finished jobid") >= num_shards, text[-3000:]
+    assert [(r["stage"], r["kind"]) for r in loads] == [("hidden_states", "start")]
+    logs = [(wf / f"results/small/logs/hidden_states.shard-{k:05d}.log").read_text() for k in range(num_shards)]
+    assert sum("this job started the phase's shared hf extraction server" in t for t in logs) == 1
+    assert sum("using the phase's shared hf extraction server" in t for t in logs) == num_shards - 1
+    index = json.loads((wf / "results/small/hidden_states/index.json").read_text())
+    assert index["dtype"] == "F16"
+    assert vllm_processes(str(wf)) == [] and list((wf / "results/small/logs/servers").glob("*.json")) == []

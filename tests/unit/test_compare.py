@@ -49,6 +49,7 @@ def row(name, k, per_pos, samples, tps=50.0):
 
 
 # generate's stats.json, as run_generate writes it (trace: [seconds, limit, in flight]).
+LOADS = {"generate": {"start": 2, "restart": 1}, "hidden_states": {"start": 1}, "baseline": {"start": 1}}
 GENERATE = {
     "requests": 30,
     "sent": 20,
@@ -79,7 +80,7 @@ def test_the_report_carries_the_table_the_curve_and_the_k_check(tmp_path):
         k: str(tmp_path / f"{k}.{'md' if k == 'md' else 'html' if k == 'html' else 'png'}")
         for k in ("md", "html", "acceptance_png", "learning_curve_png", "k_png", "concurrency_png")
     }
-    run_compare(rows, ["lc-25", "lc-50"], ["k2"], out, GENERATE)
+    run_compare(rows, ["lc-25", "lc-50"], ["k2"], out, GENERATE, LOADS)
     md = (tmp_path / "md.md").read_text()
     assert "Speedups are against the verifier alone: the run's baseline job (baseline/report.json)." in md
     assert "| default | 3 | 1.700 | 0.400 / 0.200 / 0.100 |" in md
@@ -88,6 +89,7 @@ def test_the_report_carries_the_table_the_curve_and_the_k_check(tmp_path):
     assert "30 requests: 20 sent to the verifier, 10 answered by the response store" in md
     assert "1 server restart(s)" in md and "adaptive, ceiling 16: 1 decrease(s), ended at 6" in md
     assert "![generate concurrency](concurrency_png.png)" in md
+    assert "| generate | 2 | 1 |" in md and "| hidden_states | 1 | 0 |" in md and "| total | 5 | |" in md
     for name in ("acceptance_png", "learning_curve_png", "k_png", "concurrency_png"):
         assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -98,8 +100,8 @@ def test_a_draft_run_faster_per_step_than_the_verifier_alone_is_flagged(tmp_path
         k: str(tmp_path / f"{k}.x")
         for k in ("md", "html", "acceptance_png", "learning_curve_png", "k_png", "concurrency_png")
     }
-    run_compare([row("default", 3, [0.1, 0.0, 0.0], 400, tps=80.0)], [], [], out, GENERATE)
+    run_compare([row("default", 3, [0.1, 0.0, 0.0], 400, tps=80.0)], [], [], out, GENERATE, LOADS)
     assert "Caution: with the draft, a verifier step took less time" in (tmp_path / "md.x").read_text()
     out2 = {k: str(tmp_path / f"b{k}.x") for k in out}
-    run_compare([row("default", 3, [0.4, 0.2, 0.1], 400, tps=50.0)], [], [], out2, GENERATE)
+    run_compare([row("default", 3, [0.4, 0.2, 0.1], 400, tps=50.0)], [], [], out2, GENERATE, LOADS)
     assert "Caution" not in (tmp_path / "bmd.x").read_text()

@@ -13,19 +13,22 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from tests.fake_connector import known_states
 from tests.helpers import hidden_states_config, server_config
 from workflow_scripts.hidden_states.backend import BACKENDS, open_backend
+from workflow_scripts.hidden_states.client import (
+    HiddenStatesFileError,
+    completion_request,
+    read_connector_output,
+    split_states,
+    stack_states,
+    states_paths,
+)
 from workflow_scripts.hidden_states.hf import decoder_parts, extract, load_verifier, token_budget_batches
 from workflow_scripts.hidden_states.layers import default_aux_layer_ids, resolve_aux_layer_ids, verifier_geometry
 from workflow_scripts.hidden_states.run import run_shard
-from workflow_scripts.hidden_states.shards import check_disk_space, shard_bytes, write_index
-from workflow_scripts.hidden_states.vllm import (
-    HiddenStatesFileError,
-    completion_request,
-    extraction_server_args,
-    read_connector_output,
-    split_states,
-)
+from workflow_scripts.hidden_states.shards import check_disk_space
+from workflow_scripts.hidden_states.vllm import extraction_server_args
 
 
 def manual_residual_stream(model, input_ids):
@@ -158,34 +161,10 @@ def run_hf_shard(tmp_path, verifier, shard: int, out: str, num_shards: int) -> N
         settings=hidden_states_config(**HF_SETTINGS, num_shards=num_shards),
         server=None,
         threads=1,
+        gpus=0,
         trust_remote_code=False,
-        log_path=None,
+        log_path=str(tmp_path / f"logs/hidden_states.shard-{shard:05d}.log"),
     )
-
-
-def test_shards_are_unpadded_and_partition_the_samples(tiny_llama_dir, tmp_path):
-    rows = write_dataset(tmp_path)
-    shards = [str(tmp_path / f"shard-{k:05d}.safetensors") for k in range(2)]
-    for k, out in enumerate(shards):
-        run_hf_shard(tmp_path, tiny_llama_dir, k, out, num_shards=2)
-    seen = []
-    for out in shards:
-        with safe_open(out, framework="pt") as f:
-            ids = json.loads(f.metadata()["sample_ids"])
-            assert f.metadata()["final_layer_id"] == "8" and f.metadata()["backend"] == "hf"
-            seen += ids
-            n_tokens = sum(len(r["input_ids"]) for r in rows if r["id"] in ids)
-            hs = f.get_tensor("hidden_states")
-            assert hs.shape == (n_tokens, 3 * 128) and hs.dtype == torch.bfloat16
-            assert f.get_tensor("verifier_last_hidden_states").shape == (n_tokens, 128)
-            assert f.get_tensor("offsets")[-1].item() == n_tokens
-        # bytes per token = (n_aux + 1) x hidden x dtype size, nothing padded
-        assert shard_bytes(n_tokens, 4, 128, torch.bfloat16) == (hs.numel() + n_tokens * 128) * 2
-    assert sorted(seen) == sorted(r["id"] for r in rows)
-    write_index(shards, str(tiny_llama_dir), str(tmp_path / "index.json"))
-    index = json.loads((tmp_path / "index.json").read_text())
-    assert index["aux_layer_ids"] == [2, 4, 5] and index["vllm_layer_ids"] == [2, 4, 5, 8]
-    assert index["num_samples"] == 7 and index["backends"] == ["hf"]
 
 
 def test_disk_check_logs_the_total_and_refuses_without_room(tmp_path, caplog, monkeypatch):
@@ -207,7 +186,7 @@ def test_run_shard_refuses_before_loading_the_verifier(tiny_llama_dir, tmp_path,
     import workflow_scripts.hidden_states.shards as shards
 
     monkeypatch.setattr(shards.shutil, "disk_usage", lambda p: type("U", (), {"free": 10})())
-    monkeypatch.setattr(hf, "load_verifier", lambda *a, **k: pytest.fail("loaded the verifier before the disk check"))
+    monkeypatch.setattr(hf, "SharedServer", lambda *a, **k: pytest.fail("started the verifier before the disk check"))
     out = tmp_path / "shard-00000.safetensors"
     with pytest.raises(OSError, match="only 10 bytes"):
         run_hf_shard(tmp_path, tiny_llama_dir, 0, str(out), num_shards=1)
@@ -218,12 +197,15 @@ def test_a_failed_extraction_leaves_no_shard(tiny_llama_dir, tmp_path, monkeypat
     """The shard appears only by rename after a complete write: a job killed or failing
     mid-shard leaves nothing that looks complete (no file, no temporary under its name)."""
     write_dataset(tmp_path)
-    import workflow_scripts.hidden_states.hf as hs
+    import contextlib
 
-    def dies(*a, **k):
-        raise KeyboardInterrupt
+    import workflow_scripts.hidden_states.run as run
 
-    monkeypatch.setattr(hs.HfBackend, "extract", dies)
+    class Dies:
+        def extract(self, *a, **k):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(run, "open_backend", lambda name, job: contextlib.nullcontext(Dies()))
     out = tmp_path / "shard-00000.safetensors"
     with pytest.raises(KeyboardInterrupt):
         run_hf_shard(tmp_path, tiny_llama_dir, 0, str(out), num_shards=1)
@@ -265,6 +247,24 @@ def test_completion_request_sends_exact_tokens():
     body = completion_request([5, 6, 7], "verifier")
     assert body["prompt"] == [5, 6, 7] and body["max_tokens"] == 1 and body["model"] == "verifier"
     assert body["kv_transfer_params"] == {"include_output_tokens": False}
+    batch = completion_request([[5, 6], [7]], "hf")
+    assert batch["prompt"] == [[5, 6], [7]]
+
+
+def test_a_reply_names_one_states_file_per_sample():
+    assert states_paths({"kv_transfer_params": {"hidden_states_path": "/a"}}, 1) == ["/a"]
+    assert states_paths({"kv_transfer_params": {"hidden_states_paths": ["/a", "/b"]}}, 2) == ["/a", "/b"]
+    assert states_paths({"kv_transfer_params": None}, 1) is None
+    with pytest.raises(HiddenStatesFileError, match="names 1 states files for 2 samples"):
+        states_paths({"kv_transfer_params": {"hidden_states_paths": ["/a"]}}, 2)
+
+
+def test_stack_states_is_the_inverse_of_split_states():
+    aux, final = torch.randn(5, 3 * 4), torch.randn(5, 4)
+    stacked = stack_states(aux, final)
+    assert stacked.shape == (5, 4, 4)
+    again = split_states(stacked, 3)
+    assert again[0].equal(aux) and again[1].equal(final)
 
 
 def connector_file(path, ids, n_states=4, hidden=8):
@@ -375,10 +375,7 @@ class FakeExtractionServer:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def states(self, ids):
-        t = torch.tensor(ids, dtype=torch.float32)[:, None, None]
-        return (
-            t + torch.arange(self.num_states)[None, :, None] * 1000 + torch.arange(self.hidden)[None, None, :] / 100
-        ).to(torch.bfloat16)
+        return known_states(ids, self.num_states, self.hidden)
 
     def close(self):
         self.server.shutdown()
@@ -387,9 +384,9 @@ class FakeExtractionServer:
 def vllm_backend_for(fake: FakeExtractionServer, concurrency: int):
     from workflow_scripts.common.concurrency import Concurrency
     from workflow_scripts.common.server import WaitForEndpoint
-    from workflow_scripts.hidden_states.vllm import VllmBackend
+    from workflow_scripts.hidden_states.client import ExtractionClient
 
-    return VllmBackend(
+    return ExtractionClient(
         fake.url,
         "verifier",
         num_aux=3,
@@ -472,8 +469,9 @@ def test_vllm_backend_matches_hf_backend_on_gpu(tiny_llama_dir, tmp_path):
             settings=hidden_states_config(**settings, num_shards=1),
             server=server_config(**server),
             threads=1,
+            gpus=1,
             trust_remote_code=False,
-            log_path=str(tmp_path / f"{backend}.log"),
+            log_path=str(tmp_path / f"logs/{backend}/hidden_states.shard-00000.log"),
         )
     with safe_open(outs["hf"], framework="pt") as hf, safe_open(outs["vllm"], framework="pt") as vl:
         assert hf.metadata()["sample_ids"] == vl.metadata()["sample_ids"]
@@ -481,3 +479,38 @@ def test_vllm_backend_matches_hf_backend_on_gpu(tiny_llama_dir, tmp_path):
         for name in ("hidden_states", "verifier_last_hidden_states"):
             assert rel_err(vl.get_tensor(name), hf.get_tensor(name)) < 2e-2, name
         assert json.loads(vl.metadata()["sample_ids"]) == sorted(r["id"] for r in rows)
+
+
+def test_a_finished_shard_is_linked_back_for_the_same_inputs_only(tmp_path):
+    from workflow_scripts.hidden_states.shards import ShardCache
+
+    out = tmp_path / "shard-00003.safetensors"
+    out.write_bytes(b"states")
+    cache = ShardCache(tmp_path)
+    cache.keep(3, "k1", out)
+    out.unlink()  # what Snakemake does to every output of a failed group job
+    assert not cache.restore(3, "other", out) and not out.exists()
+    assert cache.restore(3, "k1", out) and out.read_bytes() == b"states"
+    assert out.stat().st_nlink == 2  # a link, not a copy
+    out.write_bytes(b"new")  # a new extraction of shard 3 (written by rename in the real job)
+    out.unlink()
+    out.write_bytes(b"new")
+    cache.keep(3, "k2", out)
+    assert sorted(p.name for p in cache.dir.iterdir()) == ["shard-00003.k2.safetensors"]
+
+
+def test_the_shard_key_ignores_operational_settings_and_follows_content():
+    from workflow_scripts.hidden_states.run import content_settings
+
+    base = hidden_states_config(backend="hf", num_shards=2)
+
+    def settings(**kw):
+        return content_settings(
+            hidden_states_config(**{"backend": "hf", "num_shards": 2, **kw}), None, [2, 4, 5], False, "c"
+        )
+
+    assert settings(linger_s=1, num_shards=4, vllm={"concurrency": 3}) == content_settings(
+        base, None, [2, 4, 5], False, "c"
+    )
+    assert settings(dtype="float32") != settings()
+    assert content_settings(base, None, [2, 4, 5], False, "other code") != settings()

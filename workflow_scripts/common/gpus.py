@@ -44,6 +44,10 @@ class GpuClaim:
     devices: list[str]
     _fds: list[int] = field(default_factory=list, repr=False)
 
+    def fds(self) -> tuple[int, ...]:
+        """The locked descriptors, for a process that keeps the devices after this one exits."""
+        return tuple(self._fds)
+
     def release(self) -> None:
         for fd in self._fds:
             os.close(fd)  # closing the descriptor drops the flock

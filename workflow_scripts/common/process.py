@@ -53,7 +53,7 @@ def group_alive(pgid: int) -> bool:
 
 def group_members(pgid: int) -> list[int]:
     """The live (not zombie) processes of group `pgid`."""
-    return [pid for pid in _pids() if _pgid_of(pid) == pgid and not _is_zombie(pid)]
+    return [pid for pid in _pids() if _pgid_of(pid) == pgid and not is_zombie(pid)]
 
 
 def _pids() -> Iterator[int]:
@@ -96,7 +96,7 @@ def _pgid_of(pid: int) -> int | None:
     return int(fields[2]) if fields else None
 
 
-def _is_zombie(pid: int) -> bool:
+def is_zombie(pid: int) -> bool:
     fields = _stat_fields(pid)
     return bool(fields) and fields[0] == "Z"
 

@@ -14,9 +14,10 @@ from workflow_scripts.common.process import terminate_on_sigterm
 
 
 @contextlib.contextmanager
-def stage(snakemake) -> Iterator[logging.Logger]:
+def stage(snakemake, claim_gpus: bool = True) -> Iterator[logging.Logger]:
     """Run a stage body: log to snakemake.log[0] (stderr too), SIGTERM -> clean exit, and
-    disjoint CUDA_VISIBLE_DEVICES for a job that declares `resources: gpu=n`."""
+    disjoint CUDA_VISIBLE_DEVICES for a job that declares `resources: gpu=n` (unless the
+    stage hands its GPUs to a shared server, which claims them itself)."""
     log_path = snakemake.log[0] if len(snakemake.log) else None
     if log_path:
         # The job's stderr for the rest of its life: every library's warnings land in the rule log.
@@ -26,7 +27,8 @@ def stage(snakemake) -> Iterator[logging.Logger]:
     log = logging.getLogger(f"eagleflow.{snakemake.rule}")
     gpus = None
     try:
-        gpus = assign_job_gpus(int(snakemake.resources.get("gpu", 0) or 0))
+        if claim_gpus:
+            gpus = assign_job_gpus(int(snakemake.resources.get("gpu", 0) or 0))
         yield log
     except BaseException:
         log.exception("rule %s failed", snakemake.rule)

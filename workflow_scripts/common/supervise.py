@@ -1,5 +1,5 @@
-"""`python -m workflow_scripts.common.supervise --parent PID --grace S -- CMD...`: run CMD
-so that it cannot outlive the process that asked for it.
+"""`python -m workflow_scripts.common.supervise (--parent PID | --shared DIR --linger S) --grace S -- CMD...`:
+run CMD so that it cannot outlive the process(es) that asked for it.
 
 A server runs in its own process group, so that stopping it also stops the engine and
 worker processes it forks. Nothing stops such a group when the job that launched it dies
@@ -11,6 +11,12 @@ group: SIGTERM, and SIGKILL after the grace period. It does the same when CMD ex
 own (a crash leaves no engine process behind). CMD gets the same parent-death signal with the
 supervisor as its parent, so even a supervisor killed outright takes CMD down (CMD's own
 children are then left to the lease check of the next job, see common.server).
+
+A server that several jobs share (`--shared DIR`, see common.shared) outlives the job that
+launched it. Its supervisor does not follow a parent but the consumers registered in DIR:
+once none has been alive for `--linger` seconds it takes DIR's lock (so that no job attaches
+meanwhile), forgets the server and stops the group. Jobs that die without unregistering count
+as gone, so a hard-killed run leaves such a server behind for at most the linger time.
 
 The supervisor exits with CMD's exit status (negative signal numbers as 128 + n), so its
 launcher sees vLLM's status as if it had started vLLM itself.
@@ -28,6 +34,7 @@ import sys
 import time
 
 from workflow_scripts.common.process import group_members
+from workflow_scripts.common.shared import SharedDir
 
 PR_SET_PDEATHSIG = 1
 
@@ -62,7 +69,10 @@ def _others(pgid: int) -> list[int]:
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--parent", type=int, required=True, help="pid of the launching process")
+    owner = ap.add_mutually_exclusive_group(required=True)
+    owner.add_argument("--parent", type=int, help="pid of the launching process")
+    owner.add_argument("--shared", help="the shared server's directory (common.shared)")
+    ap.add_argument("--linger", type=float, default=60.0, help="with --shared: seconds without consumers")
     ap.add_argument("--grace", type=float, required=True, help="seconds between SIGTERM and SIGKILL")
     ap.add_argument("cmd", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
@@ -78,19 +88,33 @@ def main(argv: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGHUP, on_term)
-    die_with_parent(signal.SIGTERM)
-    if os.getppid() != args.parent:  # the parent died before the kernel could be asked
-        return 128 + signal.SIGTERM
+    shared = SharedDir(args.shared) if args.shared else None
+    if shared is None:
+        die_with_parent(signal.SIGTERM)
+        if os.getppid() != args.parent:  # the parent died before the kernel could be asked
+            return 128 + signal.SIGTERM
     child = subprocess.Popen(cmd, preexec_fn=lambda: die_with_parent(signal.SIGKILL))
     code = None
+    idle_since = None
     while not stopping and code is None:
         code = child.poll()
-        time.sleep(0.2)
+        time.sleep(0.2 if shared is None else 1.0)
+        if shared is not None and code is None and not stopping:
+            idle_since = None if shared.live_consumers() else (idle_since or time.monotonic())
+            if idle_since is not None and time.monotonic() - idle_since >= args.linger:
+                with shared.locked():  # nobody attaches while the server goes away
+                    if not shared.live_consumers():
+                        shared.clear_state(os.getpid())
+                        stop_others(args.grace)
+                        shared.write_exit(os.getpid(), 0)
+                        return 0
+                idle_since = None
     # Whether CMD ended or we were told to stop: nothing of the group outlives the supervisor.
     stop_others(args.grace)
-    if code is None:
-        return 128 + signal.SIGTERM
-    return code if code >= 0 else 128 - code
+    status = 128 + signal.SIGTERM if code is None else (code if code >= 0 else 128 - code)
+    if shared is not None:
+        shared.write_exit(os.getpid(), status)
+    return status
 
 
 if __name__ == "__main__":

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from workflow_scripts.common.server import ServerConfig
+from workflow_scripts.common.server import ServerConfig, Sharing
 from workflow_scripts.hidden_states.layers import States, VerifierGeometry
 
 log = logging.getLogger(__name__)
@@ -19,7 +21,7 @@ log = logging.getLogger(__name__)
 class Backend(Protocol):
     """Runs the verifier over samples and returns each sample's unpadded states, in order."""
 
-    def extract(self, samples: list[dict[str, Any]]) -> list[States]: ...
+    def extract(self, samples: list[dict[str, Any]], batches: list[list[int]] | None = None) -> list[States]: ...
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class HiddenStatesConfig:
     device: str
     compute_dtype: str
     batch_tokens: int
+    linger_s: float
     vllm: VllmExtractionConfig
 
 
@@ -57,10 +60,24 @@ class ExtractionJob:
     geometry: VerifierGeometry
     store_dtype: torch.dtype
     settings: HiddenStatesConfig
-    server: ServerConfig | None  # None for backends that launch no server (hf)
+    server: ServerConfig | None  # the `server` section, for the vllm backend only
     trust_remote_code: bool
-    log_path: str | None
+    log_path: str  # the shard job's log; the phase's server logs next to it
     threads: int
+    gpus: int  # GPUs of the phase's server, claimed by the job that launches it
+
+
+def sharing(job: ExtractionJob) -> Sharing:
+    """Every shard job of the phase uses one server (common.server.SharedServer)."""
+    return Sharing(name="hidden_states", linger_s=job.settings.linger_s, gpus=job.gpus)
+
+
+def storage_dir(parent: str | None, key: str) -> Path:
+    """Where the server writes per-sample states files: named after the server (`key`), so
+    that every job sharing it reads from the same place."""
+    path = Path(parent or tempfile.gettempdir()) / f"eagleflow-hs-{key}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 BackendFactory = Callable[[ExtractionJob], contextlib.AbstractContextManager[Backend]]

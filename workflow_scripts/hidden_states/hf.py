@@ -1,20 +1,29 @@
 """The `hf` backend: a transformers forward (CPU, one GPU, or several with `device: auto`),
 batched by token budget. Hooks record the aux layers' inputs and the final norm's input during
-the base model's forward, so no per-layer tuple is kept and no logits are computed."""
+the base model's forward, so no per-layer tuple is kept and no logits are computed.
+
+The forward runs in the phase's extraction server (hidden_states.hf_server), which loads the
+verifier once for every shard job; a shard job sends it its token-budget batches."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, ClassVar
 
 import torch
 from tqdm import tqdm
 
+from workflow_scripts.common.concurrency import Concurrency
+from workflow_scripts.common.server import RestartSharedServer, SharedServer, spec_key
 from workflow_scripts.common.verifier_config import text_config
-from workflow_scripts.hidden_states.backend import ExtractionJob, register_backend
+from workflow_scripts.hidden_states.backend import ExtractionJob, register_backend, sharing, storage_dir
+from workflow_scripts.hidden_states.client import ExtractionClient
 from workflow_scripts.hidden_states.layers import DTYPES, States
 
 log = logging.getLogger(__name__)
@@ -132,6 +141,7 @@ def extract(
     batch_tokens: int,
     store_dtype: torch.dtype,
     pad_id: int = 0,
+    progress: bool = True,
 ) -> list[States]:
     """Run the verifier over `samples`; return per-sample (aux, final) tensors in sample order."""
     num_layers = text_config(model.config.to_dict())["num_hidden_layers"]
@@ -145,7 +155,9 @@ def extract(
     out: list[States | None] = [None] * len(samples)
     lengths = [len(s["input_ids"]) for s in samples]
     try:
-        bar = tqdm(total=sum(lengths), desc="hidden states", unit="tok", unit_scale=True, mininterval=2.0)
+        bar = tqdm(
+            total=sum(lengths), desc="hidden states", unit="tok", unit_scale=True, mininterval=2.0, disable=not progress
+        )
         for batch in token_budget_batches(lengths, batch_tokens):
             width = max(lengths[i] for i in batch)
             ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
@@ -165,24 +177,95 @@ def extract(
     return out
 
 
+# Restarts of the phase's server after it died; transformers loads either work or raise.
+MAX_RESTARTS = 3
+# A wedged load (a hung filesystem) is the only thing this bound catches.
+STARTUP_TIMEOUT_S = 3600.0
+
+
+@dataclass(frozen=True)
+class HfServerSpec:
+    """How the phase's hf extraction server is started (common.server.Launchable)."""
+
+    name: ClassVar[str] = "hf extraction server"
+    model: str
+    aux_layer_ids: tuple[int, ...]
+    device: str
+    compute_dtype: str
+    store_dtype: str
+    threads: int
+    trust_remote_code: bool
+    storage_dir: str = ""
+    host: str = "127.0.0.1"
+    env: dict[str, str] = field(default_factory=dict)
+    startup_timeout_s: float = STARTUP_TIMEOUT_S
+    port: int | None = None
+    stop_grace_s: float = 20.0
+
+    def command(self, port: int) -> list[str]:
+        cmd = [
+            sys.executable,
+            "-m",
+            "workflow_scripts.hidden_states.hf_server",
+            "--model",
+            self.model,
+            "--host",
+            self.host,
+            "--port",
+            str(port),
+            "--aux-layer-ids",
+            json.dumps(list(self.aux_layer_ids)),
+            "--device",
+            self.device,
+            "--compute-dtype",
+            self.compute_dtype,
+            "--store-dtype",
+            self.store_dtype,
+            "--storage-dir",
+            self.storage_dir,
+            "--threads",
+            str(self.threads),
+        ]
+        return cmd + (["--trust-remote-code"] if self.trust_remote_code else [])
+
+
 @dataclass
 class HfBackend:
-    model: Any
-    aux_layer_ids: list[int]
-    batch_tokens: int
-    store_dtype: torch.dtype
-    pad_id: int
+    """A shard job's side: the shard's token-budget batches, one request each."""
 
-    def extract(self, samples: list[dict[str, Any]]) -> list[States]:
-        return extract(self.model, samples, self.aux_layer_ids, self.batch_tokens, self.store_dtype, self.pad_id)
+    client: ExtractionClient
+    batch_tokens: int
+
+    def extract(self, samples: list[dict[str, Any]], batches: list[list[int]] | None = None) -> list[States]:
+        lengths = [len(s["input_ids"]) for s in samples]
+        return self.client.extract(samples, token_budget_batches(lengths, self.batch_tokens))
 
 
 @register_backend("hf")
 @contextlib.contextmanager
 def hf_backend(job: ExtractionJob) -> Iterator[HfBackend]:
-    torch.set_num_threads(job.threads)
-    device = job.settings.device
-    compute_dtype = resolve_compute_dtype(job.settings.compute_dtype, device)
-    model = load_verifier(job.verifier_dir, device, compute_dtype, job.trust_remote_code)
-    pad_id = getattr(model.config, "pad_token_id", None) or 0
-    yield HfBackend(model, job.aux_layer_ids, job.settings.batch_tokens, job.store_dtype, pad_id)
+    settings = job.settings
+    spec = HfServerSpec(
+        model=job.verifier_dir,
+        aux_layer_ids=tuple(job.aux_layer_ids),
+        device=settings.device,
+        compute_dtype=settings.compute_dtype,
+        store_dtype=settings.dtype,
+        threads=job.threads,
+        trust_remote_code=job.trust_remote_code,
+    )
+    spec = replace(spec, storage_dir=str(storage_dir(None, spec_key(spec))))
+    with SharedServer(spec, sharing(job), Path(job.log_path).parent / "servers") as server:
+        client = ExtractionClient(
+            base_url=server.base_url,
+            served_model_name="hf",
+            num_aux=len(job.aux_layer_ids),
+            hidden_size=job.geometry.hidden_size,
+            store_dtype=job.store_dtype,
+            # Two requests in flight: the server computes one batch while this job reads the last.
+            limit=Concurrency(2, adaptive=False, name="hidden states"),
+            request_timeout_s=STARTUP_TIMEOUT_S,
+            recovery=RestartSharedServer(server, MAX_RESTARTS),
+            what="transformers",
+        )
+        yield HfBackend(client, settings.batch_tokens)

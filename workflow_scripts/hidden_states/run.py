@@ -3,28 +3,39 @@ write the shard."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 from workflow_scripts.common.atomic import write_safetensors
 from workflow_scripts.common.config import typed
 from workflow_scripts.common.server import ServerConfig
 from workflow_scripts.common.smk import stage
 
-# Importing a backend registers it.
-from workflow_scripts.hidden_states import hf, vllm  # noqa: F401
+# Importing a backend registers it. hf_server runs in its own process (the hf backend's
+# server); imported here so that an edit to it restales the shards (common.fingerprint).
+from workflow_scripts.hidden_states import hf, hf_server, vllm  # noqa: F401
 from workflow_scripts.hidden_states.backend import ExtractionJob, HiddenStatesConfig, open_backend
 from workflow_scripts.hidden_states.layers import CONVENTION, DTYPES, resolve_aux_layer_ids, verifier_geometry
-from workflow_scripts.hidden_states.shards import check_disk_space, samples_for_shard, shard_tensors
+from workflow_scripts.hidden_states.shards import (
+    ShardCache,
+    check_disk_space,
+    samples_for_shard,
+    shard_key,
+    shard_tensors,
+)
 
 log = logging.getLogger(__name__)
 
 
 def main(smk) -> None:
     """The hidden_states rule's job (rules/hidden_states.smk): one shard."""
-    with stage(smk):
+    # The job's GPUs go to the phase's shared server: the job that launches it claims them for
+    # it (common.server.SharedServer); the jobs that attach use the server's.
+    with stage(smk, claim_gpus=False):
         settings = typed(HiddenStatesConfig, smk.params.hidden_states, "hidden_states")
         run_shard(
             smk.input.train,
@@ -36,9 +47,31 @@ def main(smk) -> None:
             # Empty for the hf backend: server settings must not restale what transformers extracted.
             server=ServerConfig.from_section(smk.params.server) if smk.params.server else None,
             threads=smk.threads,
+            gpus=int(smk.resources.get("gpu", 0) or 0),
             trust_remote_code=smk.params.trust_remote_code,
             log_path=smk.log[0],
+            code=smk.params.code,
         )
+
+
+# Settings that cannot change a shard's bytes: a change of these must not redo an extraction.
+OPERATIONAL = {"num_shards", "linger_s", "gpus", "vllm"}
+OPERATIONAL_SERVER = {"endpoint", "api_key_env", "host", "gpus", "startup_timeout_s", "max_restarts", "endpoint_wait_s"}
+
+
+def content_settings(
+    settings: HiddenStatesConfig, server: ServerConfig | None, layer_ids: list[int], trust_remote_code: bool, code: str
+) -> dict[str, Any]:
+    """The settings a shard's bytes depend on (the shard cache's key). Pure."""
+    return {
+        "hidden_states": {k: v for k, v in dataclasses.asdict(settings).items() if k not in OPERATIONAL},
+        "server": {k: v for k, v in dataclasses.asdict(server).items() if k not in OPERATIONAL_SERVER}
+        if server
+        else None,
+        "aux_layer_ids": layer_ids,
+        "trust_remote_code": trust_remote_code,
+        "code": code,
+    }
 
 
 def run_shard(
@@ -51,21 +84,29 @@ def run_shard(
     settings: HiddenStatesConfig,
     server: ServerConfig | None,
     threads: int,
+    gpus: int,
     trust_remote_code: bool,
-    log_path: str | None,
+    log_path: str,
+    code: str = "",
 ) -> None:
-    """Extract shard `shard` of `settings.num_shards` with the configured backend."""
+    """Extract shard `shard` of `settings.num_shards` with the configured backend, or link it
+    back from the shard cache when it was made from the same inputs before."""
     num_shards = settings.num_shards
     samples = samples_for_shard(train, eval_, shard, num_shards)
     if not samples:
         raise ValueError(f"shard {shard} of {num_shards} has no samples: lower hidden_states.num_shards")
     geometry = verifier_geometry(verifier_dir)
     layer_ids = resolve_aux_layer_ids(settings.aux_layer_ids, geometry.num_layers)
+    cache = ShardCache(Path(out).parent)
+    key = shard_key(samples, verifier_dir, content_settings(settings, server, layer_ids, trust_remote_code, code))
+    if cache.restore(shard, key, out):
+        log.info("shard %d/%d: made from the same inputs before; linked from %s", shard, num_shards, cache.dir)
+        return
     store_dtype = DTYPES[settings.dtype]
     num_tokens = sum(len(s["input_ids"]) for s in samples)
     check_disk_space(Path(out).parent, num_tokens, len(layer_ids) + 1, geometry.hidden_size, store_dtype)
     job = ExtractionJob(
-        verifier_dir, layer_ids, geometry, store_dtype, settings, server, trust_remote_code, log_path, threads
+        verifier_dir, layer_ids, geometry, store_dtype, settings, server, trust_remote_code, log_path, threads, gpus
     )
     backend_name = settings.backend
     started = time.monotonic()
@@ -81,6 +122,7 @@ def run_shard(
         "convention": CONVENTION,
     }
     write_safetensors(out, shard_tensors(samples, states), metadata)
+    cache.keep(shard, key, out)
     log.info(
         "shard %d/%d (%s): %d samples, %d tokens in %.1f s -> %s",
         shard,

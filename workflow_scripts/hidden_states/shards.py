@@ -4,8 +4,10 @@ written; index.json over all shards."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,7 @@ import pyarrow.parquet as pq
 import torch
 
 from workflow_scripts.common.atomic import write_json
+from workflow_scripts.common.server import stop_idle_shared_servers
 from workflow_scripts.common.smk import stage
 from workflow_scripts.hidden_states.layers import CONVENTION, States, vllm_layer_ids
 
@@ -47,6 +50,60 @@ def check_disk_space(out_dir: Path, num_tokens: int, num_states: int, hidden_siz
             "(shards are written one at a time per job) or store in a smaller hidden_states.dtype"
         )
     return need
+
+
+class ShardCache:
+    """Finished shards by what they were made from, as hard links in `<shards>/.done/`
+    (no extra space): `shard-<k>.<key>.safetensors`, one entry per shard index.
+
+    Snakemake removes every output of a failed group job, the shards that finished included
+    (under SLURM all shard jobs are one group), and restales shards when a setting that cannot
+    change them changes (linger_s, concurrency). A shard job whose key is here links the shard
+    back instead of extracting it again."""
+
+    def __init__(self, shards_dir: str | os.PathLike):
+        self.dir = Path(shards_dir) / ".done"
+
+    def _entry(self, shard: int, key: str) -> Path:
+        return self.dir / f"shard-{shard:05d}.{key}.safetensors"
+
+    def restore(self, shard: int, key: str, out: str | os.PathLike) -> bool:
+        entry = self._entry(shard, key)
+        if not entry.exists():
+            return False
+        tmp = Path(out).with_name(f".{Path(out).name}.restore.tmp")
+        tmp.unlink(missing_ok=True)
+        os.link(entry, tmp)
+        os.replace(tmp, out)
+        return True
+
+    def keep(self, shard: int, key: str, out: str | os.PathLike) -> None:
+        """Link the finished shard `out` in, dropping this shard's entries of other keys."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        entry = self._entry(shard, key)
+        for old in self.dir.glob(f"shard-{shard:05d}.*.safetensors"):
+            if old != entry:
+                old.unlink(missing_ok=True)
+        if not entry.exists():
+            os.link(out, entry)
+
+
+def shard_key(samples: list[dict[str, Any]], verifier_dir: str, settings: dict[str, Any]) -> str:
+    """What a shard is made from: its samples (ids, tokens, loss masks), the verifier's files
+    (name, size, mtime) and the settings that change its bytes (`settings`). Pure but for
+    the verifier directory's listing."""
+    digest = hashlib.sha256()
+    digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
+    verifier = Path(verifier_dir).resolve()
+    files = sorted(p for p in verifier.rglob("*") if p.is_file())
+    digest.update(
+        json.dumps(
+            [str(verifier)] + [[str(p.relative_to(verifier)), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
+        ).encode()
+    )
+    for s in samples:
+        digest.update(json.dumps([s["id"], s["split"], list(s["input_ids"]), list(s["loss_mask"])]).encode())
+    return digest.hexdigest()[:16]
 
 
 def samples_for_shard(train: str, eval_: str, shard: int, num_shards: int) -> list[dict[str, Any]]:
@@ -97,6 +154,9 @@ def main(smk) -> None:
     """The hidden_states_index rule's job (rules/hidden_states.smk)."""
     with stage(smk):
         write_index(list(smk.input.shards), smk.input.verifier, smk.output[0])
+        # Every shard is written: the phase's server has no job left to serve, and its GPUs
+        # are free for the next stage now rather than after hidden_states.linger_s.
+        stop_idle_shared_servers(Path(smk.log[0]).parent / "servers", "hidden_states")
 
 
 def write_index(shards: list[str], verifier_dir: str, out: str) -> None:

@@ -1,0 +1,50 @@
+"""Verifier loads: planned from the jobs a run will run, counted from the launches it made."""
+
+import copy
+from pathlib import Path
+
+import yaml
+
+from tests.helpers import REPO
+from workflow_scripts.common.loads import count_loads, read_loads, record_load
+from workflow_scripts.loads import describe_planned, planned_loads
+
+CONFIG = yaml.safe_load((REPO / "config/config.yaml").read_text())
+FULL_RUN = {
+    "prepare_verifier": 1,
+    "generate": 1,
+    "synth": 1,
+    "hidden_states": 64,
+    "hidden_states_index": 1,
+    "train": 1,
+    "baseline": 1,
+    "benchmark": 1,
+    "report": 1,
+    "compare": 1,
+}
+
+
+def test_a_full_run_loads_once_per_serving_stage_whatever_the_shard_count():
+    assert planned_loads(FULL_RUN, CONFIG) == {"generate": 1, "hidden_states": 1, "baseline": 1, "benchmark": 1}
+    assert describe_planned(FULL_RUN, CONFIG) == (
+        "Verifier loads this run takes: 4 (generate 1, hidden_states 1 (shared by 64 shard jobs), "
+        "baseline 1, benchmark 1)"
+    )
+
+
+def test_a_retrain_loads_only_for_its_benchmark_and_endpoints_load_nothing():
+    assert planned_loads({"train": 1, "benchmark": 1, "report": 1}, CONFIG) == {"benchmark": 1}
+    with_endpoints = copy.deepcopy(CONFIG)
+    with_endpoints["server"]["endpoint"] = "http://gpu-node:8000"
+    with_endpoints["hidden_states"]["backend"] = "vllm"
+    with_endpoints["hidden_states"]["vllm"]["endpoint"] = "http://gpu-node:8001"
+    assert planned_loads(FULL_RUN, with_endpoints) == {"baseline": 1, "benchmark": 1}
+    assert describe_planned({"report": 1}, CONFIG) == "Verifier loads this run takes: 0"
+
+
+def test_launches_are_counted_by_stage_and_kind(tmp_path):
+    assert read_loads(tmp_path) == []
+    record_load(tmp_path, Path("logs/generate.vllm.log"), "m", "start", False)
+    record_load(tmp_path, Path("logs/generate.vllm.log"), "m", "restart", False)
+    record_load(tmp_path, Path("logs/hidden_states.server.log"), "m", "start", True)
+    assert count_loads(read_loads(tmp_path)) == {"generate": {"start": 1, "restart": 1}, "hidden_states": {"start": 1}}

@@ -1,0 +1,58 @@
+"""Verifier loads a run will take, planned from the jobs Snakemake will run (the loads it
+took are counted in common.loads). A load is a start of the verifier: a vLLM server, or the
+hf backend's extraction server.
+
+On the target host one load of Kimi-K2.5 INT4 takes about 22 minutes: the count is what a
+fix or a retrain costs before any work starts. docs/operations.md has the table per config.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+
+def planned_loads(jobs: dict[str, int], config: dict[str, Any]) -> dict[str, int]:
+    """Loads per rule for a run of `jobs` (rule -> job count, as Snakemake plans them). Pure.
+
+    Every shard job of hidden_states shares one server: one load for the phase. A stage that
+    uses an already running server (`server.endpoint`, `hidden_states.vllm.endpoint`) loads
+    nothing."""
+    hs = config["hidden_states"]
+    extraction_endpoint = hs["backend"] == "vllm" and hs["vllm"]["endpoint"]
+    loads = {
+        "generate": 0 if config["server"]["endpoint"] else jobs.get("generate", 0),
+        "hidden_states": 0 if extraction_endpoint else min(jobs.get("hidden_states", 0), 1),
+        "baseline": jobs.get("baseline", 0),
+        "benchmark": jobs.get("benchmark", 0),
+    }
+    return {rule: n for rule, n in loads.items() if n}
+
+
+def describe_planned(jobs: dict[str, int], config: dict[str, Any]) -> str:
+    """The line `snakemake -n` prints. Pure."""
+    loads = planned_loads(jobs, config)
+    parts = [
+        f"{rule} {n}" + (f" (shared by {jobs[rule]} shard jobs)" if rule == "hidden_states" else "")
+        for rule, n in loads.items()
+    ]
+    return f"Verifier loads this run takes: {sum(loads.values())}" + (f" ({', '.join(parts)})" if parts else "")
+
+
+class PlannedLoadsLog(logging.Handler):
+    """Prints the planned loads once, when Snakemake logs its job statistics (the RUN_INFO
+    event of its logging API: `stats` is rule -> job count), in a dry run as in a real run."""
+
+    def __init__(self, config: dict[str, Any], emit_line):
+        super().__init__()
+        self.config = config
+        self.emit_line = emit_line
+        self.done = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        stats = getattr(record, "stats", None)
+        if self.done or not isinstance(stats, dict):
+            return
+        self.done = True
+        jobs = {rule: n for rule, n in stats.items() if rule != "total"}
+        self.emit_line(describe_planned(jobs, self.config))
