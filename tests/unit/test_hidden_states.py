@@ -169,14 +169,17 @@ def run_hf_shard(tmp_path, verifier, shard: int, out: str, num_shards: int) -> N
 
 def test_disk_check_logs_the_total_and_refuses_without_room(tmp_path, caplog, monkeypatch):
     caplog.set_level("INFO")
-    need = check_disk_space(tmp_path, num_tokens=1000, num_states=4, hidden_size=576, dtype=torch.bfloat16)
-    assert need == 1000 * 4 * 576 * 2
+    need = check_disk_space(
+        tmp_path, num_tokens=1000, num_samples=10, num_states=4, hidden_size=576, storage="bfloat16"
+    )
+    assert need == 1000 * (4 * 576 * 2 + 5) + 10 * 41
     assert str(need) in caplog.text
     import workflow_scripts.hidden_states.shards as hs
 
     monkeypatch.setattr(hs.shutil, "disk_usage", lambda p: type("U", (), {"free": need - 1})())
     with pytest.raises(OSError) as err:
-        check_disk_space(tmp_path, num_tokens=1000, num_states=4, hidden_size=576, dtype=torch.bfloat16)
+        check_disk_space(tmp_path, num_tokens=1000, num_samples=10, num_states=4, hidden_size=576, storage="bfloat16")
+    assert "float8_e4m3fn" in str(err.value) and "hidden_states.mode: online" in str(err.value)
     assert f"need {need} bytes" in str(err.value) and f"only {need - 1} bytes" in str(err.value)
 
 

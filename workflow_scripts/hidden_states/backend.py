@@ -58,7 +58,7 @@ class ExtractionJob:
     verifier_dir: str
     aux_layer_ids: list[int]
     geometry: VerifierGeometry
-    store_dtype: torch.dtype
+    store_dtype: torch.dtype  # what backends hand states over in (shards.extraction_dtype)
     settings: HiddenStatesConfig
     server: ServerConfig | None  # the `server` section, for the vllm backend only
     trust_remote_code: bool

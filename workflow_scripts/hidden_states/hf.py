@@ -25,6 +25,7 @@ from workflow_scripts.common.verifier_config import text_config
 from workflow_scripts.hidden_states.backend import ExtractionJob, register_backend, sharing, storage_dir
 from workflow_scripts.hidden_states.client import ExtractionClient
 from workflow_scripts.hidden_states.layers import DTYPES, States
+from workflow_scripts.hidden_states.storage import extraction_dtype
 
 log = logging.getLogger(__name__)
 
@@ -250,7 +251,7 @@ def hf_backend(job: ExtractionJob) -> Iterator[HfBackend]:
         aux_layer_ids=tuple(job.aux_layer_ids),
         device=settings.device,
         compute_dtype=settings.compute_dtype,
-        store_dtype=settings.dtype,
+        store_dtype=extraction_dtype(settings.dtype),
         threads=job.threads,
         trust_remote_code=job.trust_remote_code,
     )

@@ -27,6 +27,7 @@ from workflow_scripts.hidden_states.shards import (
     shard_key,
     shard_tensors,
 )
+from workflow_scripts.hidden_states.storage import extraction_dtype
 
 log = logging.getLogger(__name__)
 
@@ -102,9 +103,12 @@ def run_shard(
     if cache.restore(shard, key, out):
         log.info("shard %d/%d: made from the same inputs before; linked from %s", shard, num_shards, cache.dir)
         return
-    store_dtype = DTYPES[settings.dtype]
+    # The backends hand over states in the extraction dtype; fp8 is quantized on write.
+    store_dtype = DTYPES[extraction_dtype(settings.dtype)]
     num_tokens = sum(len(s["input_ids"]) for s in samples)
-    check_disk_space(Path(out).parent, num_tokens, len(layer_ids) + 1, geometry.hidden_size, store_dtype)
+    check_disk_space(
+        Path(out).parent, num_tokens, len(samples), len(layer_ids) + 1, geometry.hidden_size, settings.dtype
+    )
     job = ExtractionJob(
         verifier_dir, layer_ids, geometry, store_dtype, settings, server, trust_remote_code, log_path, threads, gpus
     )
@@ -121,7 +125,7 @@ def run_shard(
         "backend": backend_name,
         "convention": CONVENTION,
     }
-    write_safetensors(out, shard_tensors(samples, states), metadata)
+    write_safetensors(out, shard_tensors(samples, states, settings.dtype), metadata)
     cache.keep(shard, key, out)
     log.info(
         "shard %d/%d (%s): %d samples, %d tokens in %.1f s -> %s",

@@ -19,35 +19,42 @@ from workflow_scripts.common.atomic import write_json
 from workflow_scripts.common.server import stop_idle_shared_servers
 from workflow_scripts.common.smk import stage
 from workflow_scripts.hidden_states.layers import CONVENTION, States, vllm_layer_ids
+from workflow_scripts.hidden_states.storage import FP8, SAMPLE_BYTES, quantize_fp8, token_bytes
 
 log = logging.getLogger(__name__)
 
 
-def shard_bytes(num_tokens: int, num_states: int, hidden_size: int, dtype: torch.dtype) -> int:
-    return num_tokens * num_states * hidden_size * torch.empty((), dtype=dtype).element_size()
+def shard_bytes(num_tokens: int, num_samples: int, num_states: int, hidden_size: int, storage: str) -> int:
+    """What a shard of `num_tokens` tokens in `num_samples` samples takes on disk, give or
+    take the safetensors header's fixed part. Pure."""
+    return num_tokens * token_bytes(num_states, hidden_size, storage) + num_samples * SAMPLE_BYTES
 
 
-def check_disk_space(out_dir: Path, num_tokens: int, num_states: int, hidden_size: int, dtype: torch.dtype) -> int:
+def check_disk_space(
+    out_dir: Path, num_tokens: int, num_samples: int, num_states: int, hidden_size: int, storage: str
+) -> int:
     """Log what the shard will take and refuse to start when the target disk lacks room."""
-    need = shard_bytes(num_tokens, num_states, hidden_size, dtype)
+    need = shard_bytes(num_tokens, num_samples, num_states, hidden_size, storage)
     out_dir.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(out_dir).free
     log.info(
-        "will write %d bytes (%.2f GB: %d tokens x %d states x %d hidden x %s); %d bytes free on %s",
+        "will write %d bytes (%.2f GB: %d tokens x %d states x %d hidden in %s); %d bytes free on %s",
         need,
         need / 1e9,
         num_tokens,
         num_states,
         hidden_size,
-        dtype,
+        storage,
         free,
         out_dir,
     )
     if need > free:
+        smaller = "" if storage == FP8 else f", or store in {FP8} (hidden_states.dtype, half of bfloat16)"
         raise OSError(
             f"{out_dir}: the hidden states need {need} bytes ({need / 1e9:.2f} GB) but only {free} bytes "
             f"({free / 1e9:.2f} GB) are free: free space, raise hidden_states.num_shards "
-            "(shards are written one at a time per job) or store in a smaller hidden_states.dtype"
+            f"(shards are written one at a time per job){smaller}, or train without shards "
+            "(hidden_states.mode: online); `python -m workflow_scripts.plan` shows the whole run's needs"
         )
     return need
 
@@ -115,17 +122,29 @@ def samples_for_shard(train: str, eval_: str, shard: int, num_shards: int) -> li
     return rows[shard::num_shards]
 
 
-def shard_tensors(samples: list[dict[str, Any]], states: list[States]) -> dict[str, torch.Tensor]:
-    """The shard's tensors: states and tokens of all samples back to back, unpadded. Pure."""
+def shard_tensors(
+    samples: list[dict[str, Any]], states: list[States], storage: str = "bfloat16"
+) -> dict[str, torch.Tensor]:
+    """The shard's tensors: states and tokens of all samples back to back, unpadded, the states
+    in `storage` (fp8 with a scale per token and state). Pure."""
     offsets = [0]
     for s, (aux, final) in zip(samples, states, strict=True):
         n = len(s["input_ids"])
         if aux.shape[0] != n or final.shape[0] != n:
             raise ValueError(f"sample {s['id']}: {n} tokens but states for {aux.shape[0]} / {final.shape[0]}")
         offsets.append(offsets[-1] + n)
+    aux = torch.cat([a for a, _ in states])
+    final = torch.cat([f for _, f in states])
+    if storage == FP8:
+        num_aux = aux.shape[1] // final.shape[1]
+        (aux, aux_scale), (final, final_scale) = quantize_fp8(aux, num_aux), quantize_fp8(final, 1)
+        scales = {"hidden_states_scale": aux_scale, "verifier_last_hidden_states_scale": final_scale}
+    else:
+        scales = {}
     return {
-        "hidden_states": torch.cat([a for a, _ in states]),
-        "verifier_last_hidden_states": torch.cat([f for _, f in states]),
+        "hidden_states": aux,
+        "verifier_last_hidden_states": final,
+        **scales,
         "input_ids": torch.tensor([t for s in samples for t in s["input_ids"]], dtype=torch.int32),
         "loss_mask": torch.tensor([t for s in samples for t in s["loss_mask"]], dtype=torch.int8),
         "offsets": torch.tensor(offsets, dtype=torch.int64),

@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from workflow_scripts.common.fingerprint import stable_fraction
+from workflow_scripts.hidden_states.storage import stored_states
 
 # Seed of the learning curve's subsets; fixed, so that subsets are the same in every run.
 SUBSET_SEED = 0
@@ -55,13 +56,15 @@ def load_shards(
             t = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is no dict)
             sample_ids = json.loads(f.metadata()["sample_ids"])
         offsets = t["offsets"].tolist()
+        aux = stored_states(t, "hidden_states", dtype)
+        final = stored_states(t, "verifier_last_hidden_states", dtype)
         for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:], strict=True)):
             if b - a < 2 or not (t["is_eval"][i] or in_training_subset(sample_ids[i], train_fraction)):
                 continue
             s = shift(
                 t["input_ids"][a:b].long(),
-                t["hidden_states"][a:b].to(dtype),
-                t["verifier_last_hidden_states"][a:b].to(dtype),
+                aux[a:b],
+                final[a:b],
                 t["loss_mask"][a:b].bool(),
             )
             (evals if t["is_eval"][i] else train).append(s)

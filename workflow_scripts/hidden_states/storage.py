@@ -1,0 +1,55 @@
+"""How states are stored in a shard, and what that costs per token (the disk check and the
+plan both count with it). Pure; torch is the only import, so that the training stage reads
+shards without the extraction code."""
+
+from __future__ import annotations
+
+import torch
+
+# Storage dtypes of the states (`hidden_states.dtype`) and their bytes per value. fp8 is
+# e4m3 with one float32 scale per token and state (per-token scales: a state's amax sets its
+# scale, so one outlier token costs no other token precision); the backends hand states over
+# in bfloat16 and the shard job quantizes them (quantize_fp8).
+FP8 = "float8_e4m3fn"
+STORAGE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, FP8: 1}
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+SCALE_BYTES = 4
+# Per token besides the states: the token id (int32) and the loss mask (int8).
+TOKEN_BYTES = 4 + 1
+# Per sample: its offset (int64), its split (bool) and its id in the header (JSON, ~30 bytes).
+SAMPLE_BYTES = 8 + 1 + 32
+
+
+def extraction_dtype(storage: str) -> str:
+    """The dtype the backends hand states over in for storage dtype `storage`. Pure."""
+    return "bfloat16" if storage == FP8 else storage
+
+
+def token_bytes(num_states: int, hidden_size: int, storage: str) -> int:
+    """Bytes a shard holds per token for `num_states` states of `hidden_size`: the states, fp8's
+    scales, the token id and the loss mask. Pure."""
+    states = num_states * hidden_size * STORAGE_BYTES[storage]
+    scales = num_states * SCALE_BYTES if storage == FP8 else 0
+    return states + scales + TOKEN_BYTES
+
+
+def quantize_fp8(states: torch.Tensor, num_states: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 states [tokens, num_states * hidden], float32 scales [tokens, num_states]): each
+    token's state is divided by its own amax / 448. Pure."""
+    n = states.shape[0]
+    x = states.float().reshape(n, num_states, -1)
+    scale = x.abs().amax(dim=-1).clamp(min=torch.finfo(torch.float32).tiny) / FP8_MAX
+    return (x / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).reshape(n, -1), scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """quantize_fp8's inverse, up to e4m3's rounding. Pure."""
+    n, k = scale.shape
+    return (q.float().reshape(n, k, -1) * scale.unsqueeze(-1)).reshape(n, -1).to(dtype)
+
+
+def stored_states(tensors: dict[str, torch.Tensor], name: str, dtype: torch.dtype) -> torch.Tensor:
+    """States `name` of a shard's tensors in `dtype`, dequantized when stored in fp8 (a
+    `<name>_scale` tensor next to them). Pure."""
+    scale = tensors.get(f"{name}_scale")
+    return tensors[name].to(dtype) if scale is None else dequantize_fp8(tensors[name], scale, dtype)
