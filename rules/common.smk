@@ -9,6 +9,7 @@ from workflow_scripts.common.config import validate_config
 from workflow_scripts.common.fingerprint import code_fingerprint
 from workflow_scripts.generate.requests import REPLY_SHAPING_FLAGS
 from workflow_scripts.loads import PlannedLoadsLog
+from workflow_scripts.plan import PlannedDiskLog
 from workflow_scripts.variants import (
     draft_id,
     draft_variant,
@@ -24,6 +25,12 @@ validate_variants(config)
 # `snakemake -n` (and every run) says how many times the jobs it plans load the verifier.
 logger.addHandler(
     PlannedLoadsLog(config, lambda line: print(line, file=sys.stderr, flush=True))
+)
+# ... and what the hidden states will take on disk (`python -m workflow_scripts.plan` for all of it).
+logger.addHandler(
+    PlannedDiskLog(
+        config, Path("."), lambda line: print(line, file=sys.stderr, flush=True)
+    )
 )
 
 RUN = config["run"]

@@ -11,14 +11,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.helpers import hidden_states_config, train_config
-from workflow_scripts.common.verifier_config import read_text_config
+from workflow_scripts.common.verifier_config import draft_attention_geometry, read_text_config
 from workflow_scripts.hidden_states.run import run_shard
 from workflow_scripts.hidden_states.shards import write_index
-from workflow_scripts.train.draft import (
-    draft_attention_geometry,
-    load_draft,
-    load_verifier_embeddings,
-)
+from workflow_scripts.train.draft import load_draft, load_verifier_embeddings
 from workflow_scripts.train.loop import TrainJob, run_train
 
 TRAIN_CFG = {

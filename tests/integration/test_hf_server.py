@@ -17,7 +17,8 @@ from workflow_scripts.common.loads import read_loads
 from workflow_scripts.common.shared import SharedDir
 from workflow_scripts.hidden_states.hf import extract, load_verifier
 from workflow_scripts.hidden_states.run import run_shard
-from workflow_scripts.hidden_states.shards import shard_bytes, write_index
+from workflow_scripts.hidden_states.shards import write_index
+from workflow_scripts.hidden_states.storage import shard_bytes
 
 SETTINGS = {"backend": "hf", "batch_tokens": 32, "dtype": "bfloat16", "device": "cpu", "compute_dtype": "auto"}
 

@@ -82,3 +82,9 @@ def test_an_fp8_shard_reads_back_as_the_bf16_shard_within_rounding(tmp_path):
 def test_stored_states_passes_unscaled_states_through():
     t = {"hidden_states": torch.ones(2, 4, dtype=torch.bfloat16)}
     assert stored_states(t, "hidden_states", torch.float32).dtype == torch.float32
+
+
+def test_the_fp8_range_constant_is_torchs():
+    from workflow_scripts.hidden_states.storage import FP8_MAX
+
+    assert torch.finfo(torch.float8_e4m3fn).max == FP8_MAX

@@ -39,6 +39,7 @@ class VllmExtractionConfig:
 class HiddenStatesConfig:
     """The `hidden_states` config section."""
 
+    mode: str
     backend: str
     num_shards: int
     aux_layer_ids: tuple[int, ...] | None

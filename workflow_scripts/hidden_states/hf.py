@@ -24,8 +24,8 @@ from workflow_scripts.common.server import RestartSharedServer, SharedServer, sp
 from workflow_scripts.common.verifier_config import text_config
 from workflow_scripts.hidden_states.backend import ExtractionJob, register_backend, sharing, storage_dir
 from workflow_scripts.hidden_states.client import ExtractionClient
-from workflow_scripts.hidden_states.layers import DTYPES, States
-from workflow_scripts.hidden_states.storage import extraction_dtype
+from workflow_scripts.hidden_states.layers import States
+from workflow_scripts.hidden_states.storage import extraction_dtype, torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ def resolve_compute_dtype(configured: str, device: str) -> torch.dtype:
     # bfloat16 on accelerators. Storage dtype is separate (hidden_states.dtype).
     if configured == "auto":
         return torch.float32 if device == "cpu" else torch.bfloat16
-    return DTYPES[configured]
+    return torch_dtype(configured)
 
 
 def load_verifier(verifier_dir: str, device: str, compute_dtype: torch.dtype, trust_remote_code: bool = False):

@@ -26,7 +26,7 @@ from aiohttp import web
 from workflow_scripts.common.logs import configure_logging
 from workflow_scripts.hidden_states.client import stack_states
 from workflow_scripts.hidden_states.hf import extract, load_verifier, resolve_compute_dtype
-from workflow_scripts.hidden_states.layers import DTYPES
+from workflow_scripts.hidden_states.storage import COMPUTE_DTYPES, torch_dtype
 
 log = logging.getLogger("eagleflow.hf_server")
 
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--aux-layer-ids", type=json.loads, required=True, help="JSON list")
     ap.add_argument("--device", required=True)
     ap.add_argument("--compute-dtype", required=True)
-    ap.add_argument("--store-dtype", required=True, choices=sorted(DTYPES))
+    ap.add_argument("--store-dtype", required=True, choices=COMPUTE_DTYPES)
     ap.add_argument("--storage-dir", required=True)
     ap.add_argument("--threads", type=int, required=True)
     ap.add_argument("--trust-remote-code", action="store_true")
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     compute_dtype = resolve_compute_dtype(args.compute_dtype, args.device)
     log.info("loading %s on %s (%s)", args.model, args.device, compute_dtype)
     model = load_verifier(args.model, args.device, compute_dtype, args.trust_remote_code)
-    extractor = Extractor(model, args.aux_layer_ids, DTYPES[args.store_dtype], storage)
+    extractor = Extractor(model, args.aux_layer_ids, torch_dtype(args.store_dtype), storage)
     app = web.Application(client_max_size=1 << 30)
     app.router.add_post("/v1/completions", extractor.completions)
     app.router.add_get("/health", extractor.health)

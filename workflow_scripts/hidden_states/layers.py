@@ -7,20 +7,21 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from workflow_scripts.common.verifier_config import read_text_config
 
+if TYPE_CHECKING:
+    import torch
+
 log = logging.getLogger(__name__)
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 CONVENTION = (
     "aux i = input of decoder layer i (vLLM/speculators); "
     "final = last layer output before the final norm (vLLM layer id L)"
 )
 
 # (aux states [tokens, n_aux * hidden], final pre-norm state [tokens, hidden]) per sample
-States = tuple[torch.Tensor, torch.Tensor]
+States = tuple["torch.Tensor", "torch.Tensor"]
 
 
 @dataclass(frozen=True)

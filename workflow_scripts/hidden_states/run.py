@@ -19,7 +19,7 @@ from workflow_scripts.common.smk import stage
 # server); imported here so that an edit to it restales the shards (common.fingerprint).
 from workflow_scripts.hidden_states import hf, hf_server, vllm  # noqa: F401
 from workflow_scripts.hidden_states.backend import ExtractionJob, HiddenStatesConfig, open_backend
-from workflow_scripts.hidden_states.layers import CONVENTION, DTYPES, resolve_aux_layer_ids, verifier_geometry
+from workflow_scripts.hidden_states.layers import CONVENTION, resolve_aux_layer_ids, verifier_geometry
 from workflow_scripts.hidden_states.shards import (
     ShardCache,
     check_disk_space,
@@ -27,7 +27,7 @@ from workflow_scripts.hidden_states.shards import (
     shard_key,
     shard_tensors,
 )
-from workflow_scripts.hidden_states.storage import extraction_dtype
+from workflow_scripts.hidden_states.storage import extraction_dtype, torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def main(smk) -> None:
 
 
 # Settings that cannot change a shard's bytes: a change of these must not redo an extraction.
-OPERATIONAL = {"num_shards", "linger_s", "gpus", "vllm"}
+OPERATIONAL = {"mode", "num_shards", "linger_s", "gpus", "vllm"}
 OPERATIONAL_SERVER = {"endpoint", "api_key_env", "host", "gpus", "startup_timeout_s", "max_restarts", "endpoint_wait_s"}
 
 
@@ -104,7 +104,7 @@ def run_shard(
         log.info("shard %d/%d: made from the same inputs before; linked from %s", shard, num_shards, cache.dir)
         return
     # The backends hand over states in the extraction dtype; fp8 is quantized on write.
-    store_dtype = DTYPES[extraction_dtype(settings.dtype)]
+    store_dtype = torch_dtype(extraction_dtype(settings.dtype))
     num_tokens = sum(len(s["input_ids"]) for s in samples)
     check_disk_space(
         Path(out).parent, num_tokens, len(samples), len(layer_ids) + 1, geometry.hidden_size, settings.dtype

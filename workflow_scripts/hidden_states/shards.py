@@ -19,15 +19,9 @@ from workflow_scripts.common.atomic import write_json
 from workflow_scripts.common.server import stop_idle_shared_servers
 from workflow_scripts.common.smk import stage
 from workflow_scripts.hidden_states.layers import CONVENTION, States, vllm_layer_ids
-from workflow_scripts.hidden_states.storage import FP8, SAMPLE_BYTES, quantize_fp8, token_bytes
+from workflow_scripts.hidden_states.storage import FP8, quantize_fp8, shard_bytes
 
 log = logging.getLogger(__name__)
-
-
-def shard_bytes(num_tokens: int, num_samples: int, num_states: int, hidden_size: int, storage: str) -> int:
-    """What a shard of `num_tokens` tokens in `num_samples` samples takes on disk, give or
-    take the safetensors header's fixed part. Pure."""
-    return num_tokens * token_bytes(num_states, hidden_size, storage) + num_samples * SAMPLE_BYTES
 
 
 def check_disk_space(

@@ -1,23 +1,36 @@
 """How states are stored in a shard, and what that costs per token (the disk check and the
-plan both count with it). Pure; torch is the only import, so that the training stage reads
-shards without the extraction code."""
+plan both count with it). Pure. Imports no extraction code, so that the training stage reads
+shards without it, and torch only where tensors are made, so that the plan (which every
+`snakemake` start imports) stays light."""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
+if TYPE_CHECKING:
+    import torch
+
+# Dtypes the verifier computes in and the backends hand states over in.
+COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 # Storage dtypes of the states (`hidden_states.dtype`) and their bytes per value. fp8 is
 # e4m3 with one float32 scale per token and state (per-token scales: a state's amax sets its
 # scale, so one outlier token costs no other token precision); the backends hand states over
 # in bfloat16 and the shard job quantizes them (quantize_fp8).
 FP8 = "float8_e4m3fn"
 STORAGE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, FP8: 1}
-FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 SCALE_BYTES = 4
 # Per token besides the states: the token id (int32) and the loss mask (int8).
 TOKEN_BYTES = 4 + 1
 # Per sample: its offset (int64), its split (bool) and its id in the header (JSON, ~30 bytes).
 SAMPLE_BYTES = 8 + 1 + 32
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a config name (`bfloat16`, `float8_e4m3fn`, ...)."""
+    import torch
+
+    return getattr(torch, name)
 
 
 def extraction_dtype(storage: str) -> str:
@@ -33,9 +46,17 @@ def token_bytes(num_states: int, hidden_size: int, storage: str) -> int:
     return states + scales + TOKEN_BYTES
 
 
+def shard_bytes(num_tokens: int, num_samples: int, num_states: int, hidden_size: int, storage: str) -> int:
+    """What a shard of `num_tokens` tokens in `num_samples` samples takes on disk, give or
+    take the safetensors header's fixed part. Pure."""
+    return num_tokens * token_bytes(num_states, hidden_size, storage) + num_samples * SAMPLE_BYTES
+
+
 def quantize_fp8(states: torch.Tensor, num_states: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 states [tokens, num_states * hidden], float32 scales [tokens, num_states]): each
     token's state is divided by its own amax / 448. Pure."""
+    import torch
+
     n = states.shape[0]
     x = states.float().reshape(n, num_states, -1)
     scale = x.abs().amax(dim=-1).clamp(min=torch.finfo(torch.float32).tiny) / FP8_MAX

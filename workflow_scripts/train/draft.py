@@ -18,32 +18,9 @@ import torch
 from safetensors import safe_open
 from transformers import LlamaConfig
 
-from workflow_scripts.common.verifier_config import read_text_config
+from workflow_scripts.common.verifier_config import draft_attention_geometry, is_mla, read_text_config
 
 log = logging.getLogger(__name__)
-
-
-def is_mla(v: dict[str, Any]) -> bool:
-    """Multi-head latent attention (DeepSeek-V3, Kimi-K2): keys and values come from a
-    compressed latent, so there is no plain head_dim / num_key_value_heads to copy."""
-    return v.get("kv_lora_rank") is not None
-
-
-def draft_attention_geometry(v: dict[str, Any]) -> tuple[int, int, int]:
-    """(num_attention_heads, num_key_value_heads, head_dim) of the draft's Llama layer. Pure.
-
-    MLA verifiers: the draft keeps the verifier's query heads and uses head_dim =
-    v_head_dim (128 on DeepSeek-V3 and Kimi-K2: the size each head contributes to the
-    output projection, and a size every attention kernel supports; qk_nope + qk_rope = 192
-    is not), with one KV head per query head as MLA behaves at inference.
-    """
-    heads = int(v["num_attention_heads"])
-    if is_mla(v):
-        head_dim = int(v.get("v_head_dim") or v["qk_nope_head_dim"])
-        return heads, heads, head_dim
-    kv_heads = int(v.get("num_key_value_heads") or heads)
-    head_dim = int(v.get("head_dim") or v["hidden_size"] // heads)
-    return heads, kv_heads, head_dim
 
 
 def draft_rope_parameters(v: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,136 @@
+"""The plan before a run: token counts, the verifier's and the draft's sizes against real
+models, and the settings it names when a run does not fit."""
+
+import json
+import logging
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.helpers import REPO
+from workflow_scripts.common.atomic import write_jsonl
+from workflow_scripts.plan import (
+    Geometry,
+    PlannedDiskLog,
+    draft_params,
+    estimated_weight_bytes,
+    load_merged_config,
+    make_plan,
+    render,
+    summary_line,
+    tokens_from_prompts,
+)
+from workflow_scripts.train.draft import build_draft
+from workflow_scripts.variants import merged
+
+REPO_CONFIG = load_merged_config([], REPO)
+
+
+def test_prompt_tokens_bound_each_turn_with_every_earlier_turn_and_reply():
+    prompts = [{"turns": ["a" * 40, "b" * 80]}, {"system": "s" * 8, "turns": ["c" * 4]}]
+    t = tokens_from_prompts(prompts, max_tokens=100, max_seq_len=200, source="x")
+    # turn 1: 10 + 16 + 100; turn 2 adds 20 + 16 + 100 (cut at 200); the system prompt 2 + 16.
+    assert t.samples == 3 and t.longest == 200
+    assert t.tokens == 126 + 200 + (18 + 1 + 16 + 100)
+
+
+def test_weight_estimate_matches_real_checkpoints_of_every_family(tiny_verifier):
+    family, path = tiny_verifier
+    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=family == "kimi_k2")
+    bf16_bytes = sum(p.numel() for p in model.parameters()) * 2
+    estimate = estimated_weight_bytes(json.loads((path / "config.json").read_text()))
+    # Norms and biases are left out of the estimate: within 3% on these tiny models, less on large ones.
+    assert estimate == pytest.approx(bf16_bytes, rel=0.03)
+
+
+def test_the_kimi_example_verifier_is_about_595_gb_in_int4():
+    config = json.loads((REPO / "config/verifiers/kimi-k2.5.json").read_text())
+    int4 = estimated_weight_bytes(config)
+    bf16 = estimated_weight_bytes({k: v for k, v in config.items() if k != "quantization_config"})
+    assert 580e9 < int4 < 610e9 and 1.9e12 < bf16 < 2.1e12  # 1T parameters
+
+
+def test_draft_params_match_the_draft_eagleflow_builds(tiny_llama_dir):
+    vocab = 64
+    d2t = torch.arange(vocab) * 2 - torch.arange(vocab)
+    t2d = torch.zeros(json.loads((tiny_llama_dir / "config.json").read_text())["vocab_size"], dtype=torch.bool)
+    t2d[torch.arange(vocab) * 2] = True
+    for layers in (1, 2):
+        draft = build_draft(
+            str(tiny_llama_dir), d2t, t2d, num_layers=layers, ttt_steps=3, aux_layer_ids=[2, 4, 5], attn_impl="sdpa"
+        )
+        trainable = sum(p.numel() for p in draft.parameters() if p.requires_grad)
+        frozen = sum(p.numel() for p in draft.parameters() if not p.requires_grad)
+        g = Geometry.from_config(json.loads((tiny_llama_dir / "config.json").read_text()))
+        assert draft_params(g, layers, vocab, 3) == (trainable, frozen)
+
+
+def write_dataset(root, run, lengths):
+    for split, ls in (("train", lengths[:-1]), ("eval", lengths[-1:])):
+        path = root / f"results/{run}/dataset/{split}.parquet"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table({"length": ls}), path)
+
+
+def plan_config(tmp_path, tiny_llama_dir, **hidden_states):
+    verifier = tmp_path / "resources/verifier/tiny"
+    verifier.parent.mkdir(parents=True)
+    verifier.symlink_to(tiny_llama_dir)
+    write_jsonl(tmp_path / "prompts.jsonl", [{"id": "p", "turns": ["hello"]}])
+    config = merged(
+        REPO_CONFIG,
+        {"run": "t", "verifier": {"name": "tiny"}, "prompts": {"source": "prompts.jsonl"}},
+    )
+    return merged(config, {"hidden_states": hidden_states})
+
+
+def test_the_plan_counts_exact_tokens_once_the_dataset_exists(tmp_path, tiny_llama_dir):
+    config = plan_config(tmp_path, tiny_llama_dir)
+    before = make_plan(config, tmp_path, gpu_memory=None)
+    assert before.tokens.source.startswith("upper bound")
+    write_dataset(tmp_path, "t", [100, 50, 30])
+    plan = make_plan(config, tmp_path, gpu_memory=None)
+    assert (plan.tokens.samples, plan.tokens.tokens, plan.tokens.longest) == (3, 180, 100)
+    assert plan.tokens.source.startswith("exact")
+    # 3 aux states + the final one of hidden 128 in bf16, + id and mask; per sample 41 bytes.
+    assert plan.disk[0]["bytes"] == 180 * (4 * 128 * 2 + 5) + 3 * 41
+    fp8 = make_plan(merged(config, {"hidden_states": {"dtype": "float8_e4m3fn"}}), tmp_path, gpu_memory=None)
+    assert fp8.disk[0]["bytes"] == 180 * (4 * 128 + 16 + 5) + 3 * 41
+    assert "Fits" in render(plan) and "fits" in summary_line(plan)
+
+
+def test_a_run_that_does_not_fit_names_settings_that_would(tmp_path, tiny_llama_dir, monkeypatch):
+    import workflow_scripts.plan as plan_module
+
+    config = plan_config(tmp_path, tiny_llama_dir)
+    write_dataset(tmp_path, "t", [1000] * 10)
+    need = make_plan(config, tmp_path, gpu_memory=None).disk[0]["bytes"]
+    monkeypatch.setattr(plan_module, "free_bytes", lambda path: need // 3 if "hidden_states" in str(path) else 10**15)
+    plan = make_plan(config, tmp_path, gpu_memory=None)
+    text = render(plan)
+    assert "Does not fit" in text and "DOES NOT FIT" in summary_line(plan)
+    assert "hidden_states.dtype: float8_e4m3fn" in text and "hidden_states.mode: online" in text
+    # a third of the space holds about a third of the samples
+    assert "prompts.max_train: about 3 samples" in text
+    fp8_online = make_plan(
+        merged(config, {"hidden_states": {"dtype": "float8_e4m3fn", "mode": "online"}}), tmp_path, gpu_memory=None
+    )
+    assert fp8_online.disk[0]["bytes"] == 0 and not fp8_online.suggestions
+
+
+def test_snakemake_dry_runs_print_the_summary_only_when_states_are_planned(tmp_path, tiny_llama_dir):
+    config = plan_config(tmp_path, tiny_llama_dir)
+    lines = []
+    handler = PlannedDiskLog(config, tmp_path, lines.append)
+    record = logging.LogRecord("snakemake", 20, "", 0, "stats", None, None)
+    record.stats = {"benchmark": 1, "total": 1}
+    handler.emit(record)
+    assert lines == []
+    handler = PlannedDiskLog(config, tmp_path, lines.append)
+    record.stats = {"hidden_states": 2, "train": 1, "total": 3}
+    handler.emit(record)
+    handler.emit(record)
+    assert len(lines) == 1 and lines[0].startswith("Hidden states this run writes:")

@@ -1,0 +1,508 @@
+"""The plan before a run: what a config will need, stage by stage, before any GPU hour is spent.
+
+    python -m workflow_scripts.plan --configfile config/kimi-k2.5-8xgpu.yaml
+
+prints the tokens the hidden-state stage will see, the bytes each stage writes and the free
+space where they land, the GPU memory of the verifier and of the draft training, and which
+settings would make a run fit that does not. `snakemake -n` prints its one-line summary
+(PlannedDiskLog).
+
+Tokens are exact once the dataset exists (results/<run>/dataset/*.parquet); before that they
+are an upper bound from the prompts: every reply at `synth.max_tokens`, prompt text at about
+4 characters per token, every sample cut at `dataset.max_seq_len`. GPU memory of the draft
+training is an estimate from the draft's shape (weights, gradients, AdamW moments, and the
+activations and logits of one `train.batch_tokens` batch); the verifier's weights are the
+size of its safetensors files, or an estimate from its config.json when they are not on this
+machine (bf16, routed experts at the quantization config's bits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from workflow_scripts.common.config import validate_config
+from workflow_scripts.common.verifier_config import draft_attention_geometry, text_config
+from workflow_scripts.hidden_states.layers import default_aux_layer_ids
+from workflow_scripts.hidden_states.storage import FP8, shard_bytes, token_bytes
+from workflow_scripts.variants import merged
+
+DEFAULT_CONFIG = "config/config.yaml"
+CHARS_PER_TOKEN = 4
+# Chat-template tokens around each turn (role markers); a generous bound for common templates.
+TEMPLATE_TOKENS_PER_TURN = 16
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """What the hidden-state stage will see: samples and their tokens."""
+
+    samples: int
+    tokens: int
+    longest: int
+    source: str  # where the figures come from, said in the plan
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The verifier's shape, from its config.json."""
+
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Geometry:
+        v = text_config(config)
+        heads, kv_heads, head_dim = draft_attention_geometry(v)
+        return cls(
+            int(v["hidden_size"]),
+            int(v["num_hidden_layers"]),
+            int(v["vocab_size"]),
+            int(v["intermediate_size"]),
+            heads,
+            kv_heads,
+            head_dim,
+        )
+
+
+@dataclass
+class Plan:
+    run: str
+    tokens: Tokens | None
+    disk: list[dict[str, Any]] = field(default_factory=list)  # stage, what, bytes, where, free
+    gpu: list[dict[str, Any]] = field(default_factory=list)  # what, bytes, per, detail
+    gpu_memory: int | None = None  # bytes per GPU on this host, when known
+    suggestions: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def tokens_from_dataset(paths: list[Path]) -> Tokens:
+    import pyarrow.parquet as pq
+
+    lengths = [n for p in paths for n in pq.read_table(p, columns=["length"]).column("length").to_pylist()]
+    return Tokens(len(lengths), sum(lengths), max(lengths, default=0), "exact: " + ", ".join(map(str, paths)))
+
+
+def tokens_from_prompts(prompts: list[dict[str, Any]], max_tokens: int, max_seq_len: int, source: str) -> Tokens:
+    """Upper bound: one sample per turn, holding every earlier turn and reply. Pure."""
+    lengths = []
+    for p in prompts:
+        context = (len(p.get("system") or "") // CHARS_PER_TOKEN + TEMPLATE_TOKENS_PER_TURN) if p.get("system") else 0
+        for turn in p["turns"]:
+            context += len(turn) // CHARS_PER_TOKEN + TEMPLATE_TOKENS_PER_TURN + max_tokens
+            lengths.append(min(context, max_seq_len))
+    return Tokens(len(lengths), sum(lengths), max(lengths, default=0), source)
+
+
+def planned_tokens(config: dict[str, Any], root: Path, assume_prompt_tokens: int) -> Tokens:
+    """Exact tokens from the dataset when it exists, else the upper bound from the prompts."""
+    dataset = [root / f"results/{config['run']}/dataset/{split}.parquet" for split in ("train", "eval")]
+    if all(p.exists() for p in dataset):
+        return tokens_from_dataset(dataset)
+    synth, cut = config["synth"]["max_tokens"], config["dataset"]["max_seq_len"]
+    prompts_cfg = config["prompts"]
+    source = root / prompts_cfg["source"]
+    if source.exists():
+        from workflow_scripts.prompts import load_prompts, split_prompts
+
+        train, _ = split_prompts(load_prompts(source), prompts_cfg["eval_fraction"], prompts_cfg["seed"])
+        train = train[: prompts_cfg["max_train"]] if prompts_cfg["max_train"] is not None else train
+        how = f"upper bound: {len(train)} train prompts of {source}, every reply at synth.max_tokens {synth}"
+        return tokens_from_prompts(train, synth, cut, how)
+    if prompts_cfg["max_train"] is None:
+        raise ValueError(
+            f"prompts.source {source} is not on this machine and prompts.max_train is not set: "
+            "the plan cannot count the samples"
+        )
+    n = prompts_cfg["max_train"]
+    assumed = [{"turns": ["x" * assume_prompt_tokens * CHARS_PER_TOKEN]}] * n
+    how = (
+        f"assumed: {source} is not on this machine; prompts.max_train {n} single-turn prompts of "
+        f"{assume_prompt_tokens} tokens, every reply at synth.max_tokens {synth}"
+    )
+    return tokens_from_prompts(assumed, synth, cut, how)
+
+
+def weight_bytes_on_disk(verifier_dir: Path) -> int | None:
+    """The verifier's weights: the sharded index's total, or the safetensors files' sizes."""
+    index = verifier_dir / "model.safetensors.index.json"
+    if index.exists():
+        total = json.loads(index.read_text()).get("metadata", {}).get("total_size")
+        if total:
+            return int(total)
+    files = list(verifier_dir.glob("*.safetensors"))
+    return sum(f.stat().st_size for f in files) if files else None
+
+
+def estimated_weight_bytes(config: dict[str, Any]) -> int:
+    """The verifier's weights from its config.json: Llama-style dense or DeepSeek-V3-style
+    (MLA attention, MoE), in bf16, with routed experts at the quantization config's bits
+    (plus a bf16 scale per group). Pure; an estimate within a few percent for these families."""
+    v = text_config(config)
+    h, layers, vocab = v["hidden_size"], v["num_hidden_layers"], v["vocab_size"]
+    heads = v["num_attention_heads"]
+    if v.get("kv_lora_rank"):
+        qk = v["qk_nope_head_dim"] + v["qk_rope_head_dim"]
+        q = h * heads * qk if not v.get("q_lora_rank") else h * v["q_lora_rank"] + v["q_lora_rank"] * heads * qk
+        kv = h * (v["kv_lora_rank"] + v["qk_rope_head_dim"])
+        kv += v["kv_lora_rank"] * heads * (v["qk_nope_head_dim"] + v["v_head_dim"])
+        attn = q + kv + heads * v["v_head_dim"] * h
+    else:
+        head_dim = v.get("head_dim") or h // heads
+        kv_heads = v.get("num_key_value_heads") or heads
+        attn = h * head_dim * (2 * heads + 2 * kv_heads)
+    dense_mlp = 3 * h * v["intermediate_size"]
+    experts = v.get("n_routed_experts") or 0
+    moe_layers = 0
+    if experts:
+        first_dense, every = v.get("first_k_dense_replace", 0), v.get("moe_layer_freq", 1)
+        moe_layers = sum(1 for i in range(first_dense, layers) if i % every == 0)
+    expert_mlp = 3 * h * (v.get("moe_intermediate_size") or 0)
+    shared = (v.get("n_shared_experts") or 0) * expert_mlp + experts * h  # shared experts and the router
+    embeddings = (1 if v.get("tie_word_embeddings") else 2) * vocab * h
+    bf16 = layers * attn + (layers - moe_layers) * dense_mlp + moe_layers * shared + embeddings
+    routed = moe_layers * experts * expert_mlp
+    bits, group = quantization(config)
+    return int(bf16 * 2 + routed * (bits / 8 + (2 / group if group else 0)))
+
+
+def quantization(config: dict[str, Any]) -> tuple[int, int]:
+    """(bits, group size) of the quantized weights, (16, 0) when none. Pure."""
+    q = config.get("quantization_config") or text_config(config).get("quantization_config") or {}
+    for group in (q.get("config_groups") or {}).values():
+        weights = group.get("weights") or {}
+        if weights.get("num_bits"):
+            return int(weights["num_bits"]), int(weights.get("group_size") or 0)
+    if q.get("bits"):
+        return int(q["bits"]), int(q.get("group_size") or 0)
+    return 16, 0
+
+
+def draft_params(g: Geometry, num_layers: int, draft_vocab: int, num_aux: int) -> tuple[int, int]:
+    """(trainable, frozen) parameters of the EAGLE-3 draft eagleflow trains. Pure.
+
+    Trainable: the fc over the aux states, `num_layers` Llama layers (the first takes
+    [embedding; state], 2 x hidden, and normalises the state with its own norm) and the final
+    norm. Frozen: the verifier's embeddings, the draft lm_head and the verifier's lm_head rows
+    of the draft vocabulary (both initialised from the verifier's), the verifier's final norm."""
+    h, q, kv = g.hidden_size, g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim
+    layer_in = [2 * h] + [h] * (num_layers - 1)
+    layers = sum(i * (q + 2 * kv) + q * h + 3 * h * g.intermediate_size + 2 * h for i in layer_in)
+    trainable = num_aux * h * h + layers + h + h  # + the first layer's state norm, the final norm
+    frozen = g.vocab_size * h + 2 * draft_vocab * h + h
+    return trainable, frozen
+
+
+def draft_train_bytes(g: Geometry, train: dict[str, Any], draft_vocab: int, num_aux: int) -> dict[str, int]:
+    """GPU memory of one training process, estimated. Pure.
+
+    fp32 master weights, gradients and two AdamW moments (16 bytes per trainable parameter),
+    fp32 frozen weights, and per token of a batch and per TTT step: the layer's activations
+    (fp32) and the draft-vocabulary logits with their softmax and gradient."""
+    trainable, frozen = draft_params(g, train["num_layers"], draft_vocab, num_aux)
+    h, i = g.hidden_size, g.intermediate_size
+    per_token = (num_aux * h + train["num_layers"] * (12 * h + 3 * g.num_heads * g.head_dim + 3 * i)) * 4
+    per_token += 3 * draft_vocab * 4
+    activations = train["batch_tokens"] * train["ttt_steps"] * per_token
+    return {
+        "trainable": trainable,
+        "frozen": frozen,
+        "state": 16 * trainable + 4 * frozen,
+        "activations": activations,
+        "total": 16 * trainable + 4 * frozen + activations,
+    }
+
+
+def free_bytes(path: Path) -> int:
+    """Free space on the file system `path` will land on (its nearest existing ancestor)."""
+    p = path.absolute()
+    while not p.exists():
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def gpu_memory_bytes() -> int | None:
+    """The smallest visible GPU's memory, from nvidia-smi; None without GPUs."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    sizes = [int(x) * 2**20 for x in out.split()]
+    return min(sizes) if sizes else None
+
+
+def verifier_dir(config: dict[str, Any], root: Path) -> Path:
+    prepared = root / f"resources/verifier/{config['verifier']['name']}"
+    if (prepared / "config.json").exists() or config["verifier"]["source"] != "path":
+        return prepared
+    return Path(config["verifier"]["path"])
+
+
+def make_plan(
+    config: dict[str, Any],
+    root: Path = Path("."),
+    verifier_config: dict[str, Any] | None = None,
+    gpu_memory: int | None = None,
+    assume_prompt_tokens: int = 256,
+) -> Plan:
+    """The plan for `config` run from `root`. `verifier_config`: config.json to use when the
+    verifier is not on this machine; `gpu_memory`: bytes per GPU (default: nvidia-smi's)."""
+    run = config["run"]
+    plan = Plan(run, None, gpu_memory=gpu_memory if gpu_memory is not None else gpu_memory_bytes())
+    vdir = verifier_dir(config, root)
+    if verifier_config is None:
+        if not (vdir / "config.json").exists():
+            plan.notes.append(
+                f"{vdir}/config.json is not there yet: run `snakemake prepare_verifier` (or pass "
+                "--verifier-config) for bytes and GPU memory"
+            )
+            return plan
+        verifier_config = json.loads((vdir / "config.json").read_text())
+    g = Geometry.from_config(verifier_config)
+    plan.tokens = tokens = planned_tokens(config, root, assume_prompt_tokens)
+    hs, train, server = config["hidden_states"], config["train"], config["server"]
+    num_aux = len(hs["aux_layer_ids"] or default_aux_layer_ids(g.num_layers))
+    draft_vocab = config["vocab"]["draft_vocab_size"]
+    online = hs["mode"] == "online"
+
+    # Disk.
+    per_token = token_bytes(num_aux + 1, g.hidden_size, hs["dtype"])
+    states_dir = root / f"results/{run}/hidden_states"
+    shard_total = 0 if online else shard_bytes(tokens.tokens, tokens.samples, num_aux + 1, g.hidden_size, hs["dtype"])
+    plan.disk.append(
+        {
+            "stage": "hidden_states",
+            "what": "no shards (hidden_states.mode: online)"
+            if online
+            else f"{hs['num_shards']} shards: {num_aux + 1} states x {g.hidden_size} in {hs['dtype']}, "
+            f"{per_token} B/token",
+            "bytes": shard_total,
+            "where": states_dir,
+        }
+    )
+    if hs["backend"] == "vllm" and not online:
+        # vLLM's connector writes one file per request in flight (the server's dtype, bf16).
+        in_flight = hs["vllm"]["concurrency"] if isinstance(hs["vllm"]["concurrency"], int) else 256
+        where = Path(hs["vllm"]["storage_dir"] or "/tmp")
+        plan.disk.append(
+            {
+                "stage": "hidden_states",
+                "what": f"vLLM's per-request files, up to {in_flight} in flight at the longest sample",
+                "bytes": in_flight * tokens.longest * (num_aux + 1) * g.hidden_size * 2,
+                "where": where,
+            }
+        )
+    trainable, _ = draft_params(g, train["num_layers"], draft_vocab, num_aux)
+    plan.disk.append(
+        {
+            "stage": "train",
+            "what": f"checkpoints: {train['keep_checkpoints']} kept, weights and AdamW moments in fp32",
+            "bytes": train["keep_checkpoints"] * trainable * 4 * 4 if train["checkpoint_every"] else 0,
+            "where": root / f"results/{run}/drafts",
+        }
+    )
+    plan.disk.append(
+        {
+            "stage": "train",
+            "what": "the exported draft (fp32 weights)",
+            "bytes": trainable * 4,
+            "where": root / f"results/{run}/drafts",
+        }
+    )
+    for row in plan.disk:
+        row["free"] = free_bytes(row["where"])
+
+    # GPU memory.
+    weights = weight_bytes_on_disk(vdir) if vdir.exists() else None
+    estimated = weights is None
+    weights = estimated_weight_bytes(verifier_config) if weights is None else weights
+    tp = max(1, server["tensor_parallel_size"])
+    plan.gpu.append(
+        {
+            "what": "verifier weights (vLLM: generate, extraction, benchmark)",
+            "bytes": weights // tp,
+            "per": f"per GPU at tensor_parallel_size {tp} ({weights / GB:.1f} GB in all"
+            + (", estimated from config.json)" if estimated else ")"),
+        }
+    )
+    mem = draft_train_bytes(g, train, draft_vocab, num_aux)
+    nproc = train["nproc_per_node"]
+    plan.gpu.append(
+        {
+            "what": "draft training (estimate)",
+            "bytes": mem["total"],
+            "per": f"per process ({nproc}): {mem['trainable'] / 1e6:.0f}M trainable + {mem['frozen'] / 1e6:.0f}M "
+            f"frozen params {mem['state'] / GB:.1f} GB, activations at batch_tokens {train['batch_tokens']} "
+            f"{mem['activations'] / GB:.1f} GB",
+        }
+    )
+    if online:
+        plan.gpu.append(
+            {
+                "what": "online mode: verifier beside the draft",
+                "bytes": mem["total"] + weights // max(1, nproc if hs["device"] == "auto" else 1),
+                "per": "per training GPU (the verifier's weights over the GPUs it is spread on)",
+            }
+        )
+    plan.suggestions = suggest(plan, config, num_aux + 1, g.hidden_size, weights, mem["total"])
+    return plan
+
+
+def suggest(
+    plan: Plan, config: dict[str, Any], num_states: int, hidden_size: int, weights: int, train_bytes: int
+) -> list[str]:
+    """Settings that would make a run fit that does not. Pure."""
+    hs, tokens = config["hidden_states"], plan.tokens
+    per_token = token_bytes(num_states, hidden_size, hs["dtype"])
+    out = []
+    shards = plan.disk[0]
+    if shards["bytes"] > shards["free"]:
+        fit_tokens = shards["free"] // per_token
+        if hs["dtype"] != FP8:
+            fp8 = shard_bytes(tokens.tokens, tokens.samples, num_states, hidden_size, FP8)
+            out.append(
+                f"hidden_states.dtype: {FP8} stores {fp8 / GB:.1f} GB instead; the draft's acceptance "
+                "in vLLM against bf16 shards is in BENCHMARKS.md"
+            )
+        gpu = plan.gpu_memory
+        if gpu is None or train_bytes + weights // max(1, config["train"]["nproc_per_node"]) < gpu:
+            out.append(
+                "hidden_states.mode: online computes the states during training and writes none, "
+                "when the verifier fits on the training GPUs beside the draft (docs/operations.md)"
+            )
+        if tokens.samples:
+            mean = tokens.tokens / tokens.samples
+            out.append(
+                f"prompts.max_train: about {int(fit_tokens / mean)} samples of {mean:.0f} tokens fit in "
+                f"{shards['free'] / GB:.1f} GB free"
+            )
+        out.append(f"dataset.max_seq_len: a shorter cut lowers the longest samples ({tokens.longest} tokens now)")
+    for row in plan.disk[1:]:
+        if row["bytes"] > row["free"]:
+            out.append(f"{row['where']}: {row['what']} need {row['bytes'] / GB:.1f} GB, {row['free'] / GB:.1f} free")
+    if plan.gpu_memory is not None and train_bytes > plan.gpu_memory:
+        out.append(
+            f"train.batch_tokens: training needs about {train_bytes / GB:.0f} GB per process, the GPU has "
+            f"{plan.gpu_memory / GB:.0f}; halve batch_tokens (activations scale with it)"
+        )
+    return out
+
+
+def render(plan: Plan) -> str:
+    """The plan as Markdown. Pure."""
+    lines = [f"# Plan: run {plan.run}", ""]
+    if plan.tokens is not None:
+        t = plan.tokens
+        lines += [f"Samples {t.samples}, tokens {t.tokens:,}, longest {t.longest} ({t.source}).", ""]
+    if plan.disk:
+        lines += ["| stage | writes | bytes | where | free there |", "|---|---|---|---|---|"]
+        for r in plan.disk:
+            lines.append(f"| {r['stage']} | {r['what']} | {gb(r['bytes'])} | {r['where']} | {gb(r['free'])} |")
+        lines.append("")
+    if plan.gpu:
+        has = f"{plan.gpu_memory / GB:.0f} GB per GPU here" if plan.gpu_memory else "no GPU here"
+        lines += [f"GPU memory ({has}):", "", "| what | bytes | detail |", "|---|---|---|"]
+        lines += [f"| {r['what']} | {gb(r['bytes'])} | {r['per']} |" for r in plan.gpu]
+        lines.append("")
+    if plan.suggestions:
+        lines += ["Does not fit. Settings that would:", *[f"- {s}" for s in plan.suggestions], ""]
+    elif plan.disk:
+        lines += ["Fits: every stage's bytes are below the free space where they land.", ""]
+    lines += [f"Note: {n}" for n in plan.notes]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def summary_line(plan: Plan) -> str:
+    """The line `snakemake -n` prints. Pure."""
+    if not plan.disk:
+        return "Hidden states: " + (plan.notes[0] if plan.notes else "unknown")
+    shards, t = plan.disk[0], plan.tokens
+    fits = "fits" if not plan.suggestions else "DOES NOT FIT (python -m workflow_scripts.plan names settings that do)"
+    return (
+        f"Hidden states this run writes: {gb(shards['bytes'])} for {t.tokens:,} tokens "
+        f"({t.source.split(':')[0]}) in {shards['where']}, {gb(shards['free'])} free: {fits}"
+    )
+
+
+def gb(n: int) -> str:
+    return f"{n / GB:.2f} GB" if n >= 0.01 * GB else f"{n / 1e6:.2f} MB"
+
+
+def load_merged_config(configfiles: list[str], root: Path) -> dict[str, Any]:
+    """config/config.yaml with each file merged over it, as `snakemake --configfile` does."""
+    config = yaml.safe_load((root / DEFAULT_CONFIG).read_text())
+    for path in configfiles:
+        config = merged(config, yaml.safe_load(Path(path).read_text()) or {})
+    validate_config(config)
+    return config
+
+
+class PlannedDiskLog(logging.Handler):
+    """Prints the plan's summary line once, when Snakemake logs its job statistics, if the
+    jobs it plans include the hidden-state stage (or training in online mode)."""
+
+    def __init__(self, config: dict[str, Any], root: Path, emit_line):
+        super().__init__()
+        self.config, self.root, self.emit_line = config, root, emit_line
+        self.done = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        stats = getattr(record, "stats", None)
+        if self.done or not isinstance(stats, dict):
+            return
+        self.done = True
+        if not (stats.get("hidden_states") or stats.get("train")):
+            return
+        try:
+            self.emit_line(summary_line(make_plan(self.config, self.root)))
+        except (OSError, ValueError, KeyError) as exc:
+            self.emit_line(f"Hidden states: no plan ({exc})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m workflow_scripts.plan", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--configfile", action="append", default=[], help="merged over config/config.yaml, in order")
+    ap.add_argument("--verifier-config", help="the verifier's config.json, when the verifier is not on this machine")
+    ap.add_argument("--gpu-memory-gb", type=float, help="memory per GPU (default: nvidia-smi's)")
+    ap.add_argument("--assume-prompt-tokens", type=int, default=256, help="prompt length when the prompts are absent")
+    ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    args = ap.parse_args(argv)
+    root = Path(".")
+    config = load_merged_config(args.configfile, root)
+    plan = make_plan(
+        config,
+        root,
+        verifier_config=json.loads(Path(args.verifier_config).read_text()) if args.verifier_config else None,
+        gpu_memory=int(args.gpu_memory_gb * GB) if args.gpu_memory_gb else None,
+        assume_prompt_tokens=args.assume_prompt_tokens,
+    )
+    if args.json:
+        print(json.dumps(plan, default=lambda o: o.__dict__ if hasattr(o, "__dict__") else str(o), indent=1))
+    else:
+        print(render(plan), end="")
+    return 1 if plan.suggestions else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
