@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO / "bench"))
 from hidden_states_overhead import plain  # noqa: E402 (a sibling bench script)
 
 from workflow_scripts.common.config import typed  # noqa: E402
-from workflow_scripts.hidden_states.hf import extract  # noqa: E402
+from workflow_scripts.hidden_states.forward import extract  # noqa: E402
 from workflow_scripts.hidden_states.layers import default_aux_layer_ids  # noqa: E402
 from workflow_scripts.train.data import Sample, collate, pack  # noqa: E402
 from workflow_scripts.train.draft import build_draft  # noqa: E402

@@ -292,3 +292,28 @@ def synth_parsing():
         "verify_token_ids": synth["verify_token_ids"],
         "trust_remote_code": config["verifier"]["trust_remote_code"],
     }
+
+
+def train_states(wildcards):
+    """What the train job reads the verifier's states from: the shards and their index, or
+    (hidden_states.mode: online) the dataset, whose states it computes itself."""
+    if config["hidden_states"]["mode"] == "online":
+        return {
+            "dataset": [
+                results("dataset/train.parquet"),
+                results("dataset/eval.parquet"),
+            ]
+        }
+    return {"index": results("hidden_states/index.json"), "shards": shard_paths()}
+
+
+def online_states():
+    """Online mode: the hidden_states settings the train job computes states with. None
+    offline, so that no hidden_states setting restales an offline train job."""
+    hs = config["hidden_states"]
+    if hs["mode"] != "online":
+        return None
+    keys = ("aux_layer_ids", "dtype", "compute_dtype", "batch_tokens")
+    return {k: hs[k] for k in keys} | {
+        "trust_remote_code": config["verifier"]["trust_remote_code"]
+    }

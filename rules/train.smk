@@ -1,8 +1,7 @@
 rule train:
     input:
+        unpack(train_states),
         verifier=VERIFIER_DIR,
-        index=results("hidden_states/index.json"),
-        shards=shard_paths(),
         vocab_map=draft_vocab("vocab_map.safetensors"),
     output:
         draft=directory(draft_results("draft")),
@@ -20,6 +19,7 @@ rule train:
         train=draft_section("train"),
         serve_verifier_path=serve_verifier_path(),
         checkpoint_dir=checkpoint_dir,
+        online=online_states(),
         code=code("train"),
     script:
         "../workflow_scripts/entry/train.py"

@@ -1,8 +1,10 @@
-"""Synthetic train-stage inputs (hidden-state shards, index.json, vocab map) for a verifier dir.
+"""Synthetic train-stage inputs (hidden-state shards, index.json, vocab map, and the dataset
+online mode reads) for a verifier dir.
 
 The shards have the layout and metadata workflow_scripts.hidden_states writes, filled with
 seeded random numbers: the training loop's mechanics (packing, steps, checkpoints, data
-parallel) do not depend on the hidden states being a real verifier's.
+parallel) do not depend on the hidden states being a real verifier's. The dataset holds the
+same tokens and loss masks; online mode computes its states with the real verifier.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig
@@ -30,13 +34,14 @@ def make_train_inputs(
     seed: int = 0,
 ) -> dict[str, object]:
     """Write shards, index.json and vocab_map.safetensors under `out`; return the paths in
-    run_train's argument names. Samples are dealt round-robin over the shards."""
+    run_train's argument names (and `dataset`: train and eval parquet). Samples are dealt
+    round-robin over the shards."""
     cfg = AutoConfig.from_pretrained(verifier_dir)
     hidden, vocab, layers = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
     g = torch.Generator().manual_seed(seed)
     samples = [(n, False) for n in train_lengths] + [(n, True) for n in eval_lengths]
     out.mkdir(parents=True, exist_ok=True)
-    shards = []
+    shards, rows = [], {False: [], True: []}
     for s in range(num_shards):
         mine = samples[s::num_shards]
         total = sum(n for n, _ in mine)
@@ -61,6 +66,16 @@ def make_train_inputs(
             "hidden_size": str(hidden),
             "convention": "synthetic",
         }
+        for i, (n, is_eval) in enumerate(mine):
+            a = offsets[i]
+            rows[is_eval].append(
+                {
+                    "id": f"s{s}-{i}#t0",
+                    "input_ids": tensors["input_ids"][a : a + n].tolist(),
+                    "loss_mask": tensors["loss_mask"][a : a + n].tolist(),
+                    "length": n,
+                }
+            )
         path = out / f"shard-{s:05d}.safetensors"
         save_file(tensors, str(path), metadata=metadata)
         shards.append(str(path))
@@ -73,4 +88,8 @@ def make_train_inputs(
     t2d[target_ids] = True
     vocab_map = out / "vocab_map.safetensors"
     save_file({"d2t": d2t.to(torch.int64), "t2d": t2d}, str(vocab_map))
-    return {"shards": shards, "index": str(index), "vocab_map": str(vocab_map)}
+    dataset = []
+    for split, is_eval in (("train", False), ("eval", True)):
+        dataset.append(str(out / f"{split}.parquet"))
+        pq.write_table(pa.Table.from_pylist(rows[is_eval]), dataset[-1])
+    return {"shards": shards, "index": str(index), "vocab_map": str(vocab_map), "dataset": dataset}

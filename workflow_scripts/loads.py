@@ -17,12 +17,13 @@ def planned_loads(jobs: dict[str, int], config: dict[str, Any]) -> dict[str, int
 
     Every shard job of hidden_states shares one server: one load for the phase. A stage that
     uses an already running server (`server.endpoint`, `hidden_states.vllm.endpoint`) loads
-    nothing."""
+    nothing. Online (`hidden_states.mode: online`) every train job loads the verifier itself."""
     hs = config["hidden_states"]
     extraction_endpoint = hs["backend"] == "vllm" and hs["vllm"]["endpoint"]
     loads = {
         "generate": 0 if config["server"]["endpoint"] else jobs.get("generate", 0),
         "hidden_states": 0 if extraction_endpoint else min(jobs.get("hidden_states", 0), 1),
+        "train": jobs.get("train", 0) if hs["mode"] == "online" else 0,
         "baseline": jobs.get("baseline", 0),
         "benchmark": jobs.get("benchmark", 0),
     }

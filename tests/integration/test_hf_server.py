@@ -15,7 +15,7 @@ from safetensors import safe_open
 from tests.helpers import hidden_states_config
 from workflow_scripts.common.loads import read_loads
 from workflow_scripts.common.shared import SharedDir
-from workflow_scripts.hidden_states.hf import extract, load_verifier
+from workflow_scripts.hidden_states.forward import extract, load_verifier
 from workflow_scripts.hidden_states.run import run_shard
 from workflow_scripts.hidden_states.shards import write_index
 from workflow_scripts.hidden_states.storage import shard_bytes

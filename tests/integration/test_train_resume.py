@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from tests.helpers import REPO
 from tests.train_inputs import make_train_inputs
 from workflow_scripts.common.atomic import read_jsonl
+from workflow_scripts.common.loads import read_loads
 from workflow_scripts.train.checkpoint import (
     TrainState,
     checkpoints,
@@ -76,11 +77,25 @@ def inputs(tiny_llama_dir, tmp_path_factory):
     )
 
 
-def spec(tmp: Path, inputs, verifier, **cfg) -> dict:
+# Online mode: the states the tiny verifier computes (hidden_states settings the rule passes).
+ONLINE = {
+    "aux_layer_ids": None,
+    "dtype": "bfloat16",
+    "compute_dtype": "auto",
+    "batch_tokens": 64,
+    "trust_remote_code": False,
+}
+
+
+def spec(tmp: Path, inputs, verifier, mode: str = "offline", **cfg) -> dict:
+    online = mode == "online"
     return {
-        "shards": inputs["shards"],
+        "shards": [] if online else inputs["shards"],
+        "index": None if online else inputs["index"],
+        "dataset": inputs["dataset"] if online else [],
+        "online": ONLINE if online else None,
+        "log_path": str(tmp / "logs" / "train.default.log"),
         "vocab_map": inputs["vocab_map"],
-        "index": inputs["index"],
         "verifier_dir": str(verifier),
         "draft_out": str(tmp / "draft"),
         "metrics_out": str(tmp / "train" / "metrics.jsonl"),
@@ -132,10 +147,14 @@ def assert_drafts_equal(a: Path, b: Path):
 
 @pytest.fixture(scope="module")
 def uninterrupted(inputs, tiny_llama_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("uninterrupted")
-    s = spec(tmp, inputs, tiny_llama_dir)
-    run_from_json(s)
-    return tmp, read_jsonl(s["metrics_out"])
+    """mode -> (directory, metrics rows) of a run that was never killed."""
+    runs = {}
+    for mode in ("offline", "online"):
+        tmp = tmp_path_factory.mktemp(f"uninterrupted-{mode}")
+        s = spec(tmp, inputs, tiny_llama_dir, mode)
+        run_from_json(s)
+        runs[mode] = tmp, read_jsonl(s["metrics_out"])
+    return runs
 
 
 # --- pure parts ------------------------------------------------------------------------------
@@ -263,10 +282,10 @@ def test_checkpoint_round_trip_restores_every_state(inputs, tiny_llama_dir, tmp_
 # --- kill and resume -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("signame", ["SIGKILL", "SIGTERM"])
-def test_killed_run_resumes_and_matches_uninterrupted(inputs, tiny_llama_dir, uninterrupted, tmp_path, signame):
-    ref_dir, ref_rows = uninterrupted
-    s = spec(tmp_path, inputs, tiny_llama_dir)
+@pytest.mark.parametrize(("mode", "signame"), [("offline", "SIGKILL"), ("offline", "SIGTERM"), ("online", "SIGKILL")])
+def test_killed_run_resumes_and_matches_uninterrupted(inputs, tiny_llama_dir, uninterrupted, tmp_path, mode, signame):
+    ref_dir, ref_rows = uninterrupted[mode]
+    s = spec(tmp_path, inputs, tiny_llama_dir, mode)
     # Killed at step 6: the newest checkpoint is step 4, so steps 5-6 are trained twice.
     killed = run_subprocess(s, tmp_path, kill_at=f"6:{signame}")
     assert killed.returncode == (-signal.SIGKILL if signame == "SIGKILL" else 128 + signal.SIGTERM), killed.stderr[
@@ -285,6 +304,54 @@ def test_killed_run_resumes_and_matches_uninterrupted(inputs, tiny_llama_dir, un
     assert_rows_equal(rows, ref_rows)
     assert_drafts_equal(Path(s["draft_out"]), ref_dir / "draft")
     assert not fp_dir.exists(), "a finished run removes its spent checkpoints"
+
+
+def test_online_training_loads_the_verifier_once_and_learns_from_its_states(uninterrupted):
+    offline_dir, offline_rows = uninterrupted["offline"]
+    online_dir, online_rows = uninterrupted["online"]
+    (load,) = read_loads(online_dir / "logs" / "servers")
+    assert load["stage"] == "train" and load["kind"] == "start"
+    assert not read_loads(offline_dir / "logs" / "servers")
+    # Same tokens, same schedule; the verifier's states instead of the shards' random numbers.
+    assert [(r["step"], r["split"]) for r in online_rows] == [(r["step"], r["split"]) for r in offline_rows]
+    assert online_rows[-1]["loss"] != offline_rows[-1]["loss"]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_online_states_are_those_the_offline_stage_stores(inputs, tiny_llama_dir, tmp_path, dtype):
+    from workflow_scripts.common.atomic import write_safetensors
+    from workflow_scripts.common.config import typed
+    from workflow_scripts.hidden_states.forward import extract, load_verifier
+    from workflow_scripts.hidden_states.shards import shard_tensors
+    from workflow_scripts.train.online import OnlineStates, VerifierStates, load_token_samples
+
+    tokens, _ = load_token_samples(*inputs["dataset"], train_fraction=1.0)
+    online = VerifierStates(
+        str(tiny_llama_dir), typed(OnlineStates, {**ONLINE, "dtype": dtype}, "hidden_states"), torch.device("cpu")
+    )
+    # Offline: one shard of every training sample, in the backend's own token-budget batches.
+    samples = [{"id": t.id, "split": "train", "input_ids": t.input_ids, "loss_mask": t.loss_mask} for t in tokens]
+    stored = extract(
+        load_verifier(str(tiny_llama_dir), "cpu", torch.float32),
+        samples,
+        online.aux_layer_ids,
+        4096,
+        torch.bfloat16,
+        progress=False,
+    )
+    shard = tmp_path / "shard.safetensors"
+    metadata = {"sample_ids": json.dumps([t.id for t in tokens]), "aux_layer_ids": json.dumps(online.aux_layer_ids)}
+    write_safetensors(shard, shard_tensors(samples, stored, dtype), metadata)
+    want, _, _ = load_shards([str(shard)])
+    # Online: per training batch, batches of other shapes.
+    got = online.samples(tokens[:5]) + online.samples(tokens[5:])
+    for g, w in zip(got, want, strict=True):
+        assert g.input_ids.equal(w.input_ids) and g.loss_mask.equal(w.loss_mask)
+        for field in ("hidden_states", "verifier_last_hidden_states"):
+            a, b = getattr(g, field), getattr(w, field)
+            # Other batch shapes may round a float32 value to the neighbouring bf16 one; nothing more.
+            torch.testing.assert_close(a, b, rtol=2**-6, atol=1e-4)
+            assert (a == b).float().mean() > 0.99
 
 
 def test_changed_config_does_not_resume_stale_checkpoint(inputs, tiny_llama_dir, tmp_path):

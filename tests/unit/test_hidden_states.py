@@ -24,7 +24,7 @@ from workflow_scripts.hidden_states.client import (
     stack_states,
     states_paths,
 )
-from workflow_scripts.hidden_states.hf import decoder_parts, extract, load_verifier, token_budget_batches
+from workflow_scripts.hidden_states.forward import decoder_parts, extract, load_verifier, token_budget_batches
 from workflow_scripts.hidden_states.layers import default_aux_layer_ids, resolve_aux_layer_ids, verifier_geometry
 from workflow_scripts.hidden_states.run import run_shard
 from workflow_scripts.hidden_states.shards import check_disk_space

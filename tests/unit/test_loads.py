@@ -8,6 +8,7 @@ import yaml
 from tests.helpers import REPO
 from workflow_scripts.common.loads import count_loads, read_loads, record_load
 from workflow_scripts.loads import describe_planned, planned_loads
+from workflow_scripts.variants import merged
 
 CONFIG = yaml.safe_load((REPO / "config/config.yaml").read_text())
 FULL_RUN = {
@@ -34,6 +35,8 @@ def test_a_full_run_loads_once_per_serving_stage_whatever_the_shard_count():
 
 def test_a_retrain_loads_only_for_its_benchmark_and_endpoints_load_nothing():
     assert planned_loads({"train": 1, "benchmark": 1, "report": 1}, CONFIG) == {"benchmark": 1}
+    online = merged(CONFIG, {"hidden_states": {"mode": "online"}})
+    assert planned_loads({"train": 2, "benchmark": 2}, online) == {"train": 2, "benchmark": 2}
     with_endpoints = copy.deepcopy(CONFIG)
     with_endpoints["server"]["endpoint"] = "http://gpu-node:8000"
     with_endpoints["hidden_states"]["backend"] = "vllm"

@@ -25,7 +25,7 @@ from aiohttp import web
 
 from workflow_scripts.common.logs import configure_logging
 from workflow_scripts.hidden_states.client import stack_states
-from workflow_scripts.hidden_states.hf import extract, load_verifier, resolve_compute_dtype
+from workflow_scripts.hidden_states.forward import extract, load_verifier, resolve_compute_dtype
 from workflow_scripts.hidden_states.storage import COMPUTE_DTYPES, torch_dtype
 
 log = logging.getLogger("eagleflow.hf_server")

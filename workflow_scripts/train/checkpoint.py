@@ -42,12 +42,20 @@ NON_DETERMINING_KEYS = frozenset({"checkpoint_every", "keep_checkpoints", "gpus"
 PREFIX = "step-"
 
 
-def training_fingerprint(cfg: dict[str, Any], index: str, vocab_map: str, shards: list[str], code: str) -> str:
+def training_fingerprint(
+    cfg: dict[str, Any],
+    index: str | None,
+    vocab_map: str,
+    shards: list[str],
+    code: str,
+    online: dict[str, Any] | None = None,
+) -> str:
     """What a checkpoint is valid for: train config, input identity and code fingerprint.
 
-    index.json and the vocab map are hashed by content (small files). Shards are identified
-    by name, size and mtime: hashing hundreds of GB on every start is too slow, and a shard
-    rebuilt with identical bytes restarting training is the safe direction to err in.
+    index.json and the vocab map are hashed by content (small files). Shards (online: the
+    dataset's parquet files) are identified by name, size and mtime: hashing hundreds of GB
+    on every start is too slow, and a shard rebuilt with identical bytes restarting training
+    is the safe direction to err in. Online, the settings the states are computed with count.
     """
 
     def file_sha(path: str) -> str:
@@ -60,10 +68,11 @@ def training_fingerprint(cfg: dict[str, Any], index: str, vocab_map: str, shards
     return value_fingerprint(
         {
             "train": {k: v for k, v in sorted(cfg.items()) if k not in NON_DETERMINING_KEYS},
-            "index": file_sha(index),
+            "index": file_sha(index) if index else None,
             "vocab_map": file_sha(vocab_map),
             "shards": [stat(s) for s in shards],
             "code": code,
+            **({"online": online} if online is not None else {}),
         }
     )
 

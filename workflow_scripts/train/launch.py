@@ -28,10 +28,14 @@ STOP_GRACE_S = 60
 def main(smk) -> None:
     """The train rule's job (rules/train.smk)."""
     with stage(smk):
+        # Offline the shards and their index; online the dataset (rules/common.smk: train_states).
         spec = {
-            "shards": list(smk.input.shards),
+            "shards": list(getattr(smk.input, "shards", [])),
+            "index": getattr(smk.input, "index", None),
+            "dataset": list(getattr(smk.input, "dataset", [])),
+            "online": smk.params.online,
+            "log_path": smk.log[0],
             "vocab_map": smk.input.vocab_map,
-            "index": smk.input.index,
             "verifier_dir": smk.input.verifier,
             "draft_out": smk.output.draft,
             "metrics_out": smk.output.metrics,

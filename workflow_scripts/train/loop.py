@@ -49,8 +49,9 @@ from workflow_scripts.train.checkpoint import (
     trainable_state,
     training_fingerprint,
 )
-from workflow_scripts.train.data import collate, load_shards, pack
+from workflow_scripts.train.data import Sample, collate, load_shards, pack
 from workflow_scripts.train.draft import build_draft, export_draft
+from workflow_scripts.train.online import TokenSample, VerifierStates, load_token_samples, open_verifier
 
 log = logging.getLogger(__name__)
 
@@ -90,15 +91,20 @@ class TrainConfig:
 class TrainJob:
     """Where one training run reads and writes, and the threads of each process."""
 
-    shards: list[str]
+    shards: list[str]  # offline: the hidden-state shards (empty online)
     vocab_map: str
-    index: str
+    index: str | None  # offline: the shards' index.json
     verifier_dir: str
     draft_out: str
     metrics_out: str
     checkpoint_dir: str  # resumable checkpoints, under <checkpoint_dir>/<fingerprint>/
     serve_verifier_path: str  # the verifier path the exported draft names
     threads: int
+    # Online mode (train.online): the dataset's train and eval parquet, the hidden_states
+    # settings the states are computed with, and the job's log (the load ledger sits by it).
+    dataset: list[str] = dataclasses.field(default_factory=list)
+    online: dict[str, Any] | None = None
+    log_path: str | None = None
 
 
 def lr_at(step: int, total: int, base_lr: float, warmup: int, min_ratio: float = 0.1) -> float:
@@ -286,7 +292,7 @@ def run_train(job: TrainJob, cfg: TrainConfig, on_step_end: StepCallback | None 
 def run_from_json(spec: dict[str, Any], on_step_end: StepCallback | None = None) -> None:
     """Entry for `python -m workflow_scripts.train SPEC.json` (and torchrun): TrainJob's
     fields and the train config section under "cfg", as JSON."""
-    job = TrainJob(**{f.name: spec[f.name] for f in dataclasses.fields(TrainJob)})
+    job = TrainJob(**{f.name: spec[f.name] for f in dataclasses.fields(TrainJob) if f.name in spec})
     run_train(job, typed(TrainConfig, spec["cfg"], "train"), on_step_end)
 
 
@@ -328,8 +334,8 @@ class Trainer:
     model: torch.nn.Module
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
-    train: list[dict[str, torch.Tensor]]
-    evals: list[dict[str, torch.Tensor]]
+    train: list[Sample] | list[TokenSample]  # token samples online: their states come per batch
+    evals: list[Sample]
     epochs: list[list[list[int]]]  # the packing of every epoch: batches of sample indices
     total_steps: int
     fwd_kwargs: dict[str, Any]
@@ -338,6 +344,7 @@ class Trainer:
     checkpoint_dir: Path
     state: TrainState = dataclasses.field(default_factory=TrainState)
     best: dict[str, torch.Tensor] | None = None  # trainable weights of the best validation (rank 0)
+    states: VerifierStates | None = None  # online mode: the verifier that computes the states
 
     @classmethod
     def setup(cls, job: TrainJob, cfg: TrainConfig, rt: Runtime) -> Trainer:
@@ -349,13 +356,22 @@ class Trainer:
             dataclasses.asdict(cfg),
             job.index,
             job.vocab_map,
-            job.shards,
+            job.shards or job.dataset,
             code_fingerprint("workflow_scripts.train.loop"),
+            online=job.online,
         )
-        train, evals, aux_layer_ids = load_shards(job.shards, train_fraction=cfg.sample_fraction)
+        # Data: the shards' samples, or (online) the dataset's tokens and the verifier.
+        states = None
+        if job.online is None:
+            train, evals, aux_layer_ids = load_shards(job.shards, train_fraction=cfg.sample_fraction)
+        else:
+            train, eval_tokens = load_token_samples(*job.dataset, train_fraction=cfg.sample_fraction)
+            states = open_verifier(job.verifier_dir, job.online, rt.device, job.log_path, rt.is_main)
+            evals, aux_layer_ids = states.samples(eval_tokens), states.aux_layer_ids
         if not train or not evals:
             raise ValueError(
-                f"hidden-state shards hold {len(train)} train and {len(evals)} eval samples; both must be non-empty"
+                f"{'the dataset' if states else 'hidden-state shards'} hold{'s' if states else ''} {len(train)} "
+                f"train and {len(evals)} eval samples; both must be non-empty"
             )
         vocab = load_file(job.vocab_map)
         model = build_draft(
@@ -393,6 +409,7 @@ class Trainer:
             keys=metric_keys(cfg.ttt_steps),
             fingerprint=fingerprint,
             checkpoint_dir=Path(job.checkpoint_dir) / fingerprint,
+            states=states,
         )
         if rt.is_main:
             trainer.log_setup()
@@ -492,7 +509,7 @@ class Trainer:
         """One optimizer step on this rank's batch of `step_batches`; adds its metrics to `window`."""
         rt, cfg = self.rt, self.cfg
         mine = step_batches[rt.rank] if rt.rank < len(step_batches) else None
-        batch = collate([self.train[i] for i in mine], cfg.batch_tokens) if mine is not None else None
+        batch = collate(self.samples(mine), cfg.batch_tokens) if mine is not None else None
         lr = lr_at(self.state.step, self.total_steps, cfg.lr, cfg.warmup_steps)
         grad_norm, reduced = train_step(
             self.model,
@@ -509,6 +526,11 @@ class Trainer:
         window.sums += reduced
         window.tokens += sum(min(len(self.train[i]), cfg.batch_tokens) for b in step_batches for i in b)
         return lr, grad_norm
+
+    def samples(self, indices: list[int]) -> list[Sample]:
+        """Training samples `indices` with their states (online: computed now)."""
+        items = [self.train[i] for i in indices]
+        return items if self.states is None else self.states.samples(items)
 
     def train_row(self, epoch: int, lr: float, grad_norm: torch.Tensor, window: Window) -> dict[str, Any]:
         """The metrics row of the steps since the last one; starts the next window."""
