@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.eagleflow-installed
 CORES ?= all
 
-.PHONY: setup demo test test-fast lint clean-results
+.PHONY: setup demo plan test test-fast lint clean-results
 
 setup: $(STAMP)
 
@@ -24,6 +24,10 @@ $(STAMP): pyproject.toml envs/cpu-constraints.txt
 
 demo: setup
 	$(BIN)/snakemake --cores $(CORES)
+
+# What the default config (or CONFIG=path) needs: tokens, disk per stage, GPU memory, what fits.
+plan: setup
+	$(BIN)/python -m workflow_scripts.plan $(if $(CONFIG),--configfile $(CONFIG))
 
 test: setup
 	$(BIN)/python -m pytest -v -rs --durations=25

@@ -360,9 +360,9 @@ def make_plan(
     if online:
         plan.gpu.append(
             {
-                "what": "online mode: verifier beside the draft",
-                "bytes": mem["total"] + weights // max(1, nproc if hs["device"] == "auto" else 1),
-                "per": "per training GPU (the verifier's weights over the GPUs it is spread on)",
+                "what": "online mode: the verifier beside the draft",
+                "bytes": mem["total"] + weights,
+                "per": "per training GPU: every training process loads the whole verifier on its GPU",
             }
         )
     plan.suggestions = suggest(plan, config, num_aux + 1, g.hidden_size, weights, mem["total"])
@@ -401,7 +401,13 @@ def suggest(
     for row in plan.disk[1:]:
         if row["bytes"] > row["free"]:
             out.append(f"{row['where']}: {row['what']} need {row['bytes'] / GB:.1f} GB, {row['free'] / GB:.1f} free")
-    if plan.gpu_memory is not None and train_bytes > plan.gpu_memory:
+    online_bytes = train_bytes + weights
+    if hs["mode"] == "online" and plan.gpu_memory is not None and online_bytes > plan.gpu_memory:
+        out.append(
+            f"hidden_states.mode: offline: online training holds the verifier ({weights / GB:.0f} GB) beside the "
+            f"draft on every training GPU, about {online_bytes / GB:.0f} GB against {plan.gpu_memory / GB:.0f}"
+        )
+    elif plan.gpu_memory is not None and train_bytes > plan.gpu_memory:
         out.append(
             f"train.batch_tokens: training needs about {train_bytes / GB:.0f} GB per process, the GPU has "
             f"{plan.gpu_memory / GB:.0f}; halve batch_tokens (activations scale with it)"

@@ -1,6 +1,7 @@
 """The whole DAG on a small config, with a real vLLM, checked against the data contracts."""
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -223,8 +224,18 @@ def test_comments_and_docs_restale_nothing(finished_run):
         ({"synth": {"expect_reasoning": True}}, DOWNSTREAM_OF_SYNTH),
         ({"synth": {"concurrency": 3, "max_attempts": 2}}, set()),
         ({"synth": {"max_tokens": 40}}, DOWNSTREAM_OF_SYNTH | {"generate"}),
+        ({"hidden_states": {"dtype": "float8_e4m3fn"}}, PER_DRAFT | {"hidden_states", "hidden_states_index"}),
+        ({"hidden_states": {"mode": "online"}}, PER_DRAFT),
     ],
-    ids=["train.lr", "vocab.draft_vocab_size", "synth.expect_reasoning", "synth.concurrency", "synth.max_tokens"],
+    ids=[
+        "train.lr",
+        "vocab.draft_vocab_size",
+        "synth.expect_reasoning",
+        "synth.concurrency",
+        "synth.max_tokens",
+        "hidden_states.dtype",
+        "hidden_states.mode",
+    ],
 )
 def test_a_parameter_change_restales_exactly_its_stage_and_downstream(finished_run, tmp_path, override, expected):
     import yaml
@@ -297,3 +308,39 @@ def test_the_run_report_has_the_comparison_of_its_one_variant(finished_run):
     baseline = json.loads((r / "baseline/report.json").read_text())
     report = json.loads((r / "variants/default/benchmark/report.json").read_text())
     assert report["baseline"]["output_tokens_per_s"] == baseline["output_tokens_per_s"]
+
+
+def test_the_plan_counts_the_bytes_the_shards_take(finished_run):
+    from workflow_scripts.plan import load_merged_config, make_plan
+
+    config = load_merged_config([str(REPO / "tests/config/small.yaml")], finished_run)
+    plan = make_plan(config, finished_run)
+    assert plan.tokens.source.startswith("exact")
+    written = sum(p.stat().st_size for p in (finished_run / "results/small/hidden_states").glob("shard-*.safetensors"))
+    assert plan.disk[0]["bytes"] == pytest.approx(written, rel=0.05)
+
+
+def test_online_mode_trains_without_shards_and_vllm_serves_its_draft(finished_run, tmp_path):
+    """The same run switched to online mode: no hidden-state job, a train job that loads the
+    verifier itself (counted), and a draft that vLLM serves in the benchmark."""
+    import yaml
+
+    wf = tmp_path / "wf"
+    shutil.copytree(finished_run, wf, symlinks=True)
+    shutil.rmtree(wf / "results/small/hidden_states")  # online needs none of it
+    serve_path = str((finished_run / "resources/verifier/smollm2-135m-instruct").resolve())
+    (wf / "online.yaml").write_text(
+        yaml.safe_dump({"hidden_states": {"mode": "online"}, "verifier": {"serve_path": serve_path}})
+    )
+    cmd = SNAKEMAKE + ["--cores", "2", "--configfile", str(REPO / "tests/config/small.yaml"), "online.yaml"]
+    dry = subprocess.run([*cmd, "-n"], cwd=wf, capture_output=True, text=True, check=True)
+    assert set(planned_jobs(dry.stdout)) - {"all"} == PER_DRAFT
+    assert "Verifier loads this run takes: 2 (train 1, benchmark 1)" in dry.stderr
+    loads_before = len(read_loads(wf / "results/small/logs/servers"))
+    done = subprocess.run(cmd, cwd=wf, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert not (wf / "results/small/hidden_states").exists()
+    new = read_loads(wf / "results/small/logs/servers")[loads_before:]
+    assert sorted(r["stage"] for r in new) == ["benchmark", "train"]
+    spec = json.loads((wf / "results/small/variants/default/benchmark/report.json").read_text())["speculative"]
+    assert spec["num_drafts"] > 0 and spec["mean_acceptance_length"] >= 1.0

@@ -134,3 +134,17 @@ def test_snakemake_dry_runs_print_the_summary_only_when_states_are_planned(tmp_p
     handler.emit(record)
     handler.emit(record)
     assert len(lines) == 1 and lines[0].startswith("Hidden states this run writes:")
+
+
+def test_online_mode_does_not_fit_when_the_verifier_does_not_fit_beside_the_draft(tmp_path, tiny_llama_dir):
+    config = plan_config(tmp_path, tiny_llama_dir, mode="online")
+    write_dataset(tmp_path, "t", [100, 50, 30])
+    roomy = make_plan(config, tmp_path, gpu_memory=10**12)
+    assert not roomy.suggestions
+    need = roomy.gpu[-1]["bytes"]
+    tight = make_plan(config, tmp_path, gpu_memory=need - 1)
+    assert any(s.startswith("hidden_states.mode: offline") for s in tight.suggestions)
+    assert (
+        make_plan(merged(config, {"hidden_states": {"mode": "offline"}}), tmp_path, gpu_memory=need - 1).suggestions
+        == []
+    )
