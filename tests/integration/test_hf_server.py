@@ -8,7 +8,6 @@ import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import pytest
 import torch
 from safetensors import safe_open
 
@@ -73,7 +72,8 @@ def test_eight_shards_share_one_load_are_unpadded_and_equal_the_in_process_forwa
         assert offsets[-1] == n_tokens
         # nothing padded: the file is what the disk check counts (header aside)
         assert (hs.numel() + final.numel()) * 2 == n_tokens * 4 * 128 * 2
-        assert os.path.getsize(out) == pytest.approx(shard_bytes(n_tokens, len(ids), 4, 128, "bfloat16"), rel=0.02)
+        # (the safetensors header, its JSON metadata, is the rest: under 2 KB)
+        assert 0 <= os.path.getsize(out) - shard_bytes(n_tokens, len(ids), 4, 128, "bfloat16") < 2048
         # The server's forward is the one the job would run itself: same batches, same padding.
         expected = extract(model, [by_id[i] for i in ids], [2, 4, 5], 32, torch.bfloat16)
         for k, (aux, fin) in enumerate(expected):
