@@ -208,6 +208,12 @@ def draft_params(g: Geometry, num_layers: int, draft_vocab: int, num_aux: int) -
     return trainable, frozen
 
 
+def draft_export_bytes(g: Geometry, trainable: int, draft_vocab: int) -> int:
+    """The exported draft's model.safetensors: the trainable weights, the embeddings and the
+    draft lm_head in bf16, and the vocabulary maps (d2t int64, t2d bool). Pure."""
+    return (trainable + g.vocab_size * g.hidden_size + draft_vocab * g.hidden_size) * 2 + draft_vocab * 8 + g.vocab_size
+
+
 def draft_train_bytes(g: Geometry, train: dict[str, Any], draft_vocab: int, num_aux: int) -> dict[str, int]:
     """GPU memory of one training process, estimated. Pure.
 
@@ -325,8 +331,8 @@ def make_plan(
     plan.disk.append(
         {
             "stage": "train",
-            "what": "the exported draft (fp32 weights)",
-            "bytes": trainable * 4,
+            "what": "the exported draft (bf16, with the embeddings and lm_head vLLM loads)",
+            "bytes": draft_export_bytes(g, trainable, draft_vocab),
             "where": root / f"results/{run}/drafts",
         }
     )

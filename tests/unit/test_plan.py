@@ -15,6 +15,7 @@ from workflow_scripts.common.atomic import write_jsonl
 from workflow_scripts.plan import (
     Geometry,
     PlannedDiskLog,
+    draft_export_bytes,
     draft_params,
     estimated_weight_bytes,
     load_merged_config,
@@ -23,7 +24,7 @@ from workflow_scripts.plan import (
     summary_line,
     tokens_from_prompts,
 )
-from workflow_scripts.train.draft import build_draft
+from workflow_scripts.train.draft import build_draft, export_draft
 from workflow_scripts.variants import merged
 
 REPO_CONFIG = load_merged_config([], REPO)
@@ -53,7 +54,7 @@ def test_the_kimi_example_verifier_is_about_595_gb_in_int4():
     assert 580e9 < int4 < 610e9 and 1.9e12 < bf16 < 2.1e12  # 1T parameters
 
 
-def test_draft_params_match_the_draft_eagleflow_builds(tiny_llama_dir):
+def test_draft_params_and_export_size_match_the_draft_eagleflow_builds(tiny_llama_dir, tmp_path):
     vocab = 64
     d2t = torch.arange(vocab) * 2 - torch.arange(vocab)
     t2d = torch.zeros(json.loads((tiny_llama_dir / "config.json").read_text())["vocab_size"], dtype=torch.bool)
@@ -66,6 +67,10 @@ def test_draft_params_match_the_draft_eagleflow_builds(tiny_llama_dir):
         frozen = sum(p.numel() for p in draft.parameters() if not p.requires_grad)
         g = Geometry.from_config(json.loads((tiny_llama_dir / "config.json").read_text()))
         assert draft_params(g, layers, vocab, 3) == (trainable, frozen)
+        out = tmp_path / f"draft-{layers}"
+        export_draft(draft, draft.state_dict(), out, str(tiny_llama_dir))
+        size = (out / "model.safetensors").stat().st_size
+        assert 0 <= size - draft_export_bytes(g, trainable, vocab) < 4096  # the safetensors header
 
 
 def write_dataset(root, run, lengths):
