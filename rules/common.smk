@@ -8,8 +8,8 @@ from snakemake.logging import logger
 from workflow_scripts.common.config import validate_config
 from workflow_scripts.common.fingerprint import code_fingerprint
 from workflow_scripts.generate.requests import REPLY_SHAPING_FLAGS
-from workflow_scripts.loads import PlannedLoadsLog
-from workflow_scripts.plan import PlannedDiskLog
+from workflow_scripts.loads import RunInfoLine, describe_planned
+from workflow_scripts.plan import planned_disk_line
 from workflow_scripts.variants import (
     draft_id,
     draft_variant,
@@ -22,16 +22,15 @@ from workflow_scripts.variants import (
 
 validate_config(config)
 validate_variants(config)
-# `snakemake -n` (and every run) says how many times the jobs it plans load the verifier.
-logger.addHandler(
-    PlannedLoadsLog(config, lambda line: print(line, file=sys.stderr, flush=True))
-)
-# ... and what the hidden states will take on disk (`python -m workflow_scripts.plan` for all of it).
-logger.addHandler(
-    PlannedDiskLog(
-        config, Path("."), lambda line: print(line, file=sys.stderr, flush=True)
+# `snakemake -n` (and every run) says how many times the jobs it plans load the verifier,
+# and what the hidden states will take on disk (`python -m workflow_scripts.plan`: all of it).
+for line in (
+    lambda jobs: describe_planned(jobs, config),
+    lambda jobs: planned_disk_line(jobs, config, Path(".")),
+):
+    logger.addHandler(
+        RunInfoLine(line, lambda text: print(text, file=sys.stderr, flush=True))
     )
-)
 
 RUN = config["run"]
 VARIANTS = list(variant_overrides(config))

@@ -9,6 +9,7 @@ fix or a retrain costs before any work starts. docs/operations.md has the table 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 
@@ -40,13 +41,14 @@ def describe_planned(jobs: dict[str, int], config: dict[str, Any]) -> str:
     return f"Verifier loads this run takes: {sum(loads.values())}" + (f" ({', '.join(parts)})" if parts else "")
 
 
-class PlannedLoadsLog(logging.Handler):
-    """Prints the planned loads once, when Snakemake logs its job statistics (the RUN_INFO
-    event of its logging API: `stats` is rule -> job count), in a dry run as in a real run."""
+class RunInfoLine(logging.Handler):
+    """Prints one line once, when Snakemake logs its job statistics (the RUN_INFO event of
+    its logging API: `stats` is rule -> job count), in a dry run as in a real run. `line`
+    makes it from rule -> job count; None prints nothing."""
 
-    def __init__(self, config: dict[str, Any], emit_line):
+    def __init__(self, line: Callable[[dict[str, int]], str | None], emit_line: Callable[[str], None]):
         super().__init__()
-        self.config = config
+        self.line = line
         self.emit_line = emit_line
         self.done = False
 
@@ -55,5 +57,6 @@ class PlannedLoadsLog(logging.Handler):
         if self.done or not isinstance(stats, dict):
             return
         self.done = True
-        jobs = {rule: n for rule, n in stats.items() if rule != "total"}
-        self.emit_line(describe_planned(jobs, self.config))
+        text = self.line({rule: n for rule, n in stats.items() if rule != "total"})
+        if text:
+            self.emit_line(text)

@@ -5,7 +5,7 @@
 prints the tokens the hidden-state stage will see, the bytes each stage writes and the free
 space where they land, the GPU memory of the verifier and of the draft training, and which
 settings would make a run fit that does not. `snakemake -n` prints its one-line summary
-(PlannedDiskLog).
+(planned_disk_line).
 
 Tokens are exact once the dataset exists (results/<run>/dataset/*.parquet); before that they
 are an upper bound from the prompts: every reply at `synth.max_tokens`, prompt text at about
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import shutil
 import subprocess
 import sys
@@ -470,26 +469,15 @@ def load_merged_config(configfiles: list[str], root: Path) -> dict[str, Any]:
     return config
 
 
-class PlannedDiskLog(logging.Handler):
-    """Prints the plan's summary line once, when Snakemake logs its job statistics, if the
-    jobs it plans include the hidden-state stage (or training in online mode)."""
-
-    def __init__(self, config: dict[str, Any], root: Path, emit_line):
-        super().__init__()
-        self.config, self.root, self.emit_line = config, root, emit_line
-        self.done = False
-
-    def emit(self, record: logging.LogRecord) -> None:
-        stats = getattr(record, "stats", None)
-        if self.done or not isinstance(stats, dict):
-            return
-        self.done = True
-        if not (stats.get("hidden_states") or stats.get("train")):
-            return
-        try:
-            self.emit_line(summary_line(make_plan(self.config, self.root)))
-        except (OSError, ValueError, KeyError) as exc:
-            self.emit_line(f"Hidden states: no plan ({exc})")
+def planned_disk_line(jobs: dict[str, int], config: dict[str, Any], root: Path) -> str | None:
+    """The line `snakemake -n` prints when the jobs it plans (rule -> count) include the
+    hidden-state stage or training; None otherwise."""
+    if not (jobs.get("hidden_states") or jobs.get("train")):
+        return None
+    try:
+        return summary_line(make_plan(config, root))
+    except (OSError, ValueError, KeyError) as exc:
+        return f"Hidden states: no plan ({exc})"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,14 +12,15 @@ from transformers import AutoModelForCausalLM
 
 from tests.helpers import REPO
 from workflow_scripts.common.atomic import write_jsonl
+from workflow_scripts.loads import RunInfoLine
 from workflow_scripts.plan import (
     Geometry,
-    PlannedDiskLog,
     draft_export_bytes,
     draft_params,
     estimated_weight_bytes,
     load_merged_config,
     make_plan,
+    planned_disk_line,
     render,
     summary_line,
     tokens_from_prompts,
@@ -129,12 +130,11 @@ def test_a_run_that_does_not_fit_names_settings_that_would(tmp_path, tiny_llama_
 def test_snakemake_dry_runs_print_the_summary_only_when_states_are_planned(tmp_path, tiny_llama_dir):
     config = plan_config(tmp_path, tiny_llama_dir)
     lines = []
-    handler = PlannedDiskLog(config, tmp_path, lines.append)
     record = logging.LogRecord("snakemake", 20, "", 0, "stats", None, None)
     record.stats = {"benchmark": 1, "total": 1}
-    handler.emit(record)
+    RunInfoLine(lambda jobs: planned_disk_line(jobs, config, tmp_path), lines.append).emit(record)
     assert lines == []
-    handler = PlannedDiskLog(config, tmp_path, lines.append)
+    handler = RunInfoLine(lambda jobs: planned_disk_line(jobs, config, tmp_path), lines.append)
     record.stats = {"hidden_states": 2, "train": 1, "total": 3}
     handler.emit(record)
     handler.emit(record)
