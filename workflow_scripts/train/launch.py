@@ -30,9 +30,9 @@ def main(smk) -> None:
     with stage(smk):
         # Offline the shards and their index; online the dataset (rules/common.smk: train_states).
         spec = {
-            "shards": list(getattr(smk.input, "shards", [])),
-            "index": getattr(smk.input, "index", None),
-            "dataset": list(getattr(smk.input, "dataset", [])),
+            "shards": list(smk.input.get("shards", [])),
+            "index": smk.input.get("index"),
+            "dataset": list(smk.input.get("dataset", [])),
             "online": smk.params.online,
             "log_path": smk.log[0],
             "vocab_map": smk.input.vocab_map,
