@@ -449,6 +449,8 @@ def summary_line(plan: Plan) -> str:
     if not plan.disk:
         return "Hidden states: " + (plan.notes[0] if plan.notes else "unknown")
     shards, t = plan.disk[0], plan.tokens
+    if not shards["bytes"]:
+        return "Hidden states: none on disk (hidden_states.mode: online: the train job computes them)"
     fits = "fits" if not plan.suggestions else "DOES NOT FIT (python -m workflow_scripts.plan names settings that do)"
     return (
         f"Hidden states this run writes: {gb(shards['bytes'])} for {t.tokens:,} tokens "

@@ -125,6 +125,7 @@ def test_a_run_that_does_not_fit_names_settings_that_would(tmp_path, tiny_llama_
         merged(config, {"hidden_states": {"dtype": "float8_e4m3fn", "mode": "online"}}), tmp_path, gpu_memory=None
     )
     assert fp8_online.disk[0]["bytes"] == 0 and not fp8_online.suggestions
+    assert "none on disk" in summary_line(fp8_online)
 
 
 def test_snakemake_dry_runs_print_the_summary_only_when_states_are_planned(tmp_path, tiny_llama_dir):
