@@ -100,7 +100,7 @@ class TrainJob:
     checkpoint_dir: str  # resumable checkpoints, under <checkpoint_dir>/<fingerprint>/
     serve_verifier_path: str  # the verifier path the exported draft names
     threads: int
-    # Online mode (train.online): the dataset's train and eval parquet, the hidden_states
+    # Online mode (train/online.py): the dataset's train and eval parquet, the hidden_states
     # settings the states are computed with, and the job's log (the load ledger sits by it).
     dataset: list[str] = dataclasses.field(default_factory=list)
     online: dict[str, Any] | None = None
@@ -369,10 +369,8 @@ class Trainer:
             states = open_verifier(job.verifier_dir, job.online, rt.device, job.log_path, rt.is_main)
             evals, aux_layer_ids = states.samples(eval_tokens), states.aux_layer_ids
         if not train or not evals:
-            raise ValueError(
-                f"{'the dataset' if states else 'hidden-state shards'} hold{'s' if states else ''} {len(train)} "
-                f"train and {len(evals)} eval samples; both must be non-empty"
-            )
+            where = "the dataset" if states else "the hidden-state shards"
+            raise ValueError(f"{where}: {len(train)} train and {len(evals)} eval samples; both must be non-empty")
         vocab = load_file(job.vocab_map)
         model = build_draft(
             job.verifier_dir,
