@@ -41,6 +41,12 @@ def in_training_subset(sample_id: str, fraction: float) -> bool:
     return fraction >= 1 or stable_fraction(SUBSET_SEED, sample_id.split("#", 1)[0]) < fraction
 
 
+def trained_on(sample_id: str, num_tokens: int, is_eval: bool, train_fraction: float) -> bool:
+    """Whether training reads a sample: at least two tokens (one after the shift), and an eval
+    sample or one of the `train_fraction` subset (in_training_subset). Pure."""
+    return num_tokens >= 2 and (is_eval or in_training_subset(sample_id, train_fraction))
+
+
 def load_shards(
     paths: list[str], dtype: torch.dtype = torch.float32, train_fraction: float = 1.0
 ) -> tuple[list[Sample], list[Sample], list[int]]:
@@ -59,7 +65,7 @@ def load_shards(
         aux = stored_states(t, "hidden_states", dtype)
         final = stored_states(t, "verifier_last_hidden_states", dtype)
         for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:], strict=True)):
-            if b - a < 2 or not (t["is_eval"][i] or in_training_subset(sample_ids[i], train_fraction)):
+            if not trained_on(sample_ids[i], b - a, bool(t["is_eval"][i]), train_fraction):
                 continue
             s = shift(
                 t["input_ids"][a:b].long(),

@@ -20,9 +20,8 @@ import torch
 
 from workflow_scripts.common.config import typed
 from workflow_scripts.common.loads import record_load
-from workflow_scripts.common.verifier_config import read_text_config
 from workflow_scripts.hidden_states.forward import extract, load_verifier, resolve_compute_dtype
-from workflow_scripts.hidden_states.layers import resolve_aux_layer_ids
+from workflow_scripts.hidden_states.layers import resolve_aux_layer_ids, verifier_geometry
 from workflow_scripts.hidden_states.storage import (
     FP8,
     dequantize_fp8,
@@ -30,7 +29,7 @@ from workflow_scripts.hidden_states.storage import (
     quantize_fp8,
     torch_dtype,
 )
-from workflow_scripts.train.data import Sample, in_training_subset, shift
+from workflow_scripts.train.data import Sample, shift, trained_on
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +69,7 @@ def load_token_samples(
             [
                 TokenSample(r["id"], r["input_ids"], r["loss_mask"])
                 for r in sorted(rows, key=lambda r: r["id"])
-                if len(r["input_ids"]) >= 2 and (is_eval or in_training_subset(r["id"], train_fraction))
+                if trained_on(r["id"], len(r["input_ids"]), is_eval, train_fraction)
             ]
         )
     return out[0], out[1]
@@ -80,7 +79,7 @@ class VerifierStates:
     """The verifier, loaded once on the training device, turning token samples into samples."""
 
     def __init__(self, verifier_dir: str, settings: OnlineStates, device: torch.device):
-        num_layers = int(read_text_config(verifier_dir)["num_hidden_layers"])
+        num_layers = verifier_geometry(verifier_dir).num_layers
         self.aux_layer_ids = resolve_aux_layer_ids(settings.aux_layer_ids, num_layers)
         self.settings = settings
         compute_dtype = resolve_compute_dtype(settings.compute_dtype, device.type)
