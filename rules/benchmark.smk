@@ -29,6 +29,7 @@ rule benchmark:
         baseline=baseline_report,
     output:
         report=variant_results("benchmark/report.json"),
+        streams=variant_results("benchmark/streams.jsonl"),
     log:
         logs("benchmark.{variant}"),
     benchmark:
@@ -41,6 +42,37 @@ rule benchmark:
     params:
         server=section("server"),
         benchmark=variant_section("benchmark"),
+        chat_template_kwargs=benchmark_chat_template_kwargs(),
         code=code("benchmark"),
     script:
         "../workflow_scripts/entry/benchmark.py"
+
+
+rule parity:
+    input:
+        verifier=VERIFIER_DIR,
+        draft=variant_draft("draft"),
+        vocab_map=variant_vocab("vocab_map.safetensors"),
+        streams=variant_results("benchmark/streams.jsonl"),
+        report=variant_results("benchmark/report.json"),
+        metrics=variant_draft("train/metrics.jsonl"),
+        prompts=results("prompts/eval.jsonl"),
+    output:
+        report=variant_results("parity/report.json"),
+    log:
+        logs("parity.{variant}"),
+    conda:
+        "../envs/train.yaml"
+    threads: all_cores()
+    resources:
+        gpu=gpus("hidden_states"),
+    params:
+        # The verifier's states as the hidden_states stage computes them, with its backend.
+        hidden_states=section("hidden_states"),
+        server=hidden_states_server(),
+        trust_remote_code=config["verifier"]["trust_remote_code"],
+        chat_template_kwargs=benchmark_chat_template_kwargs(),
+        parity=section("parity"),
+        code=code("parity"),
+    script:
+        "../workflow_scripts/entry/parity.py"

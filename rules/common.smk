@@ -189,7 +189,12 @@ def baseline_workload():
     return {
         key: config["benchmark"][key]
         for key in ("num_prompts", "max_tokens", "concurrency")
-    }
+    } | {"chat_template_kwargs": benchmark_chat_template_kwargs()}
+
+
+def benchmark_chat_template_kwargs():
+    """The benchmark formats its prompts as synth formatted the training prompts."""
+    return _sorted(config["synth"]["chat_template_kwargs"])
 
 
 def learning_curve_variants():
@@ -316,3 +321,10 @@ def online_states():
     return {k: hs[k] for k in keys} | {
         "trust_remote_code": config["verifier"]["trust_remote_code"]
     }
+
+
+def parity_report(wildcards):
+    """The variant's parity report, unless parity.enabled is false."""
+    if not config["parity"]["enabled"]:
+        return []
+    return results(f"variants/{wildcards.variant}/parity/report.json")

@@ -5,6 +5,7 @@ rule report:
         quality=results("synth/quality.json"),
         vocab_stats=variant_vocab("stats.json"),
         generate=results("generate/stats.json"),
+        parity=parity_report,
     output:
         md=variant_results("report/report.md"),
         html=report(

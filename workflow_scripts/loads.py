@@ -27,6 +27,7 @@ def planned_loads(jobs: dict[str, int], config: dict[str, Any]) -> dict[str, int
         "train": jobs.get("train", 0) if hs["mode"] == "online" else 0,
         "baseline": jobs.get("baseline", 0),
         "benchmark": jobs.get("benchmark", 0),
+        "parity": jobs.get("parity", 0),  # the replay's transformers load
     }
     return {rule: n for rule, n in loads.items() if n}
 

@@ -32,12 +32,21 @@ def save_figure(fig, out: str) -> None:
     pyplot().close(fig)
 
 
-def plot_acceptance(report: dict[str, Any], out: str) -> None:
+def plot_acceptance(report: dict[str, Any], out: str, parity: dict[str, Any] | None = None) -> None:
+    """vLLM's per-position acceptance; next to it, with a parity report, the replay's."""
     plt = pyplot()
     per_pos = report["speculative"]["per_position_acceptance"]
     fig, ax = plt.subplots(figsize=(5, 3.2))
-    bars = ax.bar([f"pos {i + 1}" for i in range(len(per_pos))], per_pos, color="#3b6ea8")
-    ax.bar_label(bars, fmt="%.2f")
+    labels = [f"pos {i + 1}" for i in range(len(per_pos))]
+    if parity is None:
+        ax.bar_label(ax.bar(labels, per_pos, color="#3b6ea8"), fmt="%.2f")
+    else:
+        x = range(len(per_pos))
+        replay = parity["replay"]["per_position_acceptance"]
+        ax.bar_label(ax.bar([i - 0.2 for i in x], per_pos, 0.4, color="#3b6ea8", label="vLLM"), fmt="%.2f")
+        ax.bar_label(ax.bar([i + 0.2 for i in x], replay, 0.4, color="#e0a040", label="replay"), fmt="%.2f")
+        ax.set_xticks(list(x), labels)
+        ax.legend()
     ax.set_ylim(0, 1)
     ax.set_ylabel("accepted / drafts")
     ax.set_title(f"Per-position acceptance (mean length {report['speculative']['mean_acceptance_length']:.2f})")
@@ -106,8 +115,25 @@ def describe_requests(generate: dict) -> str:
     return f"{generate['sent']} sent / {generate['reused']} reused from the store ({share:.0%} reused)"
 
 
+def parity_rows(parity: dict | None) -> list[tuple[str, str]]:
+    """The parity job's figures (none without one). Pure."""
+    if parity is None:
+        return []
+    verdict = "pass" if parity["verdict"] == "pass" else "GAP: " + ", ".join(f["check"] for f in parity["findings"])
+    return [
+        (
+            "replay of the served streams (parity)",
+            f"{parity['replay']['mean_acceptance_length']:.3f} (vLLM - replay {parity['gap']:+.3f}): {verdict}",
+        ),
+        (
+            "replay over every anchor (the training estimate's measure)",
+            f"{parity['replay_every_anchor']['mean_acceptance_length']:.3f}",
+        ),
+    ]
+
+
 def summary_rows(
-    report: dict, metrics: list[dict], quality: dict, vocab: dict, generate: dict
+    report: dict, metrics: list[dict], quality: dict, vocab: dict, generate: dict, parity: dict | None = None
 ) -> list[tuple[str, str]]:
     """The headline numbers, shared by report.md and the HTML summary. Pure."""
     spec, base = report["speculative"], report["baseline"]
@@ -121,6 +147,7 @@ def summary_rows(
         ("speedup", f"{report['speedup']:.2f}x"),
         ("greedy outputs identical with and without draft", f"{report['outputs_identical_fraction']:.1%}"),
         ("training estimate of acceptance length (best eval)", f"{best_eval['estimated_acceptance_length']:.3f}"),
+        *parity_rows(parity),
         ("best eval loss (exported draft)", f"{best_eval['loss']:.4f} at step {best_eval['step']}"),
         ("samples / failed conversations", f"{quality['num_samples']} / {quality['request_errors']}"),
         ("verifier requests of the last generate", describe_requests(generate)),
@@ -138,15 +165,30 @@ def describe_measurement(report: dict) -> str:
     )
 
 
+def parity_findings(parity: dict | None) -> list[str]:
+    """The parity checks that failed, with what to check, as markdown lines. Pure."""
+    if not parity or not parity["findings"]:
+        return []
+    lines = ["## Parity findings", ""]
+    lines += [f"- **{f['check']}**: {f['detail']}. Check: {f['what_to_check']}." for f in parity["findings"]]
+    return [*lines, ""]
+
+
 def render_markdown(
-    report: dict, metrics: list[dict], quality: dict, vocab: dict, generate: dict, plots: dict[str, str]
+    report: dict,
+    metrics: list[dict],
+    quality: dict,
+    vocab: dict,
+    generate: dict,
+    plots: dict[str, str],
+    parity: dict | None = None,
 ) -> str:
     last_eval = [m for m in metrics if m["split"] == "eval"][-1]
     best_eval = min((m for m in metrics if m["split"] == "eval"), key=lambda m: m["loss"])
     headline = {"mean acceptance length", "speedup"}
     table = [
         f"| {name} | **{value}** |" if name in headline else f"| {name} | {value} |"
-        for name, value in summary_rows(report, metrics, quality, vocab, generate)
+        for name, value in summary_rows(report, metrics, quality, vocab, generate, parity)
     ]
     lines = [
         "# eagleflow benchmark report",
@@ -159,6 +201,7 @@ def render_markdown(
         "",
         f"![per-position acceptance]({plots['acceptance']})",
         "",
+        *parity_findings(parity),
         "## Training",
         "",
         f"Best eval loss {best_eval['loss']:.4f} at step {best_eval['step']} (exported); "
@@ -188,11 +231,13 @@ def render_markdown(
     return "\n".join(lines)
 
 
-def render_html(report: dict, metrics: list[dict], quality: dict, vocab: dict, generate: dict) -> str:
+def render_html(
+    report: dict, metrics: list[dict], quality: dict, vocab: dict, generate: dict, parity: dict | None = None
+) -> str:
     """A self-contained summary table (what `snakemake --report` shows next to the plots)."""
     rows = "\n".join(
         f"<tr><td>{html.escape(n)}</td><td>{html.escape(v)}</td></tr>"
-        for n, v in summary_rows(report, metrics, quality, vocab, generate)
+        for n, v in summary_rows(report, metrics, quality, vocab, generate, parity)
     )
     return (
         "<!DOCTYPE html><html><head><meta charset='utf-8'><title>eagleflow benchmark</title>"
@@ -210,25 +255,33 @@ def main(smk) -> None:
     with stage(smk):
         i = smk.input
         outputs = {name: smk.output[name] for name in REPORT_OUTPUTS}
-        run_report(i.report, i.metrics, i.quality, i.vocab_stats, i.generate, outputs)
+        parity = i.get("parity") or None
+        run_report(i.report, i.metrics, i.quality, i.vocab_stats, i.generate, outputs, parity)
 
 
 def run_report(
-    report_json: str, metrics: str, quality: str, vocab_stats: str, generate_stats: str, out: dict[str, str]
+    report_json: str,
+    metrics: str,
+    quality: str,
+    vocab_stats: str,
+    generate_stats: str,
+    out: dict[str, str],
+    parity_json: str | None = None,
 ) -> None:
     """Write out['md'], out['html'] and the four plots out['acceptance_png'], ['training_png'],
-    ['quality_png'], ['vocab_png']."""
+    ['quality_png'], ['vocab_png']; with `parity_json`, the replay next to vLLM's figures."""
     report = json.loads(Path(report_json).read_text())
+    parity = json.loads(Path(parity_json).read_text()) if parity_json else None
     rows = read_jsonl(metrics)
     quality_report = json.loads(Path(quality).read_text())
     vocab = json.loads(Path(vocab_stats).read_text())
     generate = json.loads(Path(generate_stats).read_text())
-    plot_acceptance(report, out["acceptance_png"])
+    plot_acceptance(report, out["acceptance_png"], parity)
     plot_training(rows, out["training_png"])
     plot_quality(quality_report, out["quality_png"])
     plot_vocab_coverage(vocab, out["vocab_png"])
     md_dir = Path(out["md"]).parent
     plots = {k: str(Path(out[f"{k}_png"]).relative_to(md_dir)) for k in ("acceptance", "training", "quality", "vocab")}
-    write_text(out["md"], render_markdown(report, rows, quality_report, vocab, generate, plots))
-    write_text(out["html"], render_html(report, rows, quality_report, vocab, generate))
+    write_text(out["md"], render_markdown(report, rows, quality_report, vocab, generate, plots, parity))
+    write_text(out["html"], render_html(report, rows, quality_report, vocab, generate, parity))
     log.info("wrote %s and %s", out["md"], out["html"])

@@ -22,7 +22,7 @@ from typing import Any
 from tqdm import tqdm
 
 from workflow_scripts.benchmark.metrics import acceptance, counter_delta, spec_decode_counters
-from workflow_scripts.common.atomic import read_jsonl, write_json
+from workflow_scripts.common.atomic import read_jsonl, write_json, write_jsonl
 from workflow_scripts.common.client import ChatClient
 from workflow_scripts.common.config import typed
 from workflow_scripts.common.server import ServerConfig, ServerSpec, VllmServer
@@ -46,16 +46,19 @@ class BenchmarkConfig:
 @dataclass(frozen=True)
 class Workload:
     """What is measured: the first `num_prompts` held-out prompts, greedy, `max_tokens` each,
-    `concurrency` at a time. The verifier alone is measured once per workload."""
+    `concurrency` at a time, formatted by the chat template as synth formatted the training
+    prompts (`synth.chat_template_kwargs`: a thinking verifier's draft is measured thinking).
+    The verifier alone is measured once per workload."""
 
     num_prompts: int
     max_tokens: int
     concurrency: int
     request_timeout_s: float
+    chat_template_kwargs: dict[str, Any]
 
     @classmethod
-    def of(cls, cfg: BenchmarkConfig) -> Workload:
-        return cls(cfg.num_prompts, cfg.max_tokens, cfg.concurrency, cfg.request_timeout_s)
+    def of(cls, cfg: BenchmarkConfig, chat_template_kwargs: dict[str, Any]) -> Workload:
+        return cls(cfg.num_prompts, cfg.max_tokens, cfg.concurrency, cfg.request_timeout_s, chat_template_kwargs)
 
 
 def main_baseline(smk) -> None:
@@ -86,7 +89,9 @@ def main(smk) -> None:
             vllm_log_prefix(smk.log[0]),
             server=ServerSpec.from_config(server, smk.input.verifier),
             cfg=typed(BenchmarkConfig, smk.params.benchmark, "benchmark"),
+            chat_template_kwargs=smk.params.chat_template_kwargs,
             baseline=smk.input.baseline or None,
+            streams_out=smk.output.streams,
         )
 
 
@@ -102,6 +107,8 @@ def first_turn_messages(prompt: dict[str, Any]) -> list[dict[str, str]]:
 
 async def run_workload(base_url: str, prompts: list[dict], cfg: Workload, model: str, label: str) -> dict[str, Any]:
     sampling = {"max_tokens": cfg.max_tokens, "temperature": 0.0, "return_token_ids": True}
+    if cfg.chat_template_kwargs:
+        sampling["chat_template_kwargs"] = cfg.chat_template_kwargs
     async with ChatClient(base_url, concurrency=cfg.concurrency, request_timeout_s=cfg.request_timeout_s) as client:
         warmup = {
             "model": model,
@@ -118,16 +125,21 @@ async def run_workload(base_url: str, prompts: list[dict], cfg: Workload, model:
             async with sem:
                 body = await client.chat({"model": model, "messages": first_turn_messages(prompt), **sampling})
             bar.update()
-            return body["choices"][0].get("token_ids") or []
+            return body.get("prompt_token_ids") or [], body["choices"][0].get("token_ids") or []
 
         started = time.perf_counter()
-        outputs = await asyncio.gather(*(one(p) for p in prompts))
+        streams = await asyncio.gather(*(one(p) for p in prompts))
         wall = time.perf_counter() - started
         bar.close()
         after = spec_decode_counters(await client.get_text("/metrics"))
+    outputs = [output for _, output in streams]
     tokens = sum(len(o) for o in outputs)
     return {
         "outputs": outputs,
+        "streams": [
+            {"id": p["id"], "prompt_token_ids": prompt_ids, "token_ids": output}
+            for p, (prompt_ids, output) in zip(prompts, streams, strict=True)
+        ],
         "wall_s": wall,
         "output_tokens": tokens,
         "output_tokens_per_s": tokens / wall,
@@ -182,12 +194,15 @@ def run_benchmark(
     *,
     server: ServerSpec,
     cfg: BenchmarkConfig,
+    chat_template_kwargs: dict[str, Any],
     baseline: str | None,
+    streams_out: str,
 ) -> None:
     """Serve the verifier with the draft and compare with the verifier alone: the baseline
     job's measurement (`baseline`), or, with benchmark.paired_baseline, one taken in this job
-    right before."""
-    workload = Workload.of(cfg)
+    right before. The speculative run's token streams (prompt and output ids per prompt) go
+    to `streams_out`, for the parity rule's replay."""
+    workload = Workload.of(cfg, chat_template_kwargs)
     prompts = read_jsonl(prompts_path)[: cfg.num_prompts]
     k = cfg.num_speculative_tokens
     if baseline is None:
@@ -197,6 +212,12 @@ def run_benchmark(
         base = json.loads(Path(baseline).read_text())
         if base["prompts"]["ids"] != [p["id"] for p in prompts]:
             raise ValueError(f"{baseline} measured other prompts than this benchmark; rerun the baseline rule")
+        if base["workload"].get("chat_template_kwargs") != chat_template_kwargs:
+            raise ValueError(
+                f"{baseline} formatted its prompts with chat_template_kwargs "
+                f"{base['workload'].get('chat_template_kwargs')}, this benchmark with {chat_template_kwargs}; "
+                "rerun the baseline rule"
+            )
         base_source = f"the run's baseline job ({baseline})"
     speculative_spec = dataclasses.replace(
         server,
@@ -218,6 +239,7 @@ def run_benchmark(
         "speedup": spec["output_tokens_per_s"] / base["output_tokens_per_s"],
         "outputs_identical_fraction": identical_fraction(base["outputs"], spec["outputs"]),
     }
+    write_jsonl(streams_out, spec["streams"])
     write_json(out, report)
     log.info(
         "mean acceptance length %.3f, per position %s, speedup %.2fx (baseline: %s), identical outputs %.0f%%",

@@ -74,3 +74,14 @@ def stored_states(tensors: dict[str, torch.Tensor], name: str, dtype: torch.dtyp
     `<name>_scale` tensor next to them). Pure."""
     scale = tensors.get(f"{name}_scale")
     return tensors[name].to(dtype) if scale is None else dequantize_fp8(tensors[name], scale, dtype)
+
+
+def as_read_back(states: torch.Tensor, num_states: int, dtype: str) -> torch.Tensor:
+    """`states` (a backend's, in the extraction dtype) as training reads them back from a shard
+    stored in `dtype`: float32, through fp8 when stored so. Always a copy (a forward in
+    inference mode makes tensors autograd cannot save). Pure."""
+    import torch
+
+    if dtype == FP8:
+        return dequantize_fp8(*quantize_fp8(states, num_states), torch.float32)
+    return states.to(torch.float32, copy=True)

@@ -22,13 +22,7 @@ from workflow_scripts.common.config import typed
 from workflow_scripts.common.loads import record_load
 from workflow_scripts.hidden_states.forward import extract, load_verifier, resolve_compute_dtype
 from workflow_scripts.hidden_states.layers import resolve_aux_layer_ids, verifier_geometry
-from workflow_scripts.hidden_states.storage import (
-    FP8,
-    dequantize_fp8,
-    extraction_dtype,
-    quantize_fp8,
-    torch_dtype,
-)
+from workflow_scripts.hidden_states.storage import as_read_back, extraction_dtype, torch_dtype
 from workflow_scripts.train.data import Sample, shift, trained_on
 
 log = logging.getLogger(__name__)
@@ -102,19 +96,12 @@ class VerifierStates:
             out.append(
                 shift(
                     torch.tensor(s.input_ids, dtype=torch.long),
-                    self.stored(aux, len(self.aux_layer_ids)),
-                    self.stored(final, 1),
+                    as_read_back(aux, len(self.aux_layer_ids), self.settings.dtype),
+                    as_read_back(final, 1, self.settings.dtype),
                     torch.tensor(s.loss_mask, dtype=torch.bool),
                 )
             )
         return out
-
-    def stored(self, states: torch.Tensor, num_states: int) -> torch.Tensor:
-        """`states` as training reads them back from a shard: float32, through fp8 when stored so.
-        Always a copy: the forward ran in inference mode, whose tensors autograd cannot save."""
-        if self.settings.dtype == FP8:
-            return dequantize_fp8(*quantize_fp8(states, num_states), torch.float32)
-        return states.to(torch.float32, copy=True)
 
 
 def open_verifier(
@@ -123,9 +110,7 @@ def open_verifier(
     """Load the verifier for online training; the load goes into the run's load ledger."""
     states = VerifierStates(verifier_dir, typed(OnlineStates, settings, "hidden_states"), device)
     if log_path and is_main:
-        ledger = Path(log_path).parent / "servers"
-        ledger.mkdir(parents=True, exist_ok=True)
-        record_load(ledger, Path(log_path), verifier_dir, "start", False)
+        record_verifier_load(log_path, verifier_dir)
     log.info(
         "online hidden states: verifier %s on %s, aux layers %s, stored as %s",
         verifier_dir,
@@ -134,3 +119,11 @@ def open_verifier(
         settings["dtype"],
     )
     return states
+
+
+def record_verifier_load(log_path: str, verifier_dir: str) -> None:
+    """Write a job's own load of the verifier (not a server's) into the run's load ledger,
+    next to the job's log (results/<run>/logs/servers/)."""
+    ledger = Path(log_path).parent / "servers"
+    ledger.mkdir(parents=True, exist_ok=True)
+    record_load(ledger, Path(log_path), verifier_dir, "start", False)

@@ -1,0 +1,135 @@
+"""Replay (benchmark.replay) and the parity checks (benchmark.parity): pure parts."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from workflow_scripts.benchmark.parity import (
+    ParityConfig,
+    check_aux_layer_ids,
+    check_d2t,
+    check_gaps,
+    check_prompt_format,
+    first_difference,
+    training_estimate,
+)
+from workflow_scripts.benchmark.replay import AcceptanceCounts, every_anchor, walk
+
+VOCAB = 5
+
+
+def verifier_next(context: list[int]) -> int:
+    """A deterministic greedy 'verifier' over a tiny vocabulary."""
+    return (sum(context) * 7 + len(context)) % VOCAB
+
+
+def draft_next(context: list[int]) -> int:
+    """A 'draft' that agrees with the verifier unless the context hashes badly."""
+    guess = verifier_next(context)
+    return guess if (sum(context[-3:]) * 13 + len(context)) % 4 else (guess + 1) % VOCAB
+
+
+def speculative_decode(prompt: list[int], max_tokens: int, k: int) -> tuple[list[int], AcceptanceCounts]:
+    """What vLLM does, step by step: the draft chains on its own tokens; the verifier accepts
+    the matching prefix and adds its own token."""
+    tokens = [*prompt, verifier_next(prompt)]
+    counts = AcceptanceCounts(k)
+    while len(tokens) - len(prompt) < max_tokens:
+        chain = []
+        for _ in range(k):
+            chain.append(draft_next(tokens + chain))
+        counts.drafts += 1
+        for position, d in enumerate(chain):
+            if d != verifier_next(tokens) or len(tokens) - len(prompt) >= max_tokens:
+                break
+            tokens.append(d)
+            counts.accepted_per_pos[position] += 1
+        if len(tokens) - len(prompt) < max_tokens:
+            tokens.append(verifier_next(tokens))
+    return tokens, counts
+
+
+def teacher_forced_proposals(tokens: list[int], k: int) -> list[list[int]]:
+    """proposals[s][i] as the TTT forward gives them: step s at anchor i sees the stream's
+    tokens up to i + 1 + s (ground truth where the chain had its own tokens)."""
+    return [[draft_next(tokens[: i + 2 + s]) for i in range(len(tokens) - 1)] for s in range(k)]
+
+
+def test_the_walk_over_teacher_forced_proposals_counts_what_speculative_decoding_counts():
+    rng = random.Random(0)
+    for trial in range(40):
+        k = rng.choice([1, 2, 3, 5])
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 6))]
+        tokens, reference = speculative_decode(prompt, rng.randint(3, 60), k)
+        counts = walk(tokens, len(prompt), teacher_forced_proposals(tokens, k))
+        assert counts.drafts == reference.drafts, trial
+        assert counts.accepted_per_pos == reference.accepted_per_pos, trial
+
+
+def test_every_anchor_counts_each_output_anchor_and_the_walk_only_the_visited():
+    tokens = [1, 2, 3, 4, 0, 1, 2]
+    proposals = [[t for t in tokens[2:]] + [0, 0], [t for t in tokens[3:]] + [0, 0, 0]]
+    # A perfect draft (it proposes the stream itself): every anchor accepts what the stream allows.
+    # Anchors 1..4; each accepts min(k, tokens left after its known one): 2, 2, 2, 1.
+    counts = every_anchor(tokens, 2, proposals)
+    assert (counts.drafts, counts.accepted_per_pos) == (4, [4, 3])
+    # vLLM visits anchor 1 (accepts 2), then 4 (accepts the 1 token left).
+    visited = walk(tokens, 2, proposals)
+    assert (visited.drafts, visited.accepted_per_pos) == (2, [2, 1])
+    assert visited.summary()["mean_acceptance_length"] == 2.5
+
+
+def test_a_draft_that_is_always_wrong_accepts_nothing():
+    tokens = [0, 1, 2, 3, 4, 0, 1]
+    wrong = [[(t + 1) % VOCAB for t in tokens[2:]] + [0, 0]] * 3
+    counts = walk(tokens, 3, wrong)
+    assert counts.summary()["mean_acceptance_length"] == 1.0
+    assert counts.drafts == len(tokens) - 3 - 1
+
+
+def config(tolerance=0.1, training_tolerance=0.3):
+    return ParityConfig(enabled=True, tolerance=tolerance, training_tolerance=training_tolerance, on_gap="warn")
+
+
+def test_gaps_beyond_the_tolerances_are_findings():
+    assert check_gaps(1.62, 1.64, 1.60, 1.70, config()) == []
+    (serving,) = check_gaps(1.30, 1.64, 1.60, 1.70, config())
+    assert serving.check == "replay_vs_vllm" and "-0.340" in serving.detail
+    (training,) = check_gaps(1.60, 1.62, 1.40, 1.98, config())
+    assert training.check == "training_vs_replay"
+    # Serving above the replay is as suspect as below it.
+    assert [f.check for f in check_gaps(1.90, 1.62, 1.60, None, config())] == ["replay_vs_vllm"]
+
+
+def test_exported_layer_ids_and_d2t_are_checked_against_training():
+    assert check_aux_layer_ids([2, 15, 27], [2, 15, 27]) == []
+    (f,) = check_aux_layer_ids([3, 16, 28], [2, 15, 27])
+    assert "[3, 16, 28]" in f.detail and "[2, 15, 27]" in f.detail
+    d2t = torch.tensor([0, 3, 3, 7])
+    assert check_d2t(d2t.clone(), d2t) == []
+    (f,) = check_d2t(torch.tensor([0, 3, 4, 7]), d2t)
+    assert "1 of them different" in f.detail
+    assert check_d2t(None, d2t)[0].check == "d2t"
+
+
+def test_served_prompt_tokens_must_be_what_synths_template_gives():
+    expected = {"a": [1, 2, 3], "b": [4, 5]}
+    same = [{"id": "a", "prompt_token_ids": [1, 2, 3]}, {"id": "b", "prompt_token_ids": [4, 5]}]
+    assert check_prompt_format(same, expected) == []
+    other = [{"id": "a", "prompt_token_ids": [1, 9, 3]}, {"id": "b", "prompt_token_ids": [4, 5, 6]}]
+    (f,) = check_prompt_format(other, expected)
+    assert f.detail.startswith("2 of 2") and "first: a, from token 1" in f.detail
+    assert first_difference([1, 2], [1, 2, 3]) == 2 and first_difference([1], [1]) is None
+
+
+def test_the_training_estimate_is_the_exported_drafts():
+    rows = [
+        {"split": "train", "loss": 0.1},
+        {"split": "eval", "loss": 2.0, "estimated_acceptance_length": 1.5},
+        {"split": "eval", "loss": 1.0, "estimated_acceptance_length": 1.9},
+        {"split": "eval", "loss": 1.2, "estimated_acceptance_length": 1.95},
+    ]
+    assert training_estimate(rows) == 1.9
+    assert training_estimate([]) is None

@@ -1,0 +1,317 @@
+"""The parity rule: replay the benchmark's served streams with the draft as eagleflow trained
+it, set the replay's acceptance next to vLLM's, and check what makes them differ.
+
+Two gaps, two kinds of cause:
+- vLLM below the replay on the same streams: serving does not run the draft that was trained
+  (aux layer ids in the exported config, the d2t map, the draft's config or weights as vLLM
+  reads them).
+- the replay (every anchor, as training estimates) below the training-time estimate: the
+  draft was trained on something other than what it is served (the targets, e.g. the
+  verifier's final norm; the prompts' format; the workload's lengths and style).
+Direct checks name the usual causes: the exported aux layer ids and d2t against the ones
+training used, and the served prompt tokens against the chat template as synth applied it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from workflow_scripts.common.atomic import read_jsonl, write_json
+from workflow_scripts.common.config import typed
+from workflow_scripts.common.server import ServerConfig, stop_idle_shared_servers
+from workflow_scripts.common.smk import stage
+
+# Importing a backend registers it (as in the hidden_states stage, whose backends replay uses).
+from workflow_scripts.hidden_states import hf, vllm  # noqa: F401
+from workflow_scripts.hidden_states.backend import ExtractionJob, HiddenStatesConfig, open_backend
+from workflow_scripts.hidden_states.layers import resolve_aux_layer_ids, verifier_geometry
+from workflow_scripts.hidden_states.storage import as_read_back, extraction_dtype, torch_dtype
+from workflow_scripts.train.data import Sample, shift
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ParityConfig:
+    """The `parity` config section."""
+
+    enabled: bool
+    tolerance: float
+    training_tolerance: float
+    on_gap: str
+
+
+class ParityError(RuntimeError):
+    """Serving and training disagree beyond the configured tolerance (parity.on_gap: fail)."""
+
+
+@dataclass(frozen=True)
+class Finding:
+    check: str
+    detail: str
+    what_to_check: str
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first position where two token lists differ (or one ends); None if equal. Pure."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def training_estimate(metrics: list[dict[str, Any]]) -> float | None:
+    """The training-time acceptance estimate of the exported draft: the eval row with the
+    lowest loss (train.loop exports those weights). Pure."""
+    evals = [m for m in metrics if m.get("split") == "eval" and "estimated_acceptance_length" in m]
+    return min(evals, key=lambda m: m["loss"])["estimated_acceptance_length"] if evals else None
+
+
+def check_gaps(
+    served: float, replay: float, replay_every_anchor: float, train_estimate: float | None, cfg: ParityConfig
+) -> list[Finding]:
+    """Findings from the three acceptance lengths. Pure."""
+    out = []
+    if abs(served - replay) > cfg.tolerance:
+        out.append(
+            Finding(
+                "replay_vs_vllm",
+                f"vLLM measured mean acceptance length {served:.3f}, the replay of the same streams "
+                f"{replay:.3f} (gap {served - replay:+.3f}, tolerance {cfg.tolerance})",
+                "serving runs another draft than the one trained: eagle_aux_hidden_state_layer_ids and "
+                "d2t in the exported draft, the draft config vLLM reads (norm_before_residual, "
+                "transformer_layer_config), the server dtype",
+            )
+        )
+    if train_estimate is not None and train_estimate - replay_every_anchor > cfg.training_tolerance:
+        out.append(
+            Finding(
+                "training_vs_replay",
+                f"training estimated {train_estimate:.3f} on its eval split; the replay over every "
+                f"anchor of the served streams gives {replay_every_anchor:.3f} "
+                f"(gap {replay_every_anchor - train_estimate:+.3f}, tolerance {cfg.training_tolerance})",
+                "the draft learned targets other than the verifier's greedy tokens (the verifier's final "
+                "norm and lm_head in training), or the benchmark's prompts differ from the training data "
+                "(chat template, system prompt, style, benchmark.max_tokens against synth.max_tokens)",
+            )
+        )
+    return out
+
+
+def check_aux_layer_ids(exported: list[int], trained: list[int]) -> list[Finding]:
+    if list(exported) == list(trained):
+        return []
+    return [
+        Finding(
+            "aux_layer_ids",
+            f"the exported draft names aux layers {list(exported)}; training used {list(trained)}",
+            "eagle_aux_hidden_state_layer_ids in the draft's config.json: vLLM captures the layers it names",
+        )
+    ]
+
+
+def check_d2t(exported: torch.Tensor | None, trained: torch.Tensor) -> list[Finding]:
+    if exported is not None and exported.shape == trained.shape and torch.equal(exported.long(), trained.long()):
+        return []
+    found = "no d2t" if exported is None else f"a d2t of {exported.shape[0]} entries"
+    wrong = "" if exported is None else f", {int((exported.long() != trained.long()).sum())} of them different"
+    if exported is not None and exported.shape != trained.shape:
+        wrong = ""
+    return [
+        Finding(
+            "d2t",
+            f"the exported draft holds {found}{wrong}; the vocab stage's map has {trained.shape[0]}",
+            "d2t in the draft's model.safetensors: vLLM maps the draft's tokens to the verifier's with it",
+        )
+    ]
+
+
+def check_prompt_format(streams: list[dict], expected: dict[str, list[int]]) -> list[Finding]:
+    """Served prompt ids against the chat template as synth applies it, per prompt id. Pure."""
+    bad = []
+    for s in streams:
+        at = first_difference(s["prompt_token_ids"], expected[s["id"]])
+        if at is not None:
+            bad.append((s["id"], at))
+    if not bad:
+        return []
+    sid, at = bad[0]
+    return [
+        Finding(
+            "prompt_format",
+            f"{len(bad)} of {len(streams)} benchmark prompts were served as other tokens than synth's chat "
+            f"template gives for the same messages (first: {sid}, from token {at})",
+            "the chat template and chat_template_kwargs of the benchmark server against synth's "
+            "(server.extra_args --chat-template, synth.chat_template_kwargs)",
+        )
+    ]
+
+
+def main(smk) -> None:
+    """The parity rule's job (rules/benchmark.smk)."""
+    with stage(smk, claim_gpus=False):
+        settings = typed(HiddenStatesConfig, smk.params.hidden_states, "hidden_states")
+        verifier_dir = smk.input.verifier
+        geometry = verifier_geometry(verifier_dir)
+        extraction = ExtractionJob(
+            verifier_dir,
+            resolve_aux_layer_ids(settings.aux_layer_ids, geometry.num_layers),
+            geometry,
+            torch_dtype(extraction_dtype(settings.dtype)),
+            settings,
+            ServerConfig.from_section(smk.params.server) if smk.params.server else None,
+            smk.params.trust_remote_code,
+            smk.log[0],
+            smk.threads,
+            int(smk.resources.get("gpu", 0) or 0),
+        )
+        run_parity(
+            extraction,
+            draft_dir=smk.input.draft,
+            vocab_map=smk.input.vocab_map,
+            streams_path=smk.input.streams,
+            benchmark_report=smk.input.report,
+            metrics_path=smk.input.metrics,
+            prompts_path=smk.input.prompts,
+            out=smk.output.report,
+            chat_template_kwargs=smk.params.chat_template_kwargs,
+            cfg=typed(ParityConfig, smk.params.parity, "parity"),
+        )
+
+
+def expected_prompt_ids(verifier_dir: str, prompts_path: str, ids: list[str], chat_template_kwargs, trust: bool):
+    """Prompt id -> the tokens synth's chat template gives for the benchmark's messages."""
+    from transformers import AutoTokenizer
+
+    from workflow_scripts.benchmark.run import first_turn_messages
+    from workflow_scripts.synth.assemble import rebuild_prompt_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(verifier_dir, trust_remote_code=trust)
+    prompts = {p["id"]: p for p in read_jsonl(prompts_path)}
+    return {i: rebuild_prompt_ids(tokenizer, first_turn_messages(prompts[i]), chat_template_kwargs) for i in ids}
+
+
+def stream_samples(extraction: ExtractionJob, streams: list[dict]) -> list[Sample]:
+    """The served streams as training reads its samples: the verifier's states computed by the
+    hidden-state stage's backend, rounded through the storage dtype, shifted."""
+    with open_backend(extraction.settings.backend, extraction) as backend:
+        states = backend.extract([{"id": s["id"], "input_ids": stream_tokens(s)} for s in streams])
+    # Unless another variant's parity job still uses it, the server is not needed any more.
+    stop_idle_shared_servers(Path(extraction.log_path).parent / "servers", "hidden_states")
+    dtype = extraction.settings.dtype
+    n_aux = len(extraction.aux_layer_ids)
+    out = []
+    for s, (aux, final) in zip(streams, states, strict=True):
+        tokens = stream_tokens(s)
+        mask = torch.tensor([0] * len(s["prompt_token_ids"]) + [1] * len(s["token_ids"]), dtype=torch.bool)
+        out.append(shift(torch.tensor(tokens), as_read_back(aux, n_aux, dtype), as_read_back(final, 1, dtype), mask))
+    return out
+
+
+def stream_tokens(stream: dict) -> list[int]:
+    return list(stream["prompt_token_ids"]) + list(stream["token_ids"])
+
+
+def replay_streams(draft, samples: list[Sample], streams: list[dict], k: int, d2t: torch.Tensor):
+    """(walk counts, every-anchor counts) of the draft over the served streams."""
+    from workflow_scripts.benchmark.replay import AcceptanceCounts, draft_proposals, every_anchor, walk
+
+    visited, every = AcceptanceCounts(k), AcceptanceCounts(k)
+    for stream, sample in tqdm(list(zip(streams, samples, strict=True)), desc="replay", unit="stream", mininterval=2.0):
+        proposals = draft_proposals(draft, sample, k, d2t)
+        tokens, prompt_len = stream_tokens(stream), len(stream["prompt_token_ids"])
+        visited.add(walk(tokens, prompt_len, proposals))
+        every.add(every_anchor(tokens, prompt_len, proposals))
+    return visited, every
+
+
+def run_parity(
+    extraction: ExtractionJob,
+    *,
+    draft_dir: str,
+    vocab_map: str,
+    streams_path: str,
+    benchmark_report: str,
+    metrics_path: str,
+    prompts_path: str,
+    out: str,
+    chat_template_kwargs: dict[str, Any],
+    cfg: ParityConfig,
+) -> dict[str, Any]:
+    """Replay, compare, check; write the parity report. Raises ParityError after writing it
+    (to the rule log's directory, since a failed job's outputs are removed) when a check
+    fails and parity.on_gap is `fail`."""
+    from workflow_scripts.train.draft import load_draft
+
+    report = json.loads(Path(benchmark_report).read_text())
+    streams = read_jsonl(streams_path)
+    k = int(report["num_speculative_tokens"])
+    with safe_open(vocab_map, framework="pt") as f:
+        d2t = f.get_tensor("d2t").long()
+    verifier_dir = extraction.verifier_dir
+    draft = load_draft(draft_dir, verifier_dir).float().eval()
+    with safe_open(str(Path(draft_dir) / "model.safetensors"), framework="pt") as f:
+        exported_d2t = f.get_tensor("d2t") if "d2t" in f.keys() else None  # noqa: SIM118 (safe_open is no dict)
+    # Streams too short to hold a draft step carry nothing to replay.
+    streams = [s for s in streams if len(s["token_ids"]) >= 2]
+    visited, every = replay_streams(draft, stream_samples(extraction, streams), streams, k, d2t)
+    replay, replay_every = visited.summary(), every.summary()
+    served = report["speculative"]
+    estimate = training_estimate(read_jsonl(metrics_path))
+    expected = expected_prompt_ids(
+        verifier_dir, prompts_path, [s["id"] for s in streams], chat_template_kwargs, extraction.trust_remote_code
+    )
+    findings = [
+        *check_aux_layer_ids(draft.config.eagle_aux_hidden_state_layer_ids, extraction.aux_layer_ids),
+        *check_d2t(exported_d2t, d2t),
+        *check_prompt_format(streams, expected),
+        *check_gaps(
+            served["mean_acceptance_length"],
+            replay["mean_acceptance_length"],
+            replay_every["mean_acceptance_length"],
+            estimate,
+            cfg,
+        ),
+    ]
+    result = {
+        "draft": draft_dir,
+        "streams": {"path": streams_path, "count": len(streams)},
+        "num_speculative_tokens": k,
+        "vllm": {key: served[key] for key in ("mean_acceptance_length", "per_position_acceptance", "num_drafts")},
+        "replay": replay,
+        "replay_every_anchor": replay_every,
+        "training_estimate": estimate,
+        "gap": served["mean_acceptance_length"] - replay["mean_acceptance_length"],
+        "tolerance": cfg.tolerance,
+        "training_tolerance": cfg.training_tolerance,
+        "verdict": "pass" if not findings else "gap",
+        "findings": [f.__dict__ for f in findings],
+    }
+    log.info(
+        "mean acceptance length: vLLM %.3f, replay %.3f (every anchor %.3f), training estimate %s",
+        served["mean_acceptance_length"],
+        replay["mean_acceptance_length"],
+        replay_every["mean_acceptance_length"],
+        f"{estimate:.3f}" if estimate is not None else "none",
+    )
+    for f in findings:
+        log.warning("parity: %s: %s. Check: %s", f.check, f.detail, f.what_to_check)
+    write_json(out, result)
+    if findings and cfg.on_gap == "fail":
+        # A failed job's outputs are removed: the report stays next to the job's log.
+        kept = Path(extraction.log_path).with_suffix(".json")
+        write_json(kept, result)
+        raise ParityError(
+            f"parity failed ({', '.join(f.check for f in findings)}): "
+            + "; ".join(f.detail for f in findings)
+            + f". The report is kept in {kept}"
+        )
+    return result

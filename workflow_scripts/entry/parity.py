@@ -1,0 +1,3 @@
+from workflow_scripts.benchmark.parity import main
+
+main(snakemake)
