@@ -12,8 +12,9 @@ from workflow_scripts.benchmark.parity import (
     check_d2t,
     check_gaps,
     check_prompt_format,
+    check_targets,
+    exported_eval,
     first_difference,
-    training_estimate,
 )
 from workflow_scripts.benchmark.replay import AcceptanceCounts, every_anchor, walk
 
@@ -90,7 +91,13 @@ def test_a_draft_that_is_always_wrong_accepts_nothing():
 
 
 def config(tolerance=0.1, training_tolerance=0.3):
-    return ParityConfig(enabled=True, tolerance=tolerance, training_tolerance=training_tolerance, on_gap="warn")
+    return ParityConfig(
+        enabled=True,
+        tolerance=tolerance,
+        training_tolerance=training_tolerance,
+        min_target_agreement=0.9,
+        on_gap="warn",
+    )
 
 
 def test_gaps_beyond_the_tolerances_are_findings():
@@ -131,5 +138,14 @@ def test_the_training_estimate_is_the_exported_drafts():
         {"split": "eval", "loss": 1.0, "estimated_acceptance_length": 1.9},
         {"split": "eval", "loss": 1.2, "estimated_acceptance_length": 1.95},
     ]
-    assert training_estimate(rows) == 1.9
-    assert training_estimate([]) is None
+    assert exported_eval(rows)["estimated_acceptance_length"] == 1.9
+    assert exported_eval([]) == {}
+
+
+def test_training_targets_that_are_not_the_verifiers_tokens_are_a_finding_on_greedy_data():
+    assert check_targets(0.99, True, config()) == []
+    assert check_targets(None, True, config()) == []
+    (f,) = check_targets(0.2, True, config())
+    assert f.check == "training_targets" and "20.0%" in f.detail
+    # Sampled data: the next token is often not the argmax; no finding.
+    assert check_targets(0.2, False, config()) == []

@@ -46,6 +46,7 @@ class ParityConfig:
     enabled: bool
     tolerance: float
     training_tolerance: float
+    min_target_agreement: float
     on_gap: str
 
 
@@ -68,11 +69,27 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def training_estimate(metrics: list[dict[str, Any]]) -> float | None:
-    """The training-time acceptance estimate of the exported draft: the eval row with the
-    lowest loss (train.loop exports those weights). Pure."""
+def exported_eval(metrics: list[dict[str, Any]]) -> dict[str, Any]:
+    """The eval row of the exported draft: the lowest loss (train.loop exports those weights);
+    {} without eval rows. Pure."""
     evals = [m for m in metrics if m.get("split") == "eval" and "estimated_acceptance_length" in m]
-    return min(evals, key=lambda m: m["loss"])["estimated_acceptance_length"] if evals else None
+    return min(evals, key=lambda m: m["loss"]) if evals else {}
+
+
+def check_targets(agreement: float | None, greedy_data: bool, cfg: ParityConfig) -> list[Finding]:
+    """Training's targets against the data's next tokens (train.loop.target_agreement). On
+    greedy data they are the same token; elsewhere sampling makes them differ. Pure."""
+    if agreement is None or not greedy_data or agreement >= cfg.min_target_agreement:
+        return []
+    return [
+        Finding(
+            "training_targets",
+            f"the argmax of training's targets is the verifier's own next token at {agreement:.1%} of the eval "
+            f"positions on greedy data (at least {cfg.min_target_agreement:.0%} expected)",
+            "the targets training builds, verifier_lm_head(verifier_norm(final state)): the verifier's final "
+            "norm and lm_head loaded into the draft, the final state's layer (the last layer's pre-norm output)",
+        )
+    ]
 
 
 def check_gaps(
@@ -158,20 +175,14 @@ def check_prompt_format(streams: list[dict], expected: dict[str, list[int]]) -> 
 def main(smk) -> None:
     """The parity rule's job (rules/benchmark.smk)."""
     with stage(smk, claim_gpus=False):
-        settings = typed(HiddenStatesConfig, smk.params.hidden_states, "hidden_states")
-        verifier_dir = smk.input.verifier
-        geometry = verifier_geometry(verifier_dir)
-        extraction = ExtractionJob(
-            verifier_dir,
-            resolve_aux_layer_ids(settings.aux_layer_ids, geometry.num_layers),
-            geometry,
-            torch_dtype(extraction_dtype(settings.dtype)),
-            settings,
-            ServerConfig.from_section(smk.params.server) if smk.params.server else None,
+        extraction = extraction_job(
+            smk.input.verifier,
+            smk.params.hidden_states,
+            smk.params.server,
             smk.params.trust_remote_code,
-            smk.log[0],
-            smk.threads,
-            int(smk.resources.get("gpu", 0) or 0),
+            log_path=smk.log[0],
+            threads=smk.threads,
+            gpus=int(smk.resources.get("gpu", 0) or 0),
         )
         run_parity(
             extraction,
@@ -183,8 +194,37 @@ def main(smk) -> None:
             prompts_path=smk.input.prompts,
             out=smk.output.report,
             chat_template_kwargs=smk.params.chat_template_kwargs,
+            greedy_data=smk.params.synth_temperature == 0,
             cfg=typed(ParityConfig, smk.params.parity, "parity"),
         )
+
+
+def extraction_job(
+    verifier_dir: str,
+    hidden_states: dict[str, Any],
+    server: dict[str, Any] | None,
+    trust_remote_code: bool,
+    *,
+    log_path: str,
+    threads: int,
+    gpus: int,
+) -> ExtractionJob:
+    """What the hidden-state stage's backend needs to compute the replay's states, from the
+    `hidden_states` section (and the `server` section for the vllm backend)."""
+    settings = typed(HiddenStatesConfig, hidden_states, "hidden_states")
+    geometry = verifier_geometry(verifier_dir)
+    return ExtractionJob(
+        verifier_dir,
+        resolve_aux_layer_ids(settings.aux_layer_ids, geometry.num_layers),
+        geometry,
+        torch_dtype(extraction_dtype(settings.dtype)),
+        settings,
+        ServerConfig.from_section(server) if server else None,
+        trust_remote_code,
+        log_path,
+        threads,
+        gpus,
+    )
 
 
 def expected_prompt_ids(verifier_dir: str, prompts_path: str, ids: list[str], chat_template_kwargs, trust: bool):
@@ -244,6 +284,7 @@ def run_parity(
     prompts_path: str,
     out: str,
     chat_template_kwargs: dict[str, Any],
+    greedy_data: bool,
     cfg: ParityConfig,
 ) -> dict[str, Any]:
     """Replay, compare, check; write the parity report. Raises ParityError after writing it
@@ -257,7 +298,8 @@ def run_parity(
     with safe_open(vocab_map, framework="pt") as f:
         d2t = f.get_tensor("d2t").long()
     verifier_dir = extraction.verifier_dir
-    draft = load_draft(draft_dir, verifier_dir).float().eval()
+    # sdpa: a dense mask runs on every device; one stream at a time is small.
+    draft = load_draft(draft_dir, verifier_dir, attn_impl="sdpa").float().eval()
     with safe_open(str(Path(draft_dir) / "model.safetensors"), framework="pt") as f:
         exported_d2t = f.get_tensor("d2t") if "d2t" in f.keys() else None  # noqa: SIM118 (safe_open is no dict)
     # Streams too short to hold a draft step carry nothing to replay.
@@ -265,7 +307,8 @@ def run_parity(
     visited, every = replay_streams(draft, stream_samples(extraction, streams), streams, k, d2t)
     replay, replay_every = visited.summary(), every.summary()
     served = report["speculative"]
-    estimate = training_estimate(read_jsonl(metrics_path))
+    trained = exported_eval(read_jsonl(metrics_path))
+    estimate = trained.get("estimated_acceptance_length")
     expected = expected_prompt_ids(
         verifier_dir, prompts_path, [s["id"] for s in streams], chat_template_kwargs, extraction.trust_remote_code
     )
@@ -273,6 +316,7 @@ def run_parity(
         *check_aux_layer_ids(draft.config.eagle_aux_hidden_state_layer_ids, extraction.aux_layer_ids),
         *check_d2t(exported_d2t, d2t),
         *check_prompt_format(streams, expected),
+        *check_targets(trained.get("target_agreement"), greedy_data, cfg),
         *check_gaps(
             served["mean_acceptance_length"],
             replay["mean_acceptance_length"],
@@ -289,6 +333,7 @@ def run_parity(
         "replay": replay,
         "replay_every_anchor": replay_every,
         "training_estimate": estimate,
+        "training_target_agreement": trained.get("target_agreement"),
         "gap": served["mean_acceptance_length"] - replay["mean_acceptance_length"],
         "tolerance": cfg.tolerance,
         "training_tolerance": cfg.training_tolerance,

@@ -212,12 +212,6 @@ def run_benchmark(
         base = json.loads(Path(baseline).read_text())
         if base["prompts"]["ids"] != [p["id"] for p in prompts]:
             raise ValueError(f"{baseline} measured other prompts than this benchmark; rerun the baseline rule")
-        if base["workload"].get("chat_template_kwargs") != chat_template_kwargs:
-            raise ValueError(
-                f"{baseline} formatted its prompts with chat_template_kwargs "
-                f"{base['workload'].get('chat_template_kwargs')}, this benchmark with {chat_template_kwargs}; "
-                "rerun the baseline rule"
-            )
         base_source = f"the run's baseline job ({baseline})"
     speculative_spec = dataclasses.replace(
         server,

@@ -208,7 +208,7 @@ def export_draft(model, state_dict: dict[str, torch.Tensor], out_dir: Path, serv
     )
 
 
-def load_draft(draft_dir: str, verifier_dir: str | None = None):
+def load_draft(draft_dir: str, verifier_dir: str | None = None, attn_impl: str | None = None):
     """Reload an exported draft as a speculators Eagle3DraftModel, for any verifier.
 
     speculators' from_pretrained ends in Eagle3DraftModel.load_verifier_weights, which
@@ -217,12 +217,15 @@ def load_draft(draft_dir: str, verifier_dir: str | None = None):
     config and weights load through transformers' PreTrainedModel path, layer ids must be
     explicit (eagleflow always writes them), and the frozen verifier_lm_head (not saved in
     the checkpoint) and verifier_norm are read from `verifier_dir` (default: the path the checkpoint names)
-    by tensor name.
+    by tensor name. `attn_impl` overrides the attention the checkpoint was trained with (its
+    default, flex attention, has no CPU backend).
     """
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
     from transformers import PreTrainedModel
 
     config = Eagle3SpeculatorConfig.from_pretrained(draft_dir)
+    if attn_impl is not None:
+        config.transformer_layer_config._attn_implementation = attn_impl
     if not config.eagle_aux_hidden_state_layer_ids:
         raise ValueError(f"{draft_dir}/config.json has no eagle_aux_hidden_state_layer_ids")
     model = PreTrainedModel.from_pretrained.__func__(Eagle3DraftModel, draft_dir, config=config)

@@ -262,14 +262,40 @@ def evaluate(
     world_size-th batch and the sums are reduced."""
     model.eval()
     total = torch.zeros(len(keys), dtype=torch.float64, device=rt.device)
+    agreement = torch.zeros(2, dtype=torch.float64, device=rt.device)
     for i, batch in enumerate(pack(samples, batch_tokens, shuffle_seed=None)):
         if i % rt.world_size != rt.rank:
             continue
+        inputs = to_device(collate([samples[j] for j in batch], batch_tokens), rt.device)
         with rt.autocast():
-            _, _, m = model(**to_device(collate([samples[j] for j in batch], batch_tokens), rt.device), **fwd_kwargs)
+            _, _, m = model(**inputs, **fwd_kwargs)
+            agreement += target_agreement(model, inputs)
         total += metrics_vector(m, keys, rt.device)
     model.train()
-    return summarise(dict(zip(keys, rt.sum_(total).tolist(), strict=True)), fwd_kwargs["ttt_steps"])
+    agree, counted = rt.sum_(agreement).tolist()
+    out = summarise(dict(zip(keys, rt.sum_(total).tolist(), strict=True)), fwd_kwargs["ttt_steps"])
+    return out | {"target_agreement": agree / counted if counted else None}
+
+
+def target_agreement(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(agreeing, counted) positions of a packed batch: the argmax of the training targets,
+    verifier_lm_head(verifier_norm(final state)), against the token that follows in the data,
+    where that token is verifier-generated and in the draft vocabulary. On greedy data the two
+    are the same token up to rounding of the stored states; targets built without the
+    verifier's final norm, or from another layer, agree far less (the parity rule reads it).
+
+    Shifted alignment (train.data): the final state at position t predicts input_ids[t + 1]."""
+    targets = model.verifier_lm_head(model.verifier_norm(batch["verifier_last_hidden_states"][0]))
+    predicted = targets.argmax(-1)
+    if model.use_draft_vocab:
+        predicted = predicted + model.d2t[predicted]
+    ids, docs, mask = batch["input_ids"][0], batch["document_ids"][0], batch["loss_mask"][0].bool()
+    following = ids[1:]
+    counted = mask[1:] & (docs[1:] == docs[:-1])
+    if model.use_draft_vocab:
+        counted &= model.t2d[following].bool()
+    agree = (predicted[:-1] == following) & counted
+    return torch.stack([agree.sum(), counted.sum()]).double()
 
 
 # --- the loop --------------------------------------------------------------------------------

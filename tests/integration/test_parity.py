@@ -1,0 +1,182 @@
+"""The parity gate against the faults that open a gap between training and serving, on the
+shared test run's draft and served streams: an exported draft whose aux layer ids are off by
+one (served by vLLM for real), a wrong d2t, prompts served with another chat template, and a
+draft trained without the verifier's final norm. Each fault passes unnoticed by the benchmark
+alone (vLLM serves the draft and reports a number) and is named by the parity checks."""
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+
+from tests.helpers import REPO, config_section, lean_server_config, vllm_available
+from workflow_scripts.benchmark.parity import ParityConfig, ParityError, extraction_job, run_parity
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed"),
+]
+
+SMALL = yaml.safe_load((REPO / "tests/config/small.yaml").read_text())
+WARN = ParityConfig(enabled=True, tolerance=0.1, training_tolerance=0.3, min_target_agreement=0.9, on_gap="warn")
+
+
+class Run:
+    """The shared run's files that a parity job reads."""
+
+    def __init__(self, wf: Path):
+        self.wf = wf
+        r = wf / "results/small"
+        self.verifier = str(wf / "resources/verifier/smollm2-135m-instruct")
+        self.draft = r / "drafts/default/draft"
+        self.vocab_map = str(r / "vocab/default/vocab_map.safetensors")
+        self.streams = r / "variants/default/benchmark/streams.jsonl"
+        self.report = r / "variants/default/benchmark/report.json"
+        self.metrics = str(r / "drafts/default/train/metrics.jsonl")
+        self.prompts = str(r / "prompts/eval.jsonl")
+
+    def parity(self, tmp: Path, *, draft=None, streams=None, report=None, cfg=WARN, metrics=None) -> dict:
+        extraction = extraction_job(
+            self.verifier,
+            config_section("hidden_states", **SMALL["hidden_states"]),
+            None,
+            False,
+            log_path=str(tmp / "logs/parity.default.log"),
+            threads=2,
+            gpus=0,
+        )
+        Path(extraction.log_path).parent.mkdir(parents=True, exist_ok=True)
+        return run_parity(
+            extraction,
+            draft_dir=str(draft or self.draft),
+            vocab_map=self.vocab_map,
+            streams_path=str(streams or self.streams),
+            benchmark_report=str(report or self.report),
+            metrics_path=metrics or self.metrics,
+            prompts_path=self.prompts,
+            out=str(tmp / "parity.json"),
+            chat_template_kwargs={},
+            greedy_data=True,
+            cfg=cfg,
+        )
+
+
+@pytest.fixture(scope="module")
+def run(finished_run):
+    return Run(finished_run)
+
+
+def checks(result: dict) -> set[str]:
+    return {f["check"] for f in result["findings"]}
+
+
+def test_the_shared_runs_parity_job_passed_and_replay_matches_vllm(run):
+    parity = json.loads((run.wf / "results/small/variants/default/parity/report.json").read_text())
+    assert parity["verdict"] == "pass", parity["findings"]
+    assert abs(parity["gap"]) <= parity["tolerance"]
+    assert parity["replay"]["num_drafts"] > 0
+
+
+def test_aux_layer_ids_off_by_one_are_served_by_vllm_and_caught(run, tmp_path):
+    """vLLM serves the faulty draft without complaint and measures lower acceptance; the
+    replay keeps the trained layers; the gate names both."""
+    from workflow_scripts.benchmark.run import BenchmarkConfig, run_benchmark
+    from workflow_scripts.common.server import ServerSpec
+
+    draft = tmp_path / "draft"
+    shutil.copytree(run.draft, draft)
+    config = json.loads((draft / "config.json").read_text())
+    config["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in config["eagle_aux_hidden_state_layer_ids"]]
+    (draft / "config.json").write_text(json.dumps(config))
+    bench = config_section("benchmark", **SMALL["benchmark"])
+    report, streams = tmp_path / "report.json", tmp_path / "streams.jsonl"
+    server = lean_server_config()
+    run_benchmark(
+        run.prompts,
+        run.verifier,
+        str(draft),
+        str(report),
+        str(tmp_path / "benchmark.vllm"),
+        server=ServerSpec.from_config(server, run.verifier),
+        cfg=BenchmarkConfig(**bench),
+        chat_template_kwargs={},
+        baseline=str(run.wf / "results/small/baseline/report.json"),
+        streams_out=str(streams),
+    )
+    served = json.loads(report.read_text())["speculative"]["mean_acceptance_length"]
+    result = run.parity(tmp_path, draft=draft, streams=streams, report=report)
+    assert {"aux_layer_ids", "replay_vs_vllm"} <= checks(result), result["findings"]
+    assert result["replay"]["mean_acceptance_length"] - served > WARN.tolerance
+    with pytest.raises(ParityError, match="aux_layer_ids"):
+        run.parity(tmp_path, draft=draft, streams=streams, report=report, cfg=dataclasses.replace(WARN, on_gap="fail"))
+    assert (tmp_path / "logs/parity.default.json").exists(), "a failed gate keeps its report next to its log"
+
+
+def test_a_wrong_d2t_in_the_exported_draft_is_caught(run, tmp_path):
+    draft = tmp_path / "draft"
+    shutil.copytree(run.draft, draft)
+    weights = load_file(str(draft / "model.safetensors"))
+    d2t = weights["d2t"].clone()
+    d2t[:16] = d2t[:16].flip(0)  # the 16 most frequent draft tokens map to each other's targets
+    weights["d2t"] = d2t
+    save_file(weights, str(draft / "model.safetensors"), metadata={"format": "pt"})
+    result = run.parity(tmp_path, draft=draft)
+    assert "d2t" in checks(result), result["findings"]
+
+
+def test_prompts_served_with_another_chat_template_are_caught(run, tmp_path):
+    """The benchmark server applied another template (here: without SmolLM2's default system
+    prompt) than synth did for the training data."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(run.verifier)
+    prompts = {p["id"]: p for p in map(json.loads, Path(run.prompts).read_text().splitlines())}
+    other = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "<|im_start|>assistant\n"
+    )
+    streams = []
+    for s in map(json.loads, run.streams.read_text().splitlines()):
+        messages = [{"role": "user", "content": prompts[s["id"]]["turns"][0]}]
+        ids = tokenizer.apply_chat_template(messages, chat_template=other, tokenize=True, add_generation_prompt=False)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        assert ids != s["prompt_token_ids"]
+        streams.append({**s, "prompt_token_ids": ids})
+    path = tmp_path / "streams.jsonl"
+    path.write_text("".join(json.dumps(s) + "\n" for s in streams))
+    result = run.parity(tmp_path, streams=path)
+    assert "prompt_format" in checks(result), result["findings"]
+
+
+def test_a_draft_trained_without_the_verifier_norm_is_caught(run, tmp_path, monkeypatch):
+    """Training's targets become lm_head(h / rms(h)) instead of lm_head(norm(h)): the draft
+    learns tokens the verifier does not produce, and training estimates its acceptance against
+    those same targets."""
+    from tests.helpers import train_config
+    from workflow_scripts.train import draft as draft_module
+    from workflow_scripts.train.loop import TrainJob, run_train
+
+    # The weight a fresh draft's verifier_norm has when nothing is loaded into it.
+    monkeypatch.setattr(draft_module, "load_verifier_final_norm", lambda verifier_dir: torch.ones(576))
+    r = run.wf / "results/small"
+    job = TrainJob(
+        shards=sorted(str(p) for p in (r / "hidden_states").glob("shard-*.safetensors")),
+        vocab_map=run.vocab_map,
+        index=str(r / "hidden_states/index.json"),
+        verifier_dir=run.verifier,
+        draft_out=str(tmp_path / "draft"),
+        metrics_out=str(tmp_path / "metrics.jsonl"),
+        checkpoint_dir=str(tmp_path / "checkpoints"),
+        serve_verifier_path=run.verifier,
+        threads=2,
+    )
+    run_train(job, train_config(**{**SMALL["train"], "epochs": 1}))
+    # Replay loads the draft's verifier norm from the verifier (as serving never uses it).
+    monkeypatch.undo()
+    result = run.parity(tmp_path, draft=tmp_path / "draft", metrics=str(tmp_path / "metrics.jsonl"))
+    assert "training_targets" in checks(result), result["findings"]
