@@ -34,6 +34,9 @@ rule benchmark:
         logs("benchmark.{variant}"),
     benchmark:
         benchmarks("benchmark.{variant}")
+    # Every variant's benchmark before any parity job: the parity jobs then run back to back
+    # and share one extraction server (workflow_scripts/benchmark/parity.py).
+    priority: 1
     conda:
         "../envs/serve.yaml"
     threads: all_cores()

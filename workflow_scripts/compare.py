@@ -25,6 +25,7 @@ from typing import Any
 
 from workflow_scripts.common.atomic import read_jsonl, write_text
 from workflow_scripts.common.loads import count_loads, read_loads
+from workflow_scripts.common.server import stop_idle_shared_servers
 from workflow_scripts.common.smk import stage
 from workflow_scripts.report import pyplot, save_figure
 
@@ -56,7 +57,10 @@ def main(smk) -> None:
             )
         ]
         generate = json.loads(Path(smk.input.generate).read_text())
-        loads = count_loads(read_loads(Path(smk.log[0]).parent / "servers"))
+        servers = Path(smk.log[0]).parent / "servers"
+        # The parity jobs' extraction server has served its last job (every report is written).
+        stop_idle_shared_servers(servers, "parity")
+        loads = count_loads(read_loads(servers))
         run_compare(rows, list(smk.params.learning_curve), smk.params.k_variants, dict(smk.output), generate, loads)
 
 

@@ -12,11 +12,15 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+# The rules whose jobs share one server per run, and what their jobs are called.
+SHARED = {"hidden_states": "shard", "parity": "parity"}
+
 
 def planned_loads(jobs: dict[str, int], config: dict[str, Any]) -> dict[str, int]:
     """Loads per rule for a run of `jobs` (rule -> job count, as Snakemake plans them). Pure.
 
-    Every shard job of hidden_states shares one server: one load for the phase. A stage that
+    Every shard job of hidden_states shares one server: one load for the phase; so do the
+    parity jobs (the replay's states, computed by the same backend). A stage that
     uses an already running server (`server.endpoint`, `hidden_states.vllm.endpoint`) loads
     nothing. Online (`hidden_states.mode: online`) every train job loads the verifier itself."""
     hs = config["hidden_states"]
@@ -27,7 +31,8 @@ def planned_loads(jobs: dict[str, int], config: dict[str, Any]) -> dict[str, int
         "train": jobs.get("train", 0) if hs["mode"] == "online" else 0,
         "baseline": jobs.get("baseline", 0),
         "benchmark": jobs.get("benchmark", 0),
-        "parity": jobs.get("parity", 0),  # the replay's transformers load
+        # The parity jobs share one extraction server (they run back to back after the benchmarks).
+        "parity": min(jobs.get("parity", 0), 1),
     }
     return {rule: n for rule, n in loads.items() if n}
 
@@ -36,7 +41,7 @@ def describe_planned(jobs: dict[str, int], config: dict[str, Any]) -> str:
     """The line `snakemake -n` prints. Pure."""
     loads = planned_loads(jobs, config)
     parts = [
-        f"{rule} {n}" + (f" (shared by {jobs[rule]} shard jobs)" if rule == "hidden_states" else "")
+        f"{rule} {n}" + (f" (shared by {jobs[rule]} {SHARED[rule]} jobs)" if rule in SHARED else "")
         for rule, n in loads.items()
     ]
     return f"Verifier loads this run takes: {sum(loads.values())}" + (f" ({', '.join(parts)})" if parts else "")

@@ -45,6 +45,12 @@ def test_a_retrain_loads_only_for_its_benchmark_and_endpoints_load_nothing():
     assert describe_planned({"report": 1}, CONFIG) == "Verifier loads this run takes: 0"
 
 
+def test_the_parity_jobs_of_every_variant_share_one_load():
+    variants = {**FULL_RUN, "benchmark": 4, "parity": 4, "report": 4}
+    assert planned_loads(variants, CONFIG)["parity"] == 1
+    assert describe_planned(variants, CONFIG).endswith("benchmark 4, parity 1 (shared by 4 parity jobs))")
+
+
 def test_launches_are_counted_by_stage_and_kind(tmp_path):
     assert read_loads(tmp_path) == []
     record_load(tmp_path, Path("logs/generate.vllm.log"), "m", "start", False)

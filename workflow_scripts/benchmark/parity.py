@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from workflow_scripts.common.atomic import read_jsonl, write_json
 from workflow_scripts.common.config import typed
-from workflow_scripts.common.server import ServerConfig, stop_idle_shared_servers
+from workflow_scripts.common.server import ServerConfig
 from workflow_scripts.common.smk import stage
 
 # Importing a backend registers it (as in the hidden_states stage, whose backends replay uses).
@@ -224,6 +224,7 @@ def extraction_job(
         log_path,
         threads,
         gpus,
+        phase="parity",
     )
 
 
@@ -241,11 +242,12 @@ def expected_prompt_ids(verifier_dir: str, prompts_path: str, ids: list[str], ch
 
 def stream_samples(extraction: ExtractionJob, streams: list[dict]) -> list[Sample]:
     """The served streams as training reads its samples: the verifier's states computed by the
-    hidden-state stage's backend, rounded through the storage dtype, shifted."""
+    hidden-state stage's backend, rounded through the storage dtype, shifted. The backend's
+    server is the phase's shared one: the parity jobs of every variant run back to back (the
+    benchmark jobs go first, rules/benchmark.smk) and use one load (logs/parity.server.log);
+    compare stops it."""
     with open_backend(extraction.settings.backend, extraction) as backend:
         states = backend.extract([{"id": s["id"], "input_ids": stream_tokens(s)} for s in streams])
-    # Unless another variant's parity job still uses it, the server is not needed any more.
-    stop_idle_shared_servers(Path(extraction.log_path).parent / "servers", "hidden_states")
     dtype = extraction.settings.dtype
     n_aux = len(extraction.aux_layer_ids)
     out = []

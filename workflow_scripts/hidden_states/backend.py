@@ -66,11 +66,13 @@ class ExtractionJob:
     log_path: str  # the shard job's log; the phase's server logs next to it
     threads: int
     gpus: int  # GPUs of the phase's server, claimed by the job that launches it
+    # The phase whose jobs share one server: the shard jobs, or the parity jobs' replay.
+    phase: str = "hidden_states"
 
 
 def sharing(job: ExtractionJob) -> Sharing:
-    """Every shard job of the phase uses one server (common.server.SharedServer)."""
-    return Sharing(name="hidden_states", linger_s=job.settings.linger_s, gpus=job.gpus)
+    """Every job of the phase uses one server (common.server.SharedServer)."""
+    return Sharing(name=job.phase, linger_s=job.settings.linger_s, gpus=job.gpus)
 
 
 def storage_dir(parent: str | None, key: str) -> Path:
