@@ -145,7 +145,8 @@ def test_the_hf_shard_jobs_load_the_verifier_once_and_the_report_counts_every_lo
     # generate: the hard-killed run's start, the rerun's, and the restart after its SIGKILL.
     assert loads["generate"] == {"start": 2, "restart": 1} and loads["baseline"] == loads["benchmark"] == {"start": 1}
     report = (run / "report.md").read_text()
-    assert "## Verifier loads" in report and "| hidden_states | 1 | 0 |" in report and "| total | 6 | |" in report
+    assert "## Verifier loads" in report and "| hidden_states | 1 | 0 |" in report and "| total | 7 | |" in report
+    assert loads["parity"] == {"start": 1}, loads
 
 
 def test_dry_run_after_a_full_run_has_nothing_to_do(finished_run):
@@ -170,10 +171,11 @@ DOWNSTREAM_OF_SYNTH = {
     "hidden_states_index",
     "train",
     "benchmark",
+    "parity",
     "report",
     "compare",
 }
-PER_DRAFT = {"train", "benchmark", "report", "compare"}
+PER_DRAFT = {"train", "benchmark", "parity", "report", "compare"}
 
 
 # One module per stage boundary, through Snakemake itself; every module's row of the table in
@@ -188,7 +190,8 @@ PER_DRAFT = {"train", "benchmark", "report", "compare"}
         ("vocab.py", PER_DRAFT | {"vocab"}),
         ("hidden_states/hf.py", PER_DRAFT | {"hidden_states", "hidden_states_index"}),
         ("train/loop.py", PER_DRAFT),
-        ("benchmark/run.py", {"baseline", "benchmark", "report", "compare"}),
+        ("benchmark/run.py", {"baseline", "benchmark", "parity", "report", "compare"}),
+        ("benchmark/replay.py", {"parity", "report", "compare"}),
         ("compare.py", {"compare"}),
     ],
 )
@@ -269,7 +272,7 @@ def planned(wf: Path, config: Path) -> set[tuple[str, str]]:
     [
         (
             {"lr-low": {"train": {"lr": 0.0003}}},
-            {("train", ""), ("benchmark", "lr-low"), ("report", "lr-low"), ("compare", "")},
+            {("train", ""), ("benchmark", "lr-low"), ("parity", "lr-low"), ("report", "lr-low"), ("compare", "")},
         ),
         (
             {"vocab-512": {"vocab": {"draft_vocab_size": 512}}},
@@ -277,13 +280,14 @@ def planned(wf: Path, config: Path) -> set[tuple[str, str]]:
                 ("vocab", ""),
                 ("train", ""),
                 ("benchmark", "vocab-512"),
+                ("parity", "vocab-512"),
                 ("report", "vocab-512"),
                 ("compare", ""),
             },
         ),
         (
             {"k1": {"benchmark": {"num_speculative_tokens": 1}}},
-            {("benchmark", "k1"), ("report", "k1"), ("compare", "")},
+            {("benchmark", "k1"), ("parity", "k1"), ("report", "k1"), ("compare", "")},
         ),
     ],
     ids=["train", "vocab", "k"],
@@ -330,11 +334,13 @@ def test_online_mode_trains_without_shards_and_vllm_serves_its_draft(finished_ru
     shutil.rmtree(wf / "results/small/hidden_states")  # online needs none of it
     serve_path = str((finished_run / "resources/verifier/smollm2-135m-instruct").resolve())
     (wf / "online.yaml").write_text(
-        yaml.safe_dump({"hidden_states": {"mode": "online"}, "verifier": {"serve_path": serve_path}})
+        yaml.safe_dump(
+            {"hidden_states": {"mode": "online"}, "verifier": {"serve_path": serve_path}, "parity": {"enabled": False}}
+        )
     )
     cmd = SNAKEMAKE + ["--cores", "2", "--configfile", str(REPO / "tests/config/small.yaml"), "online.yaml"]
     dry = subprocess.run([*cmd, "-n"], cwd=wf, capture_output=True, text=True, check=True)
-    assert set(planned_jobs(dry.stdout)) - {"all"} == PER_DRAFT
+    assert set(planned_jobs(dry.stdout)) - {"all"} == PER_DRAFT - {"parity"}
     assert "Verifier loads this run takes: 2 (train 1, benchmark 1)" in dry.stderr
     loads_before = len(read_loads(wf / "results/small/logs/servers"))
     done = subprocess.run(cmd, cwd=wf, capture_output=True, text=True, timeout=1200)

@@ -1,0 +1,137 @@
+"""Replay against vLLM on a finished run, with the draft as trained and with injected faults.
+
+    .venv/bin/python bench/parity_faults.py [--workdir .] [--configfile my.yaml] [--faults aux_layer_ids d2t]
+
+Reads a finished run of the config (its parity report, prepared verifier, default draft,
+vocab map, eval prompts, baseline and metrics). For each fault it copies the draft, breaks
+it as a hand-run export would, serves it in vLLM on the benchmark workload (the config's
+server and benchmark sections, the run's baseline) and runs the parity job's replay and
+checks on the served streams:
+
+- `aux_layer_ids`: the exported eagle_aux_hidden_state_layer_ids one layer off (+1);
+- `d2t`: the exported d2t of the 64 most frequent draft tokens reversed.
+
+Prints one Markdown row per draft: vLLM's mean acceptance length and per position, the
+replay's on the same streams, their gap and the gate's findings. The first row is the run's
+own parity report (the draft as trained).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from safetensors.torch import load_file, save_file
+
+from workflow_scripts.benchmark.parity import ParityConfig, extraction_job, run_parity
+from workflow_scripts.benchmark.run import BenchmarkConfig, run_benchmark
+from workflow_scripts.common.config import typed
+from workflow_scripts.common.server import ServerConfig, ServerSpec
+from workflow_scripts.plan import load_merged_config
+
+
+def break_aux_layer_ids(draft: Path) -> None:
+    config = json.loads((draft / "config.json").read_text())
+    config["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in config["eagle_aux_hidden_state_layer_ids"]]
+    (draft / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def break_d2t(draft: Path) -> None:
+    weights = load_file(str(draft / "model.safetensors"))
+    weights["d2t"] = weights["d2t"].clone()
+    weights["d2t"][:64] = weights["d2t"][:64].flip(0)
+    save_file(weights, str(draft / "model.safetensors"), metadata={"format": "pt"})
+
+
+FAULTS = {"aux_layer_ids": break_aux_layer_ids, "d2t": break_d2t}
+
+
+def row(name: str, parity: dict) -> str:
+    vllm, replay = parity["vllm"], parity["replay"]
+    pos = lambda r: " / ".join(f"{x:.3f}" for x in r["per_position_acceptance"])  # noqa: E731
+    findings = ", ".join(f["check"] for f in parity["findings"]) or "none"
+    return (
+        f"| {name} | {vllm['mean_acceptance_length']:.3f} ({pos(vllm)}) | "
+        f"{replay['mean_acceptance_length']:.3f} ({pos(replay)}) | {parity['gap']:+.3f} | "
+        f"{parity['replay_every_anchor']['mean_acceptance_length']:.3f} | {findings} |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", type=Path, default=Path("."))
+    parser.add_argument("--configfile", nargs="*", default=[])
+    parser.add_argument("--faults", nargs="*", default=list(FAULTS), choices=list(FAULTS))
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    workdir = args.workdir.resolve()
+    config = load_merged_config(args.configfile, workdir)
+    run = workdir / "results" / config["run"]
+    verifier = str(workdir / "resources/verifier" / config["verifier"]["name"])
+    server = ServerConfig.from_section(config["server"])
+    bench = typed(BenchmarkConfig, config["benchmark"], "benchmark")
+    cfg = typed(ParityConfig, config["parity"], "parity")
+    hs = config["hidden_states"]
+    lines = [
+        "| draft | vLLM mean acceptance length (per position) | replay, same streams | vLLM - replay "
+        "| replay, every anchor | findings |",
+        "| --- | --- | --- | --- | --- | --- |",
+        row("as trained (the run's parity job)", json.loads((run / "variants/default/parity/report.json").read_text())),
+    ]
+    print(lines[-1], flush=True)
+    with tempfile.TemporaryDirectory(prefix="parity-faults-") as tmp:
+        for fault in args.faults:
+            out = Path(tmp) / fault
+            draft = out / "draft"
+            shutil.copytree(run / "drafts/default/draft", draft)
+            FAULTS[fault](draft)
+            report, streams = out / "report.json", out / "streams.jsonl"
+            run_benchmark(
+                str(run / "prompts/eval.jsonl"),
+                verifier,
+                str(draft),
+                str(report),
+                str(out / "benchmark.vllm"),
+                server=ServerSpec.from_config(server, verifier),
+                cfg=bench,
+                chat_template_kwargs=config["synth"]["chat_template_kwargs"],
+                baseline=str(run / "baseline/report.json"),
+                streams_out=str(streams),
+            )
+            (out / "logs").mkdir()
+            extraction = extraction_job(
+                verifier,
+                hs,
+                config["server"] if hs["backend"] == "vllm" else None,
+                config["verifier"]["trust_remote_code"],
+                log_path=str(out / "logs/parity.default.log"),
+                threads=2,
+                gpus=0,
+            )
+            parity = run_parity(
+                extraction,
+                draft_dir=str(draft),
+                vocab_map=str(run / "vocab/default/vocab_map.safetensors"),
+                streams_path=str(streams),
+                benchmark_report=str(report),
+                metrics_path=str(run / "drafts/default/train/metrics.jsonl"),
+                prompts_path=str(run / "prompts/eval.jsonl"),
+                out=str(out / "parity.json"),
+                chat_template_kwargs=config["synth"]["chat_template_kwargs"],
+                greedy_data=config["synth"]["temperature"] == 0,
+                cfg=cfg,
+            )
+            lines.append(row(f"{fault} broken", parity))
+            print(lines[-1], flush=True)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
