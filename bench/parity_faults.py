@@ -9,7 +9,7 @@ server and benchmark sections, the run's baseline) and runs the parity job's rep
 checks on the served streams:
 
 - `aux_layer_ids`: the exported eagle_aux_hidden_state_layer_ids one layer off (+1);
-- `d2t`: the exported d2t of the 64 most frequent draft tokens reversed.
+- `d2t`: the exported d2t off by one (draft token i mapped to draft token i + 1's verifier token).
 
 Prints one Markdown row per draft: vLLM's mean acceptance length and per position, the
 replay's on the same streams, their gap and the gate's findings. The first row is the run's
@@ -44,9 +44,11 @@ def break_aux_layer_ids(draft: Path) -> None:
 
 
 def break_d2t(draft: Path) -> None:
+    """Off by one: draft token i maps to draft token i + 1's verifier token."""
     weights = load_file(str(draft / "model.safetensors"))
-    weights["d2t"] = weights["d2t"].clone()
-    weights["d2t"][:64] = weights["d2t"][:64].flip(0)
+    d2t = weights["d2t"].clone()
+    d2t[:-1] = weights["d2t"][1:] + 1
+    weights["d2t"] = d2t
     save_file(weights, str(draft / "model.safetensors"), metadata={"format": "pt"})
 
 

@@ -29,8 +29,11 @@ WARN = ParityConfig(enabled=True, tolerance=0.1, training_tolerance=0.3, min_tar
 class Run:
     """The shared run's files that a parity job reads."""
 
-    def __init__(self, wf: Path):
+    def __init__(self, wf: Path, logs: Path):
         self.wf = wf
+        # One log directory for every test's parity job: they attach to one lingering
+        # extraction server, as the parity jobs of a run's variants do.
+        self.logs = logs
         r = wf / "results/small"
         self.verifier = str(wf / "resources/verifier/smollm2-135m-instruct")
         self.draft = r / "drafts/default/draft"
@@ -46,11 +49,10 @@ class Run:
             config_section("hidden_states", **SMALL["hidden_states"]),
             None,
             False,
-            log_path=str(tmp / "logs/parity.default.log"),
+            log_path=str(self.logs / "parity.default.log"),
             threads=2,
             gpus=0,
         )
-        Path(extraction.log_path).parent.mkdir(parents=True, exist_ok=True)
         return run_parity(
             extraction,
             draft_dir=str(draft or self.draft),
@@ -67,8 +69,8 @@ class Run:
 
 
 @pytest.fixture(scope="module")
-def run(finished_run):
-    return Run(finished_run)
+def run(finished_run, tmp_path_factory):
+    return Run(finished_run, tmp_path_factory.mktemp("logs"))
 
 
 def checks(result: dict) -> set[str]:
@@ -118,15 +120,16 @@ def test_aux_layer_ids_off_by_one_are_served_by_vllm_and_caught(run, tmp_path):
     assert result["gap"] <= 0.02
     with pytest.raises(ParityError, match="aux_layer_ids"):
         run.parity(tmp_path, draft=draft, streams=streams, report=report, cfg=dataclasses.replace(WARN, on_gap="fail"))
-    assert (tmp_path / "logs/parity.default.json").exists(), "a failed gate keeps its report next to its log"
+    assert (run.logs / "parity.default.json").exists(), "a failed gate keeps its report next to its log"
 
 
 def test_a_wrong_d2t_in_the_exported_draft_is_caught(run, tmp_path):
     draft = tmp_path / "draft"
     shutil.copytree(run.draft, draft)
     weights = load_file(str(draft / "model.safetensors"))
+    # Off by one: draft token i maps to draft token i + 1's verifier token (target = i + d2t[i]).
     d2t = weights["d2t"].clone()
-    d2t[:16] = d2t[:16].flip(0)  # the 16 most frequent draft tokens map to each other's targets
+    d2t[:-1] = weights["d2t"][1:] + 1
     weights["d2t"] = d2t
     save_file(weights, str(draft / "model.safetensors"), metadata={"format": "pt"})
     result = run.parity(tmp_path, draft=draft)
