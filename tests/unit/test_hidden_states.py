@@ -112,6 +112,16 @@ def test_token_budget_batches():
     assert batches == [[1, 3], [0], [2]]
 
 
+def test_small_verifiers_get_distinct_default_aux_layers_past_the_embeddings():
+    assert default_aux_layer_ids(8) == [2, 4, 5] and default_aux_layer_ids(61) == [2, 30, 58]
+    for layers in range(2, 8):
+        ids = resolve_aux_layer_ids(None, layers)  # raises if they collide
+        assert ids[0] >= 1 and ids[-1] == layers - 1 and len(ids) == min(3, layers - 1)
+    assert default_aux_layer_ids(6) == [1, 3, 5] and default_aux_layer_ids(4) == [1, 2, 3]
+    with pytest.raises(ValueError, match="1 layer"):
+        default_aux_layer_ids(1)
+
+
 def test_aux_layer_ids_validation():
     assert resolve_aux_layer_ids(None, 30) == [2, 15, 27]
     assert resolve_aux_layer_ids([1, 3], 30) == [1, 3]

@@ -43,7 +43,16 @@ def verifier_geometry(verifier_dir: str) -> VerifierGeometry:
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
-    return [2, num_layers // 2, num_layers - 3]
+    """vLLM's and speculators' default, (2, L//2, L-3), from 8 layers up. Below that those
+    collide (L=6: 2, 3, 3), and the input of layer 0 (the embeddings) is no choice either:
+    vLLM's DeepseekV2 forward adds a None residual there and crashes. Small verifiers (test
+    and distilled models) get the first, middle and last of layers 1..L-1. Pure."""
+    if num_layers >= 8:
+        return [2, num_layers // 2, num_layers - 3]
+    if num_layers < 2:
+        raise ValueError(f"a verifier of {num_layers} layer(s) has no layer to capture besides the embeddings")
+    layers = list(range(1, num_layers))
+    return sorted({layers[0], layers[len(layers) // 2], layers[-1]})
 
 
 def resolve_aux_layer_ids(configured: list[int] | None, num_layers: int) -> list[int]:
