@@ -191,7 +191,11 @@ def slurm_run(finished_run, tmp_path_factory):
     # The drafts name the verifier by path (verifier.serve_path, default: the prepared dir, resolved):
     # keep the original run's, or the copy's new location would restale the default draft.
     serve_path = str((finished_run / "resources/verifier" / load_small()["verifier"]["name"]).resolve())
-    (wf / "curve.yaml").write_text(yaml.safe_dump(WITH_CURVE | {"verifier": {"serve_path": serve_path}}))
+    # No parity job: its replay is the shared run's (test_parity.py); here it would be one
+    # more submission, polled for, and one more verifier load.
+    (wf / "curve.yaml").write_text(
+        yaml.safe_dump(WITH_CURVE | {"verifier": {"serve_path": serve_path}, "parity": {"enabled": False}})
+    )
     cmd = SNAKEMAKE + ["--workflow-profile", str(profile_dir), "--configfile", str(SMALL), "curve.yaml"]
     proc = subprocess.run(cmd, cwd=wf, env=env, capture_output=True, text=True, timeout=2400)
     if proc.returncode != 0:
