@@ -147,6 +147,16 @@ def summary_rows(
         ("speedup", f"{report['speedup']:.2f}x"),
         ("greedy outputs identical with and without draft", f"{report['outputs_identical_fraction']:.1%}"),
         ("training estimate of acceptance length (best eval)", f"{best_eval['estimated_acceptance_length']:.3f}"),
+        *(
+            [
+                (
+                    "training estimate as vLLM counts (anchors it visits, eval split)",
+                    f"{best_eval['walk_acceptance_length']:.3f}",
+                )
+            ]
+            if best_eval.get("walk_acceptance_length") is not None
+            else []
+        ),
         *parity_rows(parity),
         ("best eval loss (exported draft)", f"{best_eval['loss']:.4f} at step {best_eval['step']}"),
         ("samples / failed conversations", f"{quality['num_samples']} / {quality['request_errors']}"),

@@ -1,4 +1,4 @@
-"""Replay (benchmark.replay) and the parity checks (benchmark.parity): pure parts."""
+"""The acceptance walk (common.acceptance) and the parity checks (benchmark.parity): pure parts."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from workflow_scripts.benchmark.parity import (
     exported_eval,
     first_difference,
 )
-from workflow_scripts.benchmark.replay import AcceptanceCounts, every_anchor, walk
+from workflow_scripts.common.acceptance import AcceptanceCounts, every_anchor, generated_spans, walk
 
 VOCAB = 5
 
@@ -149,3 +149,19 @@ def test_training_targets_that_are_not_the_verifiers_tokens_are_a_finding_on_gre
     assert f.check == "training_targets" and "20.0%" in f.detail
     # Sampled data: the next token is often not the argmax; no finding.
     assert check_targets(0.2, False, config()) == []
+
+
+def test_a_conversation_walks_each_assistant_turn_on_its_own():
+    mask = [0, 0, 1, 1, 1, 0, 0, 1, 1, 1, 1]
+    assert generated_spans(mask) == [(2, 5), (7, 11)]
+    assert generated_spans([1, 1]) == [(0, 2)] and generated_spans([0]) == []
+    tokens = list(range(11))
+    perfect = [[t for t in tokens[2:]] + [0, 0], [t for t in tokens[3:]] + [0, 0, 0]]
+    # Turn 1 (tokens 2..4): anchor 1 accepts 2 (3, 4), then nothing is left to generate.
+    first = walk(tokens, 2, perfect, end=5)
+    assert (first.drafts, first.accepted_per_pos) == (1, [1, 1])
+    # Turn 2 (7..10): anchor 6 accepts 2 (8, 9) and the verifier adds 10: done.
+    second = walk(tokens, 7, perfect, end=11)
+    assert (second.drafts, second.accepted_per_pos) == (1, [1, 1])
+    # Without the end, turn 1's walk would run into turn 2's tokens.
+    assert walk(tokens, 2, perfect).drafts > first.drafts

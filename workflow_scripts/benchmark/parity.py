@@ -262,13 +262,14 @@ def stream_tokens(stream: dict) -> list[int]:
     return list(stream["prompt_token_ids"]) + list(stream["token_ids"])
 
 
-def replay_streams(draft, samples: list[Sample], streams: list[dict], k: int, d2t: torch.Tensor):
+def replay_streams(draft, samples: list[Sample], streams: list[dict], k: int):
     """(walk counts, every-anchor counts) of the draft over the served streams."""
-    from workflow_scripts.benchmark.replay import AcceptanceCounts, draft_proposals, every_anchor, walk
+    from workflow_scripts.benchmark.replay import draft_proposals
+    from workflow_scripts.common.acceptance import AcceptanceCounts, every_anchor, walk
 
     visited, every = AcceptanceCounts(k), AcceptanceCounts(k)
     for stream, sample in tqdm(list(zip(streams, samples, strict=True)), desc="replay", unit="stream", mininterval=2.0):
-        proposals = draft_proposals(draft, sample, k, d2t)
+        proposals = draft_proposals(draft, sample, k)
         tokens, prompt_len = stream_tokens(stream), len(stream["prompt_token_ids"])
         visited.add(walk(tokens, prompt_len, proposals))
         every.add(every_anchor(tokens, prompt_len, proposals))
@@ -306,7 +307,10 @@ def run_parity(
         exported_d2t = f.get_tensor("d2t") if "d2t" in f.keys() else None  # noqa: SIM118 (safe_open is no dict)
     # Streams too short to hold a draft step carry nothing to replay.
     streams = [s for s in streams if len(s["token_ids"]) >= 2]
-    visited, every = replay_streams(draft, stream_samples(extraction, streams), streams, k, d2t)
+    if exported_d2t is not None and exported_d2t.shape == d2t.shape:
+        # The replay maps the draft's tokens with the vocab stage's map, as training did.
+        draft.d2t.copy_(d2t.to(draft.d2t.dtype))
+    visited, every = replay_streams(draft, stream_samples(extraction, streams), streams, k)
     replay, replay_every = visited.summary(), every.summary()
     served = report["speculative"]
     trained = exported_eval(read_jsonl(metrics_path))

@@ -20,95 +20,22 @@ training-time estimate's measure (train.loop: 1 + sum_k full_acc_k) on the serve
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-
 import torch
 
 from workflow_scripts.train.data import Sample, collate
-
-
-@dataclass
-class AcceptanceCounts:
-    """Drafts proposed and tokens accepted at each chain position, summed over streams."""
-
-    k: int
-    drafts: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if not self.accepted_per_pos:
-            self.accepted_per_pos = [0] * self.k
-
-    def add(self, other: AcceptanceCounts) -> None:
-        self.drafts += other.drafts
-        self.accepted_per_pos = [a + b for a, b in zip(self.accepted_per_pos, other.accepted_per_pos, strict=True)]
-
-    def summary(self) -> dict[str, float | list[float]]:
-        """The figures vLLM's counters give (benchmark.metrics.acceptance), from these counts."""
-        drafts = max(1, self.drafts)
-        accepted = sum(self.accepted_per_pos)
-        return {
-            "num_drafts": self.drafts,
-            "num_accepted_tokens": accepted,
-            "mean_acceptance_length": 1.0 + accepted / drafts,
-            "acceptance_rate": accepted / (drafts * self.k),
-            "per_position_acceptance": [a / drafts for a in self.accepted_per_pos],
-        }
-
-
-def accepted_at(tokens: Sequence[int], proposals: Sequence[Sequence[int]], anchor: int) -> int:
-    """How many of the chain proposed at `anchor` match the stream: proposals[s][anchor]
-    against tokens[anchor + 2 + s], stopping at the first miss or the stream's end. Pure."""
-    n = 0
-    for chain in proposals:
-        position = anchor + 2 + n
-        if position >= len(tokens) or chain[anchor] != tokens[position]:
-            break
-        n += 1
-    return n
-
-
-def walk(tokens: Sequence[int], prompt_len: int, proposals: Sequence[Sequence[int]]) -> AcceptanceCounts:
-    """The anchors vLLM visits on one stream (prompt + output ids) and what each accepts. Pure.
-
-    The first anchor is the prompt's last position (prefill produced tokens[prompt_len]); a
-    step that accepts a tokens moves the anchor a + 1 on. A draft is counted while a token is
-    still to be generated after the anchor's known one; proposals past the stream's end
-    cannot be checked and count as rejected (vLLM checks them against tokens it then drops at
-    max_tokens: the last draft of a stream may differ)."""
-    counts = AcceptanceCounts(k=len(proposals))
-    anchor = prompt_len - 1
-    while anchor + 2 < len(tokens):
-        a = accepted_at(tokens, proposals, anchor)
-        counts.drafts += 1
-        for s in range(a):
-            counts.accepted_per_pos[s] += 1
-        anchor += a + 1
-    return counts
-
-
-def every_anchor(tokens: Sequence[int], prompt_len: int, proposals: Sequence[Sequence[int]]) -> AcceptanceCounts:
-    """Every output anchor, visited or not: the training-time estimate's average. Pure."""
-    counts = AcceptanceCounts(k=len(proposals))
-    for anchor in range(prompt_len - 1, len(tokens) - 2):
-        counts.drafts += 1
-        for s in range(accepted_at(tokens, proposals, anchor)):
-            counts.accepted_per_pos[s] += 1
-    return counts
+from workflow_scripts.train.draft import verifier_ids
 
 
 @torch.inference_mode()
-def draft_proposals(draft, sample: Sample, k: int, d2t: torch.Tensor | None) -> list[list[int]]:
+def draft_proposals(draft, sample: Sample, k: int) -> list[list[int]]:
     """proposals[s][i]: the verifier-vocabulary token the draft proposes at chain step s from
     anchor i of a shifted sample (train.data.shift: position i pairs the verifier's state at i
     with token i+1), for every anchor at once.
 
     speculators' forward feeds step s the ground-truth tokens rather than the draft's own
     (teacher forcing): where a chain is still alive the two are the same token, and a dead
-    chain's later steps are never looked at (accepted_at stops at the first miss).
-    `d2t` maps draft-vocabulary indices to verifier ids (target = index + d2t[index]); None
-    when the draft predicts over the verifier's whole vocabulary."""
+    chain's later steps are never looked at (common.acceptance.accepted_at stops at the
+    first miss). The draft's own d2t maps its predictions to verifier ids, as vLLM's does."""
     batch = collate([sample], len(sample))
     steps = draft(
         hidden_states=batch["hidden_states"],
@@ -117,8 +44,4 @@ def draft_proposals(draft, sample: Sample, k: int, d2t: torch.Tensor | None) -> 
         position_ids=batch["position_ids"],
         ttt_steps=k,
     )
-    out = []
-    for step in steps:
-        index = step[0].long()
-        out.append((index + d2t[index] if d2t is not None else index).tolist())
-    return out
+    return [verifier_ids(draft, step[0]).tolist() for step in steps]

@@ -245,3 +245,10 @@ def load_draft(draft_dir: str, verifier_dir: str | None = None, attn_impl: str |
     ):
         p.requires_grad_(False)
     return model
+
+
+def verifier_ids(model, draft_index: torch.Tensor) -> torch.Tensor:
+    """The verifier's token ids of a draft's draft-vocabulary predictions (d2t holds offsets:
+    target = index + d2t[index]); unchanged when the draft predicts the whole vocabulary."""
+    index = draft_index.long()
+    return index + model.d2t[index] if model.use_draft_vocab else index

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from tqdm import tqdm
 
+from workflow_scripts.common.acceptance import AcceptanceCounts, generated_spans, walk
 from workflow_scripts.common.atomic import atomic_path, write_jsonl
 from workflow_scripts.common.config import typed
 from workflow_scripts.common.fingerprint import code_fingerprint
@@ -50,7 +51,7 @@ from workflow_scripts.train.checkpoint import (
     training_fingerprint,
 )
 from workflow_scripts.train.data import Sample, collate, load_shards, pack
-from workflow_scripts.train.draft import build_draft, export_draft
+from workflow_scripts.train.draft import build_draft, export_draft, verifier_ids
 from workflow_scripts.train.online import TokenSample, VerifierStates, load_token_samples, open_verifier
 
 log = logging.getLogger(__name__)
@@ -263,18 +264,53 @@ def evaluate(
     model.eval()
     total = torch.zeros(len(keys), dtype=torch.float64, device=rt.device)
     agreement = torch.zeros(2, dtype=torch.float64, device=rt.device)
+    k = fwd_kwargs["ttt_steps"]
+    walked = AcceptanceCounts(k)
     for i, batch in enumerate(pack(samples, batch_tokens, shuffle_seed=None)):
         if i % rt.world_size != rt.rank:
             continue
         inputs = to_device(collate([samples[j] for j in batch], batch_tokens), rt.device)
         with rt.autocast():
-            _, _, m = model(**inputs, **fwd_kwargs)
+            drafts, _, m = model(**inputs, **fwd_kwargs)
             agreement += target_agreement(model, inputs)
         total += metrics_vector(m, keys, rt.device)
+        walked.add(walk_batch(model, inputs, drafts))
     model.train()
     agree, counted = rt.sum_(agreement).tolist()
-    out = summarise(dict(zip(keys, rt.sum_(total).tolist(), strict=True)), fwd_kwargs["ttt_steps"])
-    return out | {"target_agreement": agree / counted if counted else None}
+    walk_totals = rt.sum_(
+        torch.tensor([walked.drafts, *walked.accepted_per_pos], dtype=torch.float64, device=rt.device)
+    )
+    walked = AcceptanceCounts(k, int(walk_totals[0]), [int(x) for x in walk_totals[1:].tolist()])
+    out = summarise(dict(zip(keys, rt.sum_(total).tolist(), strict=True)), k)
+    return out | {
+        "walk_acceptance_length": walked.summary()["mean_acceptance_length"] if walked.drafts else None,
+        "target_agreement": agree / counted if counted else None,
+    }
+
+
+def walk_batch(model, batch: dict[str, torch.Tensor], drafts: list[torch.Tensor]) -> AcceptanceCounts:
+    """The anchors vLLM would visit on each assistant turn of a packed eval batch, with the
+    draft's own chains (speculators' teacher-forced steps, as benchmark.replay uses them), and
+    what each accepts: what vLLM's counters would say on the eval split, where the training
+    estimate (1 + sum full_acc_k) averages over every anchor instead.
+
+    Shifted alignment (train.data): position t pairs token t+1 with the state at t, so the
+    anchor of original position t is position t, and the stream is [x_0] + input_ids."""
+    k = len(drafts)
+    counts = AcceptanceCounts(k)
+    ids, docs, mask = (batch[name][0].tolist() for name in ("input_ids", "document_ids", "loss_mask"))
+    steps = [verifier_ids(model, d[0]).tolist() for d in drafts]
+    start = 0
+    while start < len(ids):
+        end = start + 1
+        while end < len(ids) and docs[end] == docs[start]:
+            end += 1
+        tokens = [-1, *ids[start:end]]  # x_0 is never compared: the first anchor is 0 at the earliest
+        proposals = [step[start:end] for step in steps]
+        for span_start, span_end in generated_spans([0, *mask[start:end]]):
+            counts.add(walk(tokens, span_start, proposals, span_end))
+        start = end
+    return counts
 
 
 def target_agreement(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
