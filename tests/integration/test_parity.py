@@ -24,7 +24,7 @@ pytestmark = [
 ]
 
 SMALL = yaml.safe_load((REPO / "tests/config/small.yaml").read_text())
-WARN = ParityConfig(enabled=True, tolerance=0.1, training_tolerance=0.3, min_target_agreement=0.9, on_gap="warn")
+WARN = ParityConfig(enabled=True, tolerance=0.03, training_tolerance=0.3, min_target_agreement=0.9, on_gap="warn")
 
 
 class Run:
@@ -86,9 +86,9 @@ def test_the_shared_runs_parity_job_passed_and_replay_matches_vllm(run):
 
 
 def test_aux_layer_ids_off_by_one_in_the_exported_draft_are_caught(run, tmp_path):
-    """vLLM serves such a draft without a word (bench/parity_faults.py: on the demo it loses
-    most of its acceptance); the replay keeps the layers training used, and the gate names the
-    fault, and fails the job when configured to."""
+    """vLLM serves such a draft without a word (bench/parity_faults.py: on the demo it measures
+    1.591 against 1.644, a loss nobody would trace); the replay keeps the layers training used,
+    and the gate names the fault, and fails the job when configured to."""
     draft = tmp_path / "draft"
     shutil.copytree(run.draft, draft)
     config = json.loads((draft / "config.json").read_text())
