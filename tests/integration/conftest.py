@@ -70,7 +70,7 @@ def sigkill_vllm_mid_generate(wf: Path, run: subprocess.Popen) -> dict:
     before = stored_replies(store)
     servers = wf / "results/small/logs/servers"
     while time.monotonic() < deadline and run.poll() is None:
-        leases = [json.loads(p.read_text()) for p in servers.glob("vllm-*.json")]
+        leases = generate_leases(servers)
         if leases and stored_replies(store) >= before + 2:
             supervisor = leases[0]["pgid"]
             children = [pid for pid in group_members(supervisor) if parent_pid(pid) == supervisor]
@@ -86,7 +86,7 @@ def hard_kill_mid_generate(wf: Path, cmd: list[str]) -> dict:
     moment that leaves the most processes behind, and the cheapest: no reply is waited for)."""
     run = subprocess.Popen(cmd, cwd=wf, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     servers, deadline = wf / "results/small/logs/servers", time.monotonic() + 900
-    while not any(engine_started(json.loads(p.read_text())["pgid"]) for p in servers.glob("vllm-*.json")):
+    while not any(engine_started(lease["pgid"]) for lease in generate_leases(servers)):
         assert run.poll() is None and time.monotonic() < deadline, "generate's vLLM never started its engine"
         time.sleep(0.2)
     os.killpg(run.pid, signal.SIGKILL)
@@ -100,6 +100,19 @@ def hard_kill_mid_generate(wf: Path, cmd: list[str]) -> dict:
         time.sleep(0.2)
     left = [pid for lease in leases for pid in group_members(lease["pgid"])]
     return {"stored_at_kill": killed_at, "leases": len(leases), "vllm_processes_left": left}
+
+
+def generate_leases(servers: Path) -> list[dict]:
+    """The leases of generate's vLLM servers (the baseline's may run before generate)."""
+    leases = []
+    for path in servers.glob("vllm-*.json"):
+        try:
+            lease = json.loads(path.read_text())
+        except (OSError, ValueError):  # removed or being written
+            continue
+        if Path(lease["log"]).name.startswith("generate."):
+            leases.append(lease)
+    return leases
 
 
 def engine_started(pgid: int) -> bool:

@@ -67,6 +67,7 @@ def test_only_the_killed_shard_and_its_downstream_rerun(tmp_path, clean_env):
         "hidden_states/index.json",
         "drafts/default/train/metrics.jsonl",
         "variants/default/benchmark/report.json",
+        "variants/default/parity/report.json",
         "variants/default/report/report.md",
         "report.md",
     ):
@@ -79,6 +80,7 @@ def test_only_the_killed_shard_and_its_downstream_rerun(tmp_path, clean_env):
         "hidden_states_index",
         "train",
         "benchmark",
+        "parity",
         "report",
         "compare",
     }

@@ -107,9 +107,14 @@ def test_production_profile_asks_for_nodes_gpus_and_cluster_settings(repo):
     assert all(r["slurm_partition"] == "<your-partition>" and r["slurm_account"] == "<your-account>" for _, r in jobs)
     profile = real_profile()
     assert profile["executor"] == "slurm" and profile["slurm-status-command"] == "squeue"
-    # The shard jobs: one group, bundled into one submission; the run holds at most 8 GPUs.
-    assert profile["groups"] == ["hidden_states=hidden_states"]
-    assert int(profile["group-components"][0].split("=")[1]) >= kimi["hidden_states"]["num_shards"]
+    # The shard jobs: one group, bundled into one submission; so are the parity jobs (their
+    # replay's extraction server takes the same GPUs). The run holds at most 8 GPUs.
+    assert profile["groups"] == ["hidden_states=hidden_states", "parity=parity"]
+    components = dict(c.split("=") for c in profile["group-components"])
+    assert int(components["hidden_states"]) >= kimi["hidden_states"]["num_shards"]
+    assert int(components["parity"]) >= 1
+    (parity,) = by_rule["parity"]
+    assert parity["gpu"] == str(kimi["server"]["gpus"])
     assert profile["resources"] == ["gpu=8"]
 
 
