@@ -339,6 +339,7 @@ def run_parity(
         "replay": replay,
         "replay_every_anchor": replay_every,
         "training_estimate": estimate,
+        "training_walk_estimate": trained.get("walk_acceptance_length"),
         "training_target_agreement": trained.get("target_agreement"),
         "gap": served["mean_acceptance_length"] - replay["mean_acceptance_length"],
         "tolerance": cfg.tolerance,
