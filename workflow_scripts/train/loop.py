@@ -322,9 +322,7 @@ def target_agreement(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
     Shifted alignment (train.data): the final state at position t predicts input_ids[t + 1]."""
     targets = model.verifier_lm_head(model.verifier_norm(batch["verifier_last_hidden_states"][0]))
-    predicted = targets.argmax(-1)
-    if model.use_draft_vocab:
-        predicted = predicted + model.d2t[predicted]
+    predicted = verifier_ids(model, targets.argmax(-1))
     ids, docs, mask = batch["input_ids"][0], batch["document_ids"][0], batch["loss_mask"][0].bool()
     following = ids[1:]
     counted = mask[1:] & (docs[1:] == docs[:-1])

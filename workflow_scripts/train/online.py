@@ -110,7 +110,9 @@ def open_verifier(
     """Load the verifier for online training; the load goes into the run's load ledger."""
     states = VerifierStates(verifier_dir, typed(OnlineStates, settings, "hidden_states"), device)
     if log_path and is_main:
-        record_verifier_load(log_path, verifier_dir)
+        ledger = Path(log_path).parent / "servers"
+        ledger.mkdir(parents=True, exist_ok=True)
+        record_load(ledger, Path(log_path), verifier_dir, "start", False)
     log.info(
         "online hidden states: verifier %s on %s, aux layers %s, stored as %s",
         verifier_dir,
@@ -119,11 +121,3 @@ def open_verifier(
         settings["dtype"],
     )
     return states
-
-
-def record_verifier_load(log_path: str, verifier_dir: str) -> None:
-    """Write a job's own load of the verifier (not a server's) into the run's load ledger,
-    next to the job's log (results/<run>/logs/servers/)."""
-    ledger = Path(log_path).parent / "servers"
-    ledger.mkdir(parents=True, exist_ok=True)
-    record_load(ledger, Path(log_path), verifier_dir, "start", False)
