@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
+from workflow_scripts.common.acceptance import acceptance_figures
+
 PREFIX = "vllm:spec_decode_"
 _LINE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
@@ -71,11 +73,6 @@ def acceptance(delta: dict, num_speculative_tokens: int) -> dict[str, float | li
             "(vllm:spec_decode_num_drafts did not grow): the draft was not used"
         )
     per_pos = delta.get("per_pos", {})
-    return {
-        "num_drafts": drafts,
-        "num_draft_tokens": draft_tokens,
-        "num_accepted_tokens": accepted,
-        "mean_acceptance_length": 1.0 + accepted / drafts,
-        "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
-        "per_position_acceptance": [per_pos.get(i, 0.0) / drafts for i in range(num_speculative_tokens)],
-    }
+    return acceptance_figures(
+        drafts, draft_tokens, accepted, [per_pos.get(i, 0.0) for i in range(num_speculative_tokens)]
+    )

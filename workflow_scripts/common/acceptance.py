@@ -34,15 +34,24 @@ class AcceptanceCounts:
 
     def summary(self) -> dict[str, float | list[float]]:
         """The figures vLLM's counters give (benchmark.metrics.acceptance), from these counts."""
-        drafts = max(1, self.drafts)
-        accepted = sum(self.accepted_per_pos)
-        return {
-            "num_drafts": self.drafts,
-            "num_accepted_tokens": accepted,
-            "mean_acceptance_length": 1.0 + accepted / drafts,
-            "acceptance_rate": accepted / (drafts * self.k),
-            "per_position_acceptance": [a / drafts for a in self.accepted_per_pos],
-        }
+        return acceptance_figures(self.drafts, self.drafts * self.k, sum(self.accepted_per_pos), self.accepted_per_pos)
+
+
+def acceptance_figures(
+    drafts: float, draft_tokens: float, accepted: float, accepted_per_pos: Sequence[float]
+) -> dict[str, float | list[float]]:
+    """Mean acceptance length (1 + accepted / drafts: the bonus token the verifier always adds),
+    acceptance rate and per-position rates from counts, as vLLM's counters or a replay give
+    them. No draft counts as one, so that nothing divides by zero. Pure."""
+    per_draft = max(1.0, drafts)
+    return {
+        "num_drafts": drafts,
+        "num_draft_tokens": draft_tokens,
+        "num_accepted_tokens": accepted,
+        "mean_acceptance_length": 1.0 + accepted / per_draft,
+        "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
+        "per_position_acceptance": [a / per_draft for a in accepted_per_pos],
+    }
 
 
 def accepted_at(tokens: Sequence[int], proposals: Sequence[Sequence[int]], anchor: int, end: int) -> int:
