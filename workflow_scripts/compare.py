@@ -27,6 +27,7 @@ from workflow_scripts.common.atomic import read_jsonl, write_text
 from workflow_scripts.common.loads import count_loads, read_loads
 from workflow_scripts.common.server import stop_idle_shared_servers
 from workflow_scripts.common.smk import stage
+from workflow_scripts.common.train_metrics import exported_eval
 from workflow_scripts.report import pyplot, save_figure
 
 log = logging.getLogger(__name__)
@@ -81,8 +82,7 @@ def variant_row(
     name: str, report: dict[str, Any], metrics: list[dict[str, Any]], train_s: float, size: int
 ) -> dict[str, Any]:
     """One variant's headline figures. Pure."""
-    evals = [m for m in metrics if m["split"] == "eval"]
-    best = min(evals, key=lambda m: m["loss"])
+    best = exported_eval(metrics)
     spec = report["speculative"]
     return {
         "variant": name,

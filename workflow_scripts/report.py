@@ -12,6 +12,7 @@ from typing import Any
 from workflow_scripts.common.atomic import atomic_path, read_jsonl, write_text
 from workflow_scripts.common.defects import EXCLUDING
 from workflow_scripts.common.smk import stage
+from workflow_scripts.common.train_metrics import exported_eval
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +138,7 @@ def summary_rows(
 ) -> list[tuple[str, str]]:
     """The headline numbers, shared by report.md and the HTML summary. Pure."""
     spec, base = report["speculative"], report["baseline"]
-    best_eval = min((m for m in metrics if m["split"] == "eval"), key=lambda m: m["loss"])
+    best_eval = exported_eval(metrics)
     return [
         ("mean acceptance length", f"{spec['mean_acceptance_length']:.3f}"),
         ("acceptance rate (accepted / drafted tokens)", f"{spec['acceptance_rate']:.3f}"),
@@ -194,7 +195,7 @@ def render_markdown(
     parity: dict | None = None,
 ) -> str:
     last_eval = [m for m in metrics if m["split"] == "eval"][-1]
-    best_eval = min((m for m in metrics if m["split"] == "eval"), key=lambda m: m["loss"])
+    best_eval = exported_eval(metrics)
     headline = {"mean acceptance length", "speedup"}
     table = [
         f"| {name} | **{value}** |" if name in headline else f"| {name} | {value} |"

@@ -13,10 +13,10 @@ from workflow_scripts.benchmark.parity import (
     check_gaps,
     check_prompt_format,
     check_targets,
-    exported_eval,
     first_difference,
 )
 from workflow_scripts.common.acceptance import AcceptanceCounts, every_anchor, generated_spans, walk
+from workflow_scripts.common.train_metrics import exported_eval
 
 VOCAB = 5
 

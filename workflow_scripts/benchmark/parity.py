@@ -28,6 +28,7 @@ from workflow_scripts.common.atomic import read_jsonl, write_json
 from workflow_scripts.common.config import typed
 from workflow_scripts.common.server import ServerConfig
 from workflow_scripts.common.smk import stage
+from workflow_scripts.common.train_metrics import exported_eval
 
 # Importing a backend registers it (as in the hidden_states stage, whose backends replay uses).
 from workflow_scripts.hidden_states import hf, vllm  # noqa: F401
@@ -67,13 +68,6 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def exported_eval(metrics: list[dict[str, Any]]) -> dict[str, Any]:
-    """The eval row of the exported draft: the lowest loss (train.loop exports those weights);
-    {} without eval rows. Pure."""
-    evals = [m for m in metrics if m.get("split") == "eval" and "estimated_acceptance_length" in m]
-    return min(evals, key=lambda m: m["loss"]) if evals else {}
 
 
 def check_targets(agreement: float | None, greedy_data: bool, cfg: ParityConfig) -> list[Finding]:
