@@ -119,6 +119,9 @@ def test_exported_layer_ids_and_d2t_are_checked_against_training():
     (f,) = check_d2t(torch.tensor([0, 3, 4, 7]), d2t)
     assert "1 of them different" in f.detail
     assert check_d2t(None, d2t)[0].check == "d2t"
+    # A map of another vocabulary size: named, not a broadcasting error.
+    (f,) = check_d2t(torch.tensor([0, 3]), d2t)
+    assert "a d2t of 2 entries; the vocab stage's map has 4" in f.detail
 
 
 def test_served_prompt_tokens_must_be_what_synths_template_gives():

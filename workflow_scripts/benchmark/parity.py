@@ -130,16 +130,19 @@ def check_aux_layer_ids(exported: list[int], trained: list[int]) -> list[Finding
 
 
 def check_d2t(exported: torch.Tensor | None, trained: torch.Tensor) -> list[Finding]:
-    if exported is not None and exported.shape == trained.shape and torch.equal(exported.long(), trained.long()):
+    if exported is None:
+        found = "no d2t"
+    elif exported.shape != trained.shape:
+        found = f"a d2t of {exported.shape[0]} entries"
+    elif torch.equal(exported.long(), trained.long()):
         return []
-    found = "no d2t" if exported is None else f"a d2t of {exported.shape[0]} entries"
-    wrong = "" if exported is None else f", {int((exported.long() != trained.long()).sum())} of them different"
-    if exported is not None and exported.shape != trained.shape:
-        wrong = ""
+    else:
+        different = int((exported.long() != trained.long()).sum())
+        found = f"a d2t of {exported.shape[0]} entries, {different} of them different"
     return [
         Finding(
             "d2t",
-            f"the exported draft holds {found}{wrong}; the vocab stage's map has {trained.shape[0]}",
+            f"the exported draft holds {found}; the vocab stage's map has {trained.shape[0]}",
             "d2t in the draft's model.safetensors: vLLM maps the draft's tokens to the verifier's with it",
         )
     ]
