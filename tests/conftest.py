@@ -8,6 +8,18 @@ import pytest
 from tests.helpers import REPO, VERIFIER_BUILDERS, save_tiny_llama
 
 
+def pytest_collection_modifyitems(config, items):
+    """Keep what a fixture shares on one worker under pytest-xdist (`make test` runs two,
+    `--dist loadgroup`): every test of the shared finished run (a session fixture, and some
+    tests edit files inside it) goes to one worker, each other integration module (module
+    fixtures: a server, a run) as a whole to one; unit tests spread freely."""
+    for item in items:
+        if "finished_run" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("finished_run"))
+        elif item.path.parent.name == "integration":
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
+
+
 @pytest.fixture(scope="session")
 def repo() -> Path:
     return REPO
