@@ -15,6 +15,20 @@ REPO = Path(__file__).resolve().parents[1]
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 
 
+START_CLUSTER = REPO / "tests/slurm/start_cluster.sh"
+
+
+def run_start_cluster() -> subprocess.CompletedProcess:
+    """tests/slurm/start_cluster.sh, one call at a time across test workers (`make test` runs
+    two). The lock is taken here, not in the script: the daemons it starts would inherit the
+    script's lock and hold it for as long as they run."""
+    import fcntl
+
+    with open("/run/eagleflow-slurm-start.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return subprocess.run([str(START_CLUSTER)], capture_output=True, text=True, timeout=900)
+
+
 def stored_replies(store: Path) -> int:
     """Replies committed to a response store, read as a second process would (WAL: readers
     see every commit)."""
@@ -207,18 +221,20 @@ def save_tiny_qwen3(out: Path) -> Path:
     return _save_tiny(out, Qwen3Config, Qwen3ForCausalLM, seed=1, tie=True)
 
 
-def deepseek_v3_config():
+def deepseek_v3_config(num_layers: int = 8, think: bool = False):
     """DeepSeek-V3 geometry in miniature: MLA (q and kv LoRA, split rope/nope heads,
-    v_head_dim 64) and MoE layers after one dense layer."""
+    v_head_dim 64) and MoE layers after one dense layer, routed as V3 routes
+    (`topk_method: noaux_tc`, sigmoid scores with a correction bias: vLLM reads the bias
+    only with that method, and stops with a KeyError on a checkpoint that has it otherwise)."""
     from transformers import DeepseekV3Config
 
-    tokenizer = char_tokenizer()
+    tokenizer = char_tokenizer(think=think)
     return DeepseekV3Config(
         vocab_size=TINY_VOCAB,
         hidden_size=128,
         intermediate_size=256,
         moe_intermediate_size=64,
-        num_hidden_layers=8,
+        num_hidden_layers=num_layers,
         num_attention_heads=2,
         num_key_value_heads=2,
         q_lora_rank=64,
@@ -232,6 +248,8 @@ def deepseek_v3_config():
         first_k_dense_replace=1,
         n_group=1,
         topk_group=1,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
         max_position_embeddings=512,
         tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
@@ -261,14 +279,57 @@ class KimiK2Config(DeepseekV3Config):
     model_type = "kimi_k2"
 """
 
+# Kimi-K2's own modelling code keeps one module per routed expert, so its checkpoint names
+# them `mlp.experts.<e>.{gate,up,down}_proj` (what vLLM's DeepseekV2 loader reads);
+# transformers' DeepSeek-V3 keeps them fused and renames only for its own model_type.
 KIMI_MODELING = """
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3Model
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+    DeepseekV3ForCausalLM,
+    DeepseekV3MoE,
+    DeepseekV3Model,
+)
 
 from .configuration_kimi import KimiK2Config
 
 
+class KimiExpert(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        size = config.moe_intermediate_size
+        self.gate_proj = nn.Linear(config.hidden_size, size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, size, bias=False)
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class KimiExperts(nn.ModuleList):
+    def __init__(self, config):
+        super().__init__(KimiExpert(config) for _ in range(config.n_routed_experts))
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for e, expert in enumerate(self):
+            token, slot = torch.where(top_k_index == e)
+            if token.numel():
+                routed = expert(hidden_states[token]) * top_k_weights[token, slot, None]
+                out.index_add_(0, token, routed.to(out.dtype))
+        return out
+
+
 class KimiK2Model(DeepseekV3Model):
     config_class = KimiK2Config
+
+    def __init__(self, config):
+        super().__init__(config)
+        for layer in self.layers:
+            if isinstance(layer.mlp, DeepseekV3MoE):
+                layer.mlp.experts = KimiExperts(config)
 
 
 class KimiK2ForCausalLM(DeepseekV3ForCausalLM):
@@ -281,23 +342,27 @@ class KimiK2ForCausalLM(DeepseekV3ForCausalLM):
 """
 
 
-def save_tiny_kimi(out: Path) -> Path:
-    """A Kimi-K2-style verifier shipped as *custom code*: model_type `kimi_k2`, unknown to
-    transformers, with `auto_map` pointing at configuration/modeling files in the model dir,
-    so it only loads with trust_remote_code (as moonshotai/Kimi-K2 does). Saved sharded."""
+def save_tiny_kimi(out: Path, num_layers: int = 8, think: bool = False, corpus: list[str] | None = None) -> Path:
+    """A Kimi-K2-style verifier shipped as *custom code*, laid out as moonshotai/Kimi-K2 is:
+    model_type `kimi_k2` (unknown to transformers) with `auto_map` pointing at configuration
+    and modelling files in the model dir (loads only with trust_remote_code), architectures
+    `DeepseekV3ForCausalLM` (vLLM serves it with its own DeepSeek-V3 code), one tensor per
+    routed expert, bfloat16, sharded. `think`: single-token <think>/</think> and a thinking
+    chat template. `corpus`: taught those texts first (`teach`), so it writes text a draft
+    can learn instead of a random model's noise."""
     import json
 
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
-    deepseek_v3_config().save_pretrained(out)
+    deepseek_v3_config(num_layers, think).save_pretrained(out)
     (out / "configuration_kimi.py").write_text(KIMI_CONFIGURATION)
     (out / "modeling_kimi.py").write_text(KIMI_MODELING)
     config = json.loads((out / "config.json").read_text())
     config.update(
         model_type="kimi_k2",
-        architectures=["KimiK2ForCausalLM"],
+        architectures=["DeepseekV3ForCausalLM"],
         auto_map={
             "AutoConfig": "configuration_kimi.KimiK2Config",
             "AutoModelForCausalLM": "modeling_kimi.KimiK2ForCausalLM",
@@ -305,14 +370,45 @@ def save_tiny_kimi(out: Path) -> Path:
     )
     (out / "config.json").write_text(json.dumps(config, indent=2))
     torch.manual_seed(3)
-    # Built and saved through the custom class, so the checkpoint's tensor names are the
-    # custom code's (transformers' DeepSeek-V3 save-time renaming does not apply to it).
+    tokenizer = char_tokenizer(think=think)
     model = AutoModelForCausalLM.from_config(
         AutoConfig.from_pretrained(out, trust_remote_code=True), trust_remote_code=True
     )
-    model.save_pretrained(out, max_shard_size="200KB")
-    char_tokenizer().save_pretrained(out)
+    if corpus:
+        teach(model, tokenizer, corpus)
+    model.to(torch.bfloat16).save_pretrained(out, max_shard_size="200KB")
+    tokenizer.save_pretrained(out)
     return out
+
+
+def teach(model, tokenizer, texts: list[str], steps: int = 300, seq_len: int = 224, batch: int = 8) -> float:
+    """Next-token training of a tiny verifier on `texts` (seeded, CPU, a few seconds per 100
+    steps): after it, greedy and sampled replies follow the texts' patterns, which a draft
+    can learn. Returns the final loss."""
+    import torch
+
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"][:seq_len] for t in texts]
+    gen = torch.Generator().manual_seed(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps, pct_start=0.1)
+    model.train()
+    for _ in range(steps):
+        pick = torch.randint(len(ids), (batch,), generator=gen).tolist()
+        width = max(len(ids[i]) for i in pick)
+        x = torch.full((batch, width), tokenizer.pad_token_id)
+        mask = torch.zeros((batch, width), dtype=torch.long)
+        for row, i in enumerate(pick):
+            x[row, : len(ids[i])] = torch.tensor(ids[i])
+            mask[row, : len(ids[i])] = 1
+        labels = x.masked_fill(mask == 0, -100)
+        loss = model(input_ids=x, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    model.eval()
+    return float(loss)
 
 
 VERIFIER_BUILDERS = {

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, SNAKEMAKE, copy_workflow, stored_replies, vllm_available
+from tests.helpers import REPO, SNAKEMAKE, copy_workflow, run_start_cluster, stored_replies, vllm_available
 from workflow_scripts.common.process import group_members, parent_pid
 from workflow_scripts.common.server import ServerSpec
 
@@ -33,7 +33,7 @@ def slurm_controller_up_or_no_slurm():
             "SLURM is installed but its controller is down: every snakemake call waits 10 s for it", stacklevel=1
         )
         return
-    proc = subprocess.run([str(REPO / "tests/slurm/start_cluster.sh")], capture_output=True, text=True, timeout=900)
+    proc = run_start_cluster()
     if proc.returncode != 0:
         warnings.warn(
             f"tests/slurm/start_cluster.sh failed, snakemake calls wait 10 s each: {proc.stderr[-1000:]}", stacklevel=1

@@ -21,12 +21,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import REPO, SNAKEMAKE, merged, vllm_processes
+from tests.helpers import REPO, SNAKEMAKE, START_CLUSTER, merged, run_start_cluster, vllm_processes
 from workflow_scripts.common.loads import read_loads
 from workflow_scripts.variants import draft_id
 
 PROFILE = REPO / "profiles/slurm/config.yaml"
-START_CLUSTER = REPO / "tests/slurm/start_cluster.sh"
 SMALL = REPO / "tests/config/small.yaml"
 KIMI = REPO / "config/kimi-k2.5-8xgpu.yaml"
 # The test node's memory is shared by concurrent jobs; SLURM does not enforce it here
@@ -132,7 +131,7 @@ def test_cpu_config_requests_no_gpus(repo):
 def start_cluster() -> str:
     """Start (or find) the test cluster; return the partition to submit to."""
     if os.geteuid() == 0:
-        proc = subprocess.run([str(START_CLUSTER)], capture_output=True, text=True, timeout=900)
+        proc = run_start_cluster()
         if proc.returncode != 0:
             pytest.fail(f"{START_CLUSTER} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
         return proc.stdout.split()[-1]

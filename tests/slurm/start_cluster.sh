@@ -8,8 +8,6 @@
 # poll with `--slurm-status-command squeue`. MinJobAge keeps finished jobs visible to squeue
 # for an hour: long enough for that (the plugin falls back to sacct when MinJobAge is under 3x
 # its first poll delay) and for a test to read every job of a run back.
-#
-# Concurrent calls (the test workers of `make test` each start it) run one after the other.
 set -euo pipefail
 
 PARTITION="${EAGLEFLOW_SLURM_PARTITION:-eagleflow-test}"
@@ -22,9 +20,6 @@ WAIT_S=120
 die() { echo "start_cluster: $*" >&2; exit 1; }
 
 [ "$(id -u)" -eq 0 ] || die "must run as root (installs packages and starts munged, slurmctld, slurmd)"
-
-exec 9>/run/eagleflow-start-cluster.lock
-flock 9
 
 if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! command -v sbatch >/dev/null \
     || ! command -v munged >/dev/null; then

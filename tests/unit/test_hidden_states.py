@@ -25,7 +25,12 @@ from workflow_scripts.hidden_states.client import (
     states_paths,
 )
 from workflow_scripts.hidden_states.forward import decoder_parts, extract, load_verifier, token_budget_batches
-from workflow_scripts.hidden_states.layers import default_aux_layer_ids, resolve_aux_layer_ids, verifier_geometry
+from workflow_scripts.hidden_states.layers import (
+    VerifierGeometry,
+    default_aux_layer_ids,
+    resolve_aux_layer_ids,
+    verifier_geometry,
+)
 from workflow_scripts.hidden_states.run import run_shard
 from workflow_scripts.hidden_states.shards import check_disk_space
 from workflow_scripts.hidden_states.vllm import extraction_server_args
@@ -115,7 +120,7 @@ def test_token_budget_batches():
 def test_small_verifiers_get_distinct_default_aux_layers_past_the_embeddings():
     assert default_aux_layer_ids(8) == [2, 4, 5] and default_aux_layer_ids(61) == [2, 30, 58]
     for layers in range(2, 8):
-        ids = resolve_aux_layer_ids(None, layers)  # raises if they collide
+        ids = resolve_aux_layer_ids(None, VerifierGeometry(layers, 64, deepseek=True))  # raises if they collide
         assert ids[0] >= 1 and ids[-1] == layers - 1 and len(ids) == min(3, layers - 1)
     assert default_aux_layer_ids(6) == [1, 3, 5] and default_aux_layer_ids(4) == [1, 2, 3]
     with pytest.raises(ValueError, match="1 layer"):
@@ -123,19 +128,33 @@ def test_small_verifiers_get_distinct_default_aux_layers_past_the_embeddings():
 
 
 def test_aux_layer_ids_validation():
-    assert resolve_aux_layer_ids(None, 30) == [2, 15, 27]
-    assert resolve_aux_layer_ids([1, 3], 30) == [1, 3]
+    llama, deepseek = VerifierGeometry(30, 64), VerifierGeometry(30, 64, deepseek=True)
+    assert resolve_aux_layer_ids(None, llama) == [2, 15, 27]
+    assert resolve_aux_layer_ids([1, 3], llama) == [1, 3]
     for bad in ([2, 2, 5], [2, 30], [5, 2]):
         with pytest.raises(ValueError, match="aux_layer_ids"):
-            resolve_aux_layer_ids(bad, 30)
+            resolve_aux_layer_ids(bad, llama)
+    # Layer 0's input is servable on Llama, not by vLLM's DeepseekV2 forward.
+    assert resolve_aux_layer_ids([0, 3], llama) == [0, 3]
+    with pytest.raises(ValueError, match="DeepseekV2.*layer 1"):
+        resolve_aux_layer_ids([0, 3], deepseek)
 
 
 def test_geometry_comes_from_config_json_including_text_config(tmp_path):
     (tmp_path / "config.json").write_text(
-        json.dumps({"model_type": "kimi_k25", "text_config": {"num_hidden_layers": 61, "hidden_size": 7168}})
+        json.dumps(
+            {
+                "model_type": "kimi_k25",
+                "text_config": {"model_type": "deepseek_v3", "num_hidden_layers": 61, "hidden_size": 7168},
+            }
+        )
     )
     geometry = verifier_geometry(str(tmp_path))
-    assert (geometry.num_layers, geometry.hidden_size) == (61, 7168)
+    assert (geometry.num_layers, geometry.hidden_size, geometry.deepseek) == (61, 7168, True)
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "llama", "num_hidden_layers": 30, "hidden_size": 576})
+    )
+    assert not verifier_geometry(str(tmp_path)).deepseek
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "x"}))
     with pytest.raises(ValueError, match="config.json"):
         verifier_geometry(str(tmp_path))

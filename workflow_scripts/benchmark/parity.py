@@ -212,7 +212,7 @@ def extraction_job(
     geometry = verifier_geometry(verifier_dir)
     return ExtractionJob(
         verifier_dir,
-        resolve_aux_layer_ids(settings.aux_layer_ids, geometry.num_layers),
+        resolve_aux_layer_ids(settings.aux_layer_ids, geometry),
         geometry,
         torch_dtype(extraction_dtype(settings.dtype)),
         settings,

@@ -47,6 +47,7 @@ from workflow_scripts.common.gpus import assign_job_gpus
 from workflow_scripts.common.loads import record_load
 from workflow_scripts.common.process import group_alive, group_members, kill_group, package_env, start_time
 from workflow_scripts.common.shared import LEASE_NAME, SharedDir, process_alive
+from workflow_scripts.common.verifier_config import checkpoint_tensor_names, read_text_config, vllm_serving_problems
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +155,15 @@ class ServerSpec:
         cmd += list(self.extra_args)
         return cmd
 
+    def check(self) -> None:
+        """Refuse, before the launch, a model vLLM cannot serve as configured (an MLA
+        verifier in float32, DeepSeek-V3 routing without `topk_method: noaux_tc`)."""
+        if not (Path(self.model) / "config.json").is_file():
+            return  # a hub name: nothing here to read
+        problems = vllm_serving_problems(read_text_config(self.model), self.dtype, checkpoint_tensor_names(self.model))
+        if problems:
+            raise ServerError(f"vLLM cannot serve {self.model} as configured: " + "; ".join(problems))
+
 
 class Launchable(Protocol):
     """What the launcher needs of a server: ServerSpec for vLLM, or another server with the
@@ -168,6 +178,9 @@ class Launchable(Protocol):
     stop_grace_s: float
 
     def command(self, port: int) -> list[str]: ...
+
+    def check(self) -> None:
+        """Raise ServerError, before any process starts, for a model this server cannot serve."""
 
 
 def spec_key(spec: Launchable) -> str:
@@ -314,6 +327,7 @@ class VllmServer:
 
         With `shared`, the server outlives this job: its supervisor follows the consumers
         registered there, and `pass_fds` (this job's GPU locks) stay held by it."""
+        self.spec.check()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.lease_dir.mkdir(parents=True, exist_ok=True)
         stop_leftover_servers(self.lease_dir, self.spec.stop_grace_s)

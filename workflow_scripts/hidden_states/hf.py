@@ -49,6 +49,9 @@ class HfServerSpec:
     port: int | None = None
     stop_grace_s: float = 20.0
 
+    def check(self) -> None:
+        """transformers loads what the stage can read; its errors name the problem."""
+
     def command(self, port: int) -> list[str]:
         cmd = [
             sys.executable,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from workflow_scripts.common.verifier_config import read_text_config
+from workflow_scripts.common.verifier_config import read_text_config, served_as_deepseek
 
 if TYPE_CHECKING:
     import torch
@@ -28,6 +28,9 @@ States = tuple["torch.Tensor", "torch.Tensor"]
 class VerifierGeometry:
     num_layers: int
     hidden_size: int
+    # vLLM serves it with its DeepseekV2 model code (DeepSeek-V2/V3, Kimi-K2), whose forward
+    # cannot return the input of layer 0 as an aux state.
+    deepseek: bool = False
 
 
 def verifier_geometry(verifier_dir: str) -> VerifierGeometry:
@@ -35,7 +38,9 @@ def verifier_geometry(verifier_dir: str) -> VerifierGeometry:
     check runs before a 1T-parameter verifier is loaded)."""
     config = read_text_config(verifier_dir)
     try:
-        return VerifierGeometry(int(config["num_hidden_layers"]), int(config["hidden_size"]))
+        return VerifierGeometry(
+            int(config["num_hidden_layers"]), int(config["hidden_size"]), served_as_deepseek(config)
+        )
     except (KeyError, ValueError) as exc:
         raise ValueError(
             f"{Path(verifier_dir) / 'config.json'}: cannot read num_hidden_layers and hidden_size ({exc})"
@@ -55,12 +60,21 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
     return sorted({layers[0], layers[len(layers) // 2], layers[-1]})
 
 
-def resolve_aux_layer_ids(configured: list[int] | None, num_layers: int) -> list[int]:
+def resolve_aux_layer_ids(configured: list[int] | None, geometry: VerifierGeometry) -> list[int]:
+    """The configured ids (default: `default_aux_layer_ids`), checked against what vLLM can
+    serve for this verifier. Pure."""
+    num_layers = geometry.num_layers
     ids = list(configured) if configured else default_aux_layer_ids(num_layers)
     # Ascending because vLLM emits aux states in layer order whatever order they are listed in.
     if ids != sorted(set(ids)) or min(ids) < 0 or max(ids) >= num_layers:
         raise ValueError(
             f"hidden_states.aux_layer_ids {ids} must be strictly ascending layer indices in 0..{num_layers - 1}"
+        )
+    if geometry.deepseek and ids[0] == 0:
+        raise ValueError(
+            f"hidden_states.aux_layer_ids {ids}: vLLM serves this verifier with its DeepseekV2 code, whose "
+            "forward cannot emit the input of layer 0 (the embeddings: it adds a residual that does not exist "
+            "yet and the EAGLE-3 benchmark crashes); start at layer 1"
         )
     return ids
 

@@ -97,7 +97,7 @@ def run_shard(
     if not samples:
         raise ValueError(f"shard {shard} of {num_shards} has no samples: lower hidden_states.num_shards")
     geometry = verifier_geometry(verifier_dir)
-    layer_ids = resolve_aux_layer_ids(settings.aux_layer_ids, geometry.num_layers)
+    layer_ids = resolve_aux_layer_ids(settings.aux_layer_ids, geometry)
     cache = ShardCache(Path(out).parent)
     key = shard_key(samples, verifier_dir, content_settings(settings, server, layer_ids, trust_remote_code, code))
     if cache.restore(shard, key, out):

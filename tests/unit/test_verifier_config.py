@@ -1,0 +1,53 @@
+"""What vLLM cannot serve is refused before a launch, with the setting and the fix named."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tests.helpers import server_config
+from workflow_scripts.common.server import ServerError, ServerSpec
+from workflow_scripts.common.verifier_config import (
+    checkpoint_tensor_names,
+    served_as_deepseek,
+    vllm_serving_problems,
+)
+
+DEEPSEEK_V3 = {"model_type": "deepseek_v3", "kv_lora_rank": 512, "n_routed_experts": 256, "topk_method": "noaux_tc"}
+BIAS = {"model.layers.3.mlp.gate.e_score_correction_bias", "model.layers.3.mlp.gate.weight"}
+
+
+def test_mla_in_float32_and_routing_without_noaux_tc_are_named():
+    assert vllm_serving_problems(DEEPSEEK_V3, "bfloat16", BIAS) == []
+    (problem,) = vllm_serving_problems(DEEPSEEK_V3, "float32", BIAS)
+    assert "MLA" in problem and "server.dtype: bfloat16" in problem
+    no_method = {k: v for k, v in DEEPSEEK_V3.items() if k != "topk_method"}
+    (problem,) = vllm_serving_problems(no_method, "bfloat16", BIAS)
+    assert "topk_method: noaux_tc" in problem and "KeyError" in problem
+    # Without the bias in the checkpoint (DeepSeek-V2 routing), any method serves.
+    assert vllm_serving_problems(no_method, "bfloat16", {"model.layers.3.mlp.gate.weight"}) == []
+    assert vllm_serving_problems({"model_type": "llama"}, "float32", set()) == []
+
+
+def test_deepseek_code_is_recognised_by_model_type_or_architecture():
+    assert served_as_deepseek({"model_type": "deepseek_v3"})
+    assert served_as_deepseek({"model_type": "kimi_k2", "architectures": ["KimiK2ForCausalLM"]})
+    assert served_as_deepseek({"model_type": "custom", "architectures": ["DeepseekV3ForCausalLM"]})
+    assert not served_as_deepseek({"model_type": "llama", "architectures": ["LlamaForCausalLM"]})
+
+
+def test_tensor_names_come_from_the_index_or_the_headers(tmp_path):
+    save_file({"a.weight": torch.zeros(2), "b.e_score_correction_bias": torch.zeros(2)}, tmp_path / "model.safetensors")
+    assert checkpoint_tensor_names(tmp_path) == {"a.weight", "b.e_score_correction_bias"}
+    index = {"weight_map": {"x": "model-00001.safetensors", "y": "model-00002.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert checkpoint_tensor_names(tmp_path) == {"x", "y"}
+
+
+def test_the_launcher_refuses_before_starting_a_process(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(DEEPSEEK_V3))
+    save_file({name: torch.zeros(2) for name in BIAS}, tmp_path / "model.safetensors")
+    with pytest.raises(ServerError, match="MLA"):
+        ServerSpec.from_config(server_config(dtype="float32"), str(tmp_path)).check()
+    ServerSpec.from_config(server_config(dtype="bfloat16"), str(tmp_path)).check()
