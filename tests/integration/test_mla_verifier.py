@@ -17,6 +17,7 @@ import yaml
 
 from tests.helpers import REPO, SNAKEMAKE, char_tokenizer, copy_workflow, save_tiny_kimi, vllm_available
 from workflow_scripts.common.atomic import write_jsonl
+from workflow_scripts.common.verifier_config import CPU_MLA_ROPE_ARGS
 
 pytestmark = [
     pytest.mark.vllm,
@@ -72,23 +73,30 @@ def mla_run(tmp_path_factory):
             "dtype": "bfloat16",
             "max_model_len": 512,
             "reasoning_parser": "kimi_k2",
-            "extra_args": ["--trust-remote-code", *small["server"]["extra_args"]],
+            "extra_args": ["--trust-remote-code", *CPU_MLA_ROPE_ARGS, *small["server"]["extra_args"]],
             "env": small["server"]["env"],
         },
         "prompts": {"source": "prompts.jsonl", "max_train": 48, "max_eval": 6},
         "synth": {
             "concurrency": 8,
-            "max_tokens": 96,
+            "max_tokens": 128,
             "expect_reasoning": True,
             "think_markers": ["<think>", "</think>"],
             "verify_token_ids": True,
         },
-        "dataset": {"max_seq_len": 512, "eval_fraction": 0.2},
+        # A 4-layer verifier taught for seconds sometimes never closes its think block.
+        "dataset": {"max_seq_len": 512, "eval_fraction": 0.2, "max_defect_fraction": {"empty_content": 0.2}},
         "vocab": {"draft_vocab_size": 96},
         "hidden_states": {"num_shards": 1},
         "train": {"epochs": 6, "batch_tokens": 1024, "log_every": 4, "warmup_steps": 2, "lr": 0.003},
         "benchmark": {"num_prompts": 6, "max_tokens": 64, "concurrency": 2},
-        "parity": {"on_gap": "fail"},
+        # Replay against vLLM within the issue's 0.05 (vLLM computes in bfloat16, the replay's
+        # states in float32). The training estimate comes from ~10 eval conversations here and
+        # differs from the served streams by more than the default 0.3: not what is tested.
+        "parity": {"on_gap": "fail", "tolerance": 0.05, "training_tolerance": 1.0},
+        # The MLA draft (vLLM's Eagle3DeepseekV2ForCausalLM) beside the Llama-shaped default,
+        # on the same data.
+        "variants": {"mla-draft": {"train": {"draft_attention": "mla"}}},
     }
     (wf / "mla.yaml").write_text(yaml.safe_dump(config))
     proc = subprocess.run(
@@ -112,15 +120,28 @@ def test_synth_through_vllm_keeps_the_verifiers_own_think_tokens(mla_run):
         assert r["reasoning"].startswith("The user asks about") and r["content"]
 
 
-def test_the_eagle3_benchmark_on_the_mla_verifier_accepts_and_parity_holds(mla_run):
-    report = json.loads((mla_run / "variants/default/benchmark/report.json").read_text())
+@pytest.mark.parametrize("variant", ["default", "mla-draft"])
+def test_the_eagle3_benchmark_on_the_mla_verifier_accepts_and_parity_holds(mla_run, variant):
+    """Both drafts served by vLLM next to the MLA verifier: the Llama-shaped one and the MLA
+    one (vLLM's Eagle3DeepseekV2ForCausalLM), each with replay parity."""
+    report = json.loads((mla_run / f"variants/{variant}/benchmark/report.json").read_text())
     spec = report["speculative"]
     assert spec["num_drafts"] > 0
     # The taught text is predictable: a draft that learned nothing would sit at 1.0.
     assert spec["mean_acceptance_length"] > 1.5, spec
-    parity = json.loads((mla_run / "variants/default/parity/report.json").read_text())
+    parity = json.loads((mla_run / f"variants/{variant}/parity/report.json").read_text())
     assert parity["verdict"] == "pass", parity["findings"]
     assert parity["replay"]["num_drafts"] == spec["num_drafts"]
     assert abs(parity["gap"]) <= parity["tolerance"]
-    draft = json.loads((mla_run / "drafts/default/draft/config.json").read_text())
-    assert draft["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+
+
+def test_each_draft_is_exported_in_the_format_vllm_loads_for_its_layer(mla_run):
+    default = json.loads((mla_run / "drafts/default/draft/config.json").read_text())
+    assert default["speculators_model_type"] == "eagle3"
+    assert default["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]  # layer 0 is not servable on MLA
+    (mla_id,) = [p.name for p in (mla_run / "drafts").iterdir() if p.name != "default"]
+    mla = json.loads((mla_run / f"drafts/{mla_id}/draft/config.json").read_text())
+    assert mla["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and mla["kv_lora_rank"] == 512
+    assert mla["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    compare = (mla_run / "report.md").read_text()
+    assert "| default |" in compare and "| mla-draft |" in compare

@@ -52,6 +52,7 @@ CFG = dict(
     loss_implementation="auto",
     attn_impl="auto",
     sliding_window=None,
+    draft_attention="llama",
     lr=0.002,
     weight_decay=0.0,
     warmup_steps=2,

@@ -9,12 +9,19 @@ from safetensors.torch import save_file
 from tests.helpers import server_config
 from workflow_scripts.common.server import ServerError, ServerSpec
 from workflow_scripts.common.verifier_config import (
+    CPU_MLA_ROPE_ARGS,
     checkpoint_tensor_names,
     served_as_deepseek,
     vllm_serving_problems,
 )
 
-DEEPSEEK_V3 = {"model_type": "deepseek_v3", "kv_lora_rank": 512, "n_routed_experts": 256, "topk_method": "noaux_tc"}
+DEEPSEEK_V3 = {
+    "model_type": "deepseek_v3",
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "n_routed_experts": 256,
+    "topk_method": "noaux_tc",
+}
 BIAS = {"model.layers.3.mlp.gate.e_score_correction_bias", "model.layers.3.mlp.gate.weight"}
 
 
@@ -28,6 +35,16 @@ def test_mla_in_float32_and_routing_without_noaux_tc_are_named():
     # Without the bias in the checkpoint (DeepSeek-V2 routing), any method serves.
     assert vllm_serving_problems(no_method, "bfloat16", {"model.layers.3.mlp.gate.weight"}) == []
     assert vllm_serving_problems({"model_type": "llama"}, "float32", set()) == []
+    (problem,) = vllm_serving_problems({**DEEPSEEK_V3, "kv_lora_rank": 32}, "bfloat16", BIAS)
+    assert "96" in problem and "576" in problem
+
+
+def test_mla_on_vllm_cpu_needs_the_native_rope():
+    (problem,) = vllm_serving_problems(DEEPSEEK_V3, "bfloat16", BIAS, vllm_cpu=True)
+    assert "rotary" in problem and "-rotary_embedding" in problem
+    assert vllm_serving_problems(DEEPSEEK_V3, "bfloat16", BIAS, CPU_MLA_ROPE_ARGS, vllm_cpu=True) == []
+    assert vllm_serving_problems(DEEPSEEK_V3, "bfloat16", BIAS, vllm_cpu=False) == []
+    assert vllm_serving_problems({"model_type": "llama"}, "bfloat16", set(), vllm_cpu=True) == []
 
 
 def test_deepseek_code_is_recognised_by_model_type_or_architecture():
@@ -48,6 +65,8 @@ def test_tensor_names_come_from_the_index_or_the_headers(tmp_path):
 def test_the_launcher_refuses_before_starting_a_process(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(DEEPSEEK_V3))
     save_file({name: torch.zeros(2) for name in BIAS}, tmp_path / "model.safetensors")
-    with pytest.raises(ServerError, match="MLA"):
-        ServerSpec.from_config(server_config(dtype="float32"), str(tmp_path)).check()
-    ServerSpec.from_config(server_config(dtype="bfloat16"), str(tmp_path)).check()
+    with pytest.raises(ServerError, match="float32"):
+        ServerSpec.from_config(
+            server_config(dtype="float32", extra_args=list(CPU_MLA_ROPE_ARGS)), str(tmp_path)
+        ).check()
+    ServerSpec.from_config(server_config(dtype="bfloat16", extra_args=list(CPU_MLA_ROPE_ARGS)), str(tmp_path)).check()

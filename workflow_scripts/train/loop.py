@@ -72,6 +72,7 @@ class TrainConfig:
     loss_implementation: str
     attn_impl: str
     sliding_window: int | None
+    draft_attention: str
     lr: float
     weight_decay: float
     warmup_steps: int
@@ -441,6 +442,7 @@ class Trainer:
             aux_layer_ids=aux_layer_ids,
             attn_impl=rt.attn_impl,
             sliding_window=cfg.sliding_window,
+            attention=cfg.draft_attention,
         ).to(rt.device)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
