@@ -30,9 +30,9 @@ plan: setup
 	$(BIN)/python -m workflow_scripts.plan $(if $(CONFIG),--configfile $(CONFIG))
 
 # Two workers: the shared finished run and the SLURM runs built on it on one, the other
-# integration modules and the unit tests on the other (tests/conftest.py groups them).
+# integration modules and the unit tests on the other (tests/conftest.py schedules them).
 test: setup
-	$(BIN)/python -m pytest -v -rs --durations=40 -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -v -rs --durations=40 -n 2
 
 # Unit tests: no server, no Snakemake; every stage's pure code in about a minute.
 test-fast: setup

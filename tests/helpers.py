@@ -411,7 +411,7 @@ def teach(model, tokenizer, texts: list[str], steps: int = 300, seq_len: int = 2
         sched.step()
         opt.zero_grad()
     model.eval()
-    return float(loss)
+    return loss.item()
 
 
 VERIFIER_BUILDERS = {
