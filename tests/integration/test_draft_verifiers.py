@@ -208,9 +208,10 @@ def test_draft_targets_are_the_verifiers_own_logits(tiny_verifier, tmp_path):
     weights first: with the all-ones norm of a fresh model, forgetting to load it would pass."""
     import shutil
 
+    from workflow_scripts.common.verifier_config import safetensors_weight_map
     from workflow_scripts.hidden_states.forward import extract, load_verifier
     from workflow_scripts.hidden_states.layers import default_aux_layer_ids
-    from workflow_scripts.train.draft import FINAL_NORM_NAMES, build_draft, safetensors_weight_map
+    from workflow_scripts.train.draft import FINAL_NORM_NAMES, build_draft
 
     family, source = tiny_verifier
     verifier = tmp_path / "verifier"

@@ -10,7 +10,7 @@ from tests.helpers import server_config
 from workflow_scripts.common.server import ServerError, ServerSpec
 from workflow_scripts.common.verifier_config import (
     CPU_MLA_ROPE_ARGS,
-    checkpoint_tensor_names,
+    safetensors_weight_map,
     served_as_deepseek,
     vllm_serving_problems,
 )
@@ -56,10 +56,10 @@ def test_deepseek_code_is_recognised_by_model_type_or_architecture():
 
 def test_tensor_names_come_from_the_index_or_the_headers(tmp_path):
     save_file({"a.weight": torch.zeros(2), "b.e_score_correction_bias": torch.zeros(2)}, tmp_path / "model.safetensors")
-    assert checkpoint_tensor_names(tmp_path) == {"a.weight", "b.e_score_correction_bias"}
+    assert set(safetensors_weight_map(tmp_path)) == {"a.weight", "b.e_score_correction_bias"}
     index = {"weight_map": {"x": "model-00001.safetensors", "y": "model-00002.safetensors"}}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
-    assert checkpoint_tensor_names(tmp_path) == {"x", "y"}
+    assert set(safetensors_weight_map(tmp_path)) == {"x", "y"}
 
 
 def test_the_launcher_refuses_before_starting_a_process(tmp_path):

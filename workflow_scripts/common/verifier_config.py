@@ -40,20 +40,20 @@ def served_as_deepseek(v: dict[str, Any]) -> bool:
     return v.get("model_type") in DEEPSEEK_MODEL_TYPES or any(a.startswith("Deepseek") for a in archs)
 
 
-def checkpoint_tensor_names(model_dir: str | os.PathLike) -> set[str]:
-    """Tensor names of a safetensors checkpoint, from its index or the files' headers (no
+def safetensors_weight_map(verifier_dir: str | os.PathLike) -> dict[str, Path]:
+    """Tensor name -> file, for one model.safetensors or a sharded checkpoint's index (no
     tensor is read)."""
-    model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        return set(json.loads(index.read_text())["weight_map"])
     from safetensors import safe_open
 
-    names: set[str] = set()
-    for path in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            names.update(f.keys())
-    return names
+    root = Path(verifier_dir)
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        return {name: root / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+    single = root / "model.safetensors"
+    if not single.exists():
+        raise FileNotFoundError(f"{verifier_dir}: neither model.safetensors nor model.safetensors.index.json")
+    with safe_open(str(single), framework="pt") as f:
+        return dict.fromkeys(f.keys(), single)
 
 
 # kv_lora_rank + qk_rope_head_dim that vLLM 0.32's MLA backends take (mla_attention.py;

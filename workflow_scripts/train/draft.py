@@ -26,7 +26,12 @@ import torch
 from safetensors import safe_open
 from transformers import LlamaConfig
 
-from workflow_scripts.common.verifier_config import draft_attention_geometry, is_mla, read_text_config
+from workflow_scripts.common.verifier_config import (
+    draft_attention_geometry,
+    is_mla,
+    read_text_config,
+    safetensors_weight_map,
+)
 
 log = logging.getLogger(__name__)
 
@@ -166,19 +171,6 @@ EMBED_NAMES = (
 )
 LM_HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight", "model.language_model.lm_head.weight")
 FINAL_NORM_NAMES = ("model.norm.weight", "language_model.model.norm.weight", "model.language_model.norm.weight")
-
-
-def safetensors_weight_map(verifier_dir: str) -> dict[str, Path]:
-    """Tensor name -> file, for one model.safetensors or a sharded checkpoint's index."""
-    root = Path(verifier_dir)
-    index = root / "model.safetensors.index.json"
-    if index.exists():
-        return {name: root / file for name, file in json.loads(index.read_text())["weight_map"].items()}
-    single = root / "model.safetensors"
-    if not single.exists():
-        raise FileNotFoundError(f"{verifier_dir}: neither model.safetensors nor model.safetensors.index.json")
-    with safe_open(str(single), framework="pt") as f:
-        return dict.fromkeys(f.keys(), single)
 
 
 def load_verifier_embeddings(verifier_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
