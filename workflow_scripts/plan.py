@@ -32,7 +32,7 @@ import yaml
 from workflow_scripts.common.config import validate_config
 from workflow_scripts.common.verifier_config import draft_attention_geometry, text_config
 from workflow_scripts.hidden_states.layers import default_aux_layer_ids
-from workflow_scripts.hidden_states.storage import FP8, shard_bytes, token_bytes
+from workflow_scripts.hidden_states.storage import FP8, num_stored_states, shard_bytes, token_bytes
 from workflow_scripts.variants import merged
 
 DEFAULT_CONFIG = "config/config.yaml"
@@ -292,16 +292,21 @@ def make_plan(
     online = hs["mode"] == "online"
 
     # Disk.
-    per_token = token_bytes(num_aux + 1, g.hidden_size, hs["dtype"])
+    topk = hs["topk"] if hs["target"] == "topk" else 0
+    num_states = num_stored_states(num_aux, topk)
+    per_token = token_bytes(num_states, g.hidden_size, hs["dtype"], topk)
     states_dir = root / f"results/{run}/hidden_states"
-    shard_total = 0 if online else shard_bytes(tokens.tokens, tokens.samples, num_aux + 1, g.hidden_size, hs["dtype"])
+    shard_total = (
+        0 if online else shard_bytes(tokens.tokens, tokens.samples, num_states, g.hidden_size, hs["dtype"], topk)
+    )
     plan.disk.append(
         {
             "stage": "hidden_states",
             "what": "no shards (hidden_states.mode: online)"
             if online
-            else f"{hs['num_shards']} shards: {num_aux + 1} states x {g.hidden_size} in {hs['dtype']}, "
-            f"{per_token} B/token",
+            else f"{hs['num_shards']} shards: {num_states} states x {g.hidden_size} in {hs['dtype']}"
+            + (f" + top-{topk} logits" if topk else "")
+            + f", {per_token} B/token",
             "bytes": shard_total,
             "where": states_dir,
         }
@@ -370,25 +375,34 @@ def make_plan(
                 "per": "per training GPU: every training process loads the whole verifier on its GPU",
             }
         )
-    plan.suggestions = suggest(plan, config, num_aux + 1, g.hidden_size, weights, mem["total"])
+    plan.suggestions = suggest(plan, config, num_aux, g.hidden_size, weights, mem["total"])
     return plan
 
 
 def suggest(
-    plan: Plan, config: dict[str, Any], num_states: int, hidden_size: int, weights: int, train_bytes: int
+    plan: Plan, config: dict[str, Any], num_aux: int, hidden_size: int, weights: int, train_bytes: int
 ) -> list[str]:
     """Settings that would make a run fit that does not. Pure."""
     hs, tokens = config["hidden_states"], plan.tokens
-    per_token = token_bytes(num_states, hidden_size, hs["dtype"])
+    topk = hs["topk"] if hs["target"] == "topk" else 0
+    num_states = num_stored_states(num_aux, topk)
+    per_token = token_bytes(num_states, hidden_size, hs["dtype"], topk)
     out = []
     shards = plan.disk[0]
     if shards["bytes"] > shards["free"]:
         fit_tokens = shards["free"] // per_token
         if hs["dtype"] != FP8:
-            fp8 = shard_bytes(tokens.tokens, tokens.samples, num_states, hidden_size, FP8)
+            fp8 = shard_bytes(tokens.tokens, tokens.samples, num_states, hidden_size, FP8, topk)
             out.append(
                 f"hidden_states.dtype: {FP8} stores {fp8 / GB:.1f} GB instead; the draft's acceptance "
                 "in vLLM against bf16 shards is in BENCHMARKS.md"
+            )
+        if not topk:
+            compact = shard_bytes(tokens.tokens, tokens.samples, num_aux, hidden_size, hs["dtype"], hs["topk"])
+            out.append(
+                f"hidden_states.target: topk keeps the verifier's top-{hs['topk']} logits instead of the final "
+                f"state: {compact / GB:.1f} GB (with {FP8} as well: "
+                f"{shard_bytes(tokens.tokens, tokens.samples, num_aux, hidden_size, FP8, hs['topk']) / GB:.1f} GB)"
             )
         gpu = plan.gpu_memory
         if gpu is None or train_bytes + weights // max(1, config["train"]["nproc_per_node"]) < gpu:

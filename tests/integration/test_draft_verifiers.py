@@ -12,9 +12,10 @@ from safetensors.torch import load_file, save_file
 
 from tests.helpers import VERIFIER_BUILDERS, hidden_states_config, train_config
 from workflow_scripts.common.verifier_config import draft_attention_geometry, read_text_config
+from workflow_scripts.common.verifier_weights import load_verifier_embeddings
 from workflow_scripts.hidden_states.run import run_shard
 from workflow_scripts.hidden_states.shards import write_index
-from workflow_scripts.train.draft import draft_layer_config, load_draft, load_verifier_embeddings
+from workflow_scripts.train.draft import draft_layer_config, load_draft
 from workflow_scripts.train.loop import TrainJob, run_train
 
 TRAIN_CFG = {
@@ -67,9 +68,9 @@ def test_embeddings_come_from_sharded_and_tied_checkpoints(tmp_path):
         load_verifier_embeddings(str(tmp_path))
 
 
-def train_tiny_draft(verifier, trust: bool, tmp_path, **train_overrides):
-    """Hidden states of 10 random samples, a draft trained on them by the real loop for one
-    epoch and exported: (draft dir, t2d)."""
+def train_tiny_draft(verifier, trust: bool, tmp_path, hidden_states=None, **train_overrides):
+    """Hidden states of 10 random samples (`hidden_states`: overrides of that section), a draft
+    trained on them by the real loop for one epoch and exported: (draft dir, t2d)."""
     g = torch.Generator().manual_seed(0)
     rows = [
         {
@@ -81,7 +82,10 @@ def train_tiny_draft(verifier, trust: bool, tmp_path, **train_overrides):
     ]
     pq.write_table(pa.Table.from_pylist(rows[:8]), tmp_path / "train.parquet")
     pq.write_table(pa.Table.from_pylist(rows[8:]), tmp_path / "eval.parquet")
-    settings = hidden_states_config(backend="hf", batch_tokens=256, dtype="bfloat16", device="cpu", num_shards=1)
+    settings = hidden_states_config(
+        **{"backend": "hf", "batch_tokens": 256, "dtype": "bfloat16", "device": "cpu", "num_shards": 1}
+        | (hidden_states or {})
+    )
     shard = str(tmp_path / "shard-00000.safetensors")
     run_shard(
         str(tmp_path / "train.parquet"),
@@ -159,6 +163,36 @@ def test_draft_for_each_verifier_trains_exports_and_reloads(tiny_verifier, tmp_p
             assert torch.equal(state[name].to(tensor.dtype), tensor), name
 
 
+def test_compact_target_of_the_whole_vocabulary_trains_as_the_final_state(tiny_llama_dir, tmp_path):
+    """hidden_states.target: topk with k the verifier's whole vocabulary keeps the distribution
+    training builds from the final state (up to float16 logits): the same losses and
+    accuracies step by step. With a small k, the shard shrinks and the run still trains and
+    exports a draft vLLM's loader reads."""
+    rows = {}
+    runs = {"state": None, "all": {"target": "topk", "topk": 128}, "top8": {"target": "topk", "topk": 8}}
+    for name, hs in runs.items():
+        (tmp_path / name).mkdir()
+        draft_dir, _ = train_tiny_draft(tiny_llama_dir, False, tmp_path / name, hidden_states=hs)
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        rows[name] = [json.loads(line) for line in lines]
+        assert load_draft(str(draft_dir)).config.eagle_aux_hidden_state_layer_ids == [2, 4, 5]
+    header = {n: json.loads((tmp_path / n / "index.json").read_text()) for n in rows}
+    assert [header[n]["target_topk"] for n in rows] == [0, 128, 8]
+    size = {n: (tmp_path / n / "shard-00000.safetensors").stat().st_size for n in rows}
+    assert size["top8"] < size["state"]  # 8 x 6 bytes instead of 64 x 2 per token
+    keys = [k for k in rows["state"][-1] if k.startswith(("loss", "full_acc"))]
+    assert keys
+    for want, got in zip(rows["state"], rows["all"], strict=True):
+        for k in keys:
+            if k in want:
+                # Losses to float16's rounding of the logits; an accuracy to one token of the 40
+                # (this random verifier's distributions are near ties, which tiny weight
+                # differences after a few steps can flip).
+                tolerance = {"abs": 0.03} if k.startswith("full_acc") else {"rel": 1e-4}
+                assert got[k] == pytest.approx(want[k], **tolerance), (k, want, got)
+    assert any(a.get("loss") != b.get("loss") for a, b in zip(rows["state"], rows["top8"], strict=True))
+
+
 @pytest.mark.parametrize("family", ["deepseek_v3", "kimi_k2"])
 def test_mla_draft_trains_and_exports_as_vllm_loads_it(family, tmp_path):
     """train.draft_attention: mla on the MLA verifiers: the latent-attention layer vLLM's
@@ -209,9 +243,10 @@ def test_draft_targets_are_the_verifiers_own_logits(tiny_verifier, tmp_path):
     import shutil
 
     from workflow_scripts.common.verifier_config import safetensors_weight_map
+    from workflow_scripts.common.verifier_weights import FINAL_NORM_NAMES
     from workflow_scripts.hidden_states.forward import extract, load_verifier
     from workflow_scripts.hidden_states.layers import default_aux_layer_ids
-    from workflow_scripts.train.draft import FINAL_NORM_NAMES, build_draft
+    from workflow_scripts.train.draft import build_draft
 
     family, source = tiny_verifier
     verifier = tmp_path / "verifier"

@@ -116,6 +116,11 @@ def validate_config(config: dict[str, Any], schema_path: Path = SCHEMA_PATH) -> 
     aux = config["hidden_states"].get("aux_layer_ids")
     if aux and len(set(aux)) != len(aux):
         raise ConfigError(f"hidden_states.aux_layer_ids: layer ids must be distinct, got {aux}")
+    if config["hidden_states"]["mode"] == "online" and config["hidden_states"]["target"] != "final_state":
+        raise ConfigError(
+            "hidden_states.target: topk makes shards smaller; hidden_states.mode: online writes no shards "
+            "and keeps the final state (set target: final_state, or mode: offline)"
+        )
 
 
 def load_config(path: str | Path) -> dict[str, Any]:

@@ -44,12 +44,19 @@ class HiddenStatesConfig:
     num_shards: int
     aux_layer_ids: tuple[int, ...] | None
     dtype: str
+    target: str
+    topk: int
     gpus: int
     device: str
     compute_dtype: str
     batch_tokens: int
     linger_s: float
     vllm: VllmExtractionConfig
+
+    @property
+    def target_topk(self) -> int:
+        """Logits a shard keeps per token instead of the final state; 0: it keeps the state."""
+        return self.topk if self.target == "topk" else 0
 
 
 @dataclass(frozen=True)

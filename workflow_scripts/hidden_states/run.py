@@ -27,7 +27,8 @@ from workflow_scripts.hidden_states.shards import (
     shard_key,
     shard_tensors,
 )
-from workflow_scripts.hidden_states.storage import extraction_dtype, torch_dtype
+from workflow_scripts.hidden_states.storage import extraction_dtype, num_stored_states, torch_dtype
+from workflow_scripts.hidden_states.targets import TopkHead, head_device
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +107,15 @@ def run_shard(
     # The backends hand over states in the extraction dtype; fp8 is quantized on write.
     store_dtype = torch_dtype(extraction_dtype(settings.dtype))
     num_tokens = sum(len(s["input_ids"]) for s in samples)
+    topk = settings.target_topk
     check_disk_space(
-        Path(out).parent, num_tokens, len(samples), len(layer_ids) + 1, geometry.hidden_size, settings.dtype
+        Path(out).parent,
+        num_tokens,
+        len(samples),
+        num_stored_states(len(layer_ids), topk),
+        geometry.hidden_size,
+        settings.dtype,
+        topk,
     )
     job = ExtractionJob(
         verifier_dir, layer_ids, geometry, store_dtype, settings, server, trust_remote_code, log_path, threads, gpus
@@ -116,6 +124,10 @@ def run_shard(
     started = time.monotonic()
     with open_backend(backend_name, job) as backend:
         states = backend.extract(samples)
+    targets = None
+    if topk:  # the compact target: the verifier's top-k logits replace the final state
+        head = TopkHead(verifier_dir, topk, head_device(settings.device))
+        targets = [head(final) for _, final in states]
     metadata = {
         "sample_ids": json.dumps([s["id"] for s in samples]),
         "aux_layer_ids": json.dumps(layer_ids),
@@ -125,7 +137,7 @@ def run_shard(
         "backend": backend_name,
         "convention": CONVENTION,
     }
-    write_safetensors(out, shard_tensors(samples, states, settings.dtype), metadata)
+    write_safetensors(out, shard_tensors(samples, states, settings.dtype, targets), metadata)
     cache.keep(shard, key, out)
     log.info(
         "shard %d/%d (%s): %d samples, %d tokens in %.1f s -> %s",

@@ -25,20 +25,21 @@ log = logging.getLogger(__name__)
 
 
 def check_disk_space(
-    out_dir: Path, num_tokens: int, num_samples: int, num_states: int, hidden_size: int, storage: str
+    out_dir: Path, num_tokens: int, num_samples: int, num_states: int, hidden_size: int, storage: str, topk: int = 0
 ) -> int:
     """Log what the shard will take and refuse to start when the target disk lacks room."""
-    need = shard_bytes(num_tokens, num_samples, num_states, hidden_size, storage)
+    need = shard_bytes(num_tokens, num_samples, num_states, hidden_size, storage, topk)
     out_dir.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(out_dir).free
     log.info(
-        "will write %d bytes (%.2f GB: %d tokens x %d states x %d hidden in %s); %d bytes free on %s",
+        "will write %d bytes (%.2f GB: %d tokens x %d states x %d hidden in %s%s); %d bytes free on %s",
         need,
         need / 1e9,
         num_tokens,
         num_states,
         hidden_size,
         storage,
+        f", top-{topk} logits" if topk else "",
         free,
         out_dir,
     )
@@ -117,10 +118,14 @@ def samples_for_shard(train: str, eval_: str, shard: int, num_shards: int) -> li
 
 
 def shard_tensors(
-    samples: list[dict[str, Any]], states: list[States], storage: str = "bfloat16"
+    samples: list[dict[str, Any]],
+    states: list[States],
+    storage: str = "bfloat16",
+    targets: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The shard's tensors: states and tokens of all samples back to back, unpadded, the states
-    in `storage` (fp8 with a scale per token and state). Pure."""
+    in `storage` (fp8 with a scale per token and state). With `targets` (the compact target,
+    hidden_states.targets: each sample's top-k ids and logits) they replace the final state. Pure."""
     offsets = [0]
     for s, (aux, final) in zip(samples, states, strict=True):
         n = len(s["input_ids"])
@@ -128,16 +133,20 @@ def shard_tensors(
             raise ValueError(f"sample {s['id']}: {n} tokens but states for {aux.shape[0]} / {final.shape[0]}")
         offsets.append(offsets[-1] + n)
     aux = torch.cat([a for a, _ in states])
-    final = torch.cat([f for _, f in states])
+    hidden_size = states[0][1].shape[1]
+    scales = {}
     if storage == FP8:
-        num_aux = aux.shape[1] // final.shape[1]
-        (aux, aux_scale), (final, final_scale) = quantize_fp8(aux, num_aux), quantize_fp8(final, 1)
-        scales = {"hidden_states_scale": aux_scale, "verifier_last_hidden_states_scale": final_scale}
+        aux, scales["hidden_states_scale"] = quantize_fp8(aux, aux.shape[1] // hidden_size)
+    if targets is None:
+        final = torch.cat([f for _, f in states])
+        if storage == FP8:
+            final, scales["verifier_last_hidden_states_scale"] = quantize_fp8(final, 1)
+        target = {"verifier_last_hidden_states": final}
     else:
-        scales = {}
+        target = {"target_ids": torch.cat([i for i, _ in targets]), "target_logits": torch.cat([v for _, v in targets])}
     return {
         "hidden_states": aux,
-        "verifier_last_hidden_states": final,
+        **target,
         **scales,
         "input_ids": torch.tensor([t for s in samples for t in s["input_ids"]], dtype=torch.int32),
         "loss_mask": torch.tensor([t for s in samples for t in s["loss_mask"]], dtype=torch.int8),
@@ -159,6 +168,7 @@ def read_shard_header(path: str) -> dict[str, Any]:
             "num_layers": int(meta["num_layers"]),
             "hidden_size": int(meta["hidden_size"]),
             "dtype": str(f.get_slice("hidden_states").get_dtype()),
+            "target_topk": f.get_slice("target_ids").get_shape()[1] if "target_ids" in f.keys() else 0,  # noqa: SIM118
             "backend": meta.get("backend", "hf"),
         }
 
@@ -176,7 +186,7 @@ def write_index(shards: list[str], verifier_dir: str, out: str) -> None:
     headers = [read_shard_header(s) for s in shards]
     first = headers[0]
     for h in headers[1:]:
-        for key in ("aux_layer_ids", "num_layers", "hidden_size", "dtype"):
+        for key in ("aux_layer_ids", "num_layers", "hidden_size", "dtype", "target_topk"):
             if h[key] != first[key]:
                 raise ValueError(
                     f"shard {h['path']} has {key}={h[key]}, shard "
@@ -192,6 +202,7 @@ def write_index(shards: list[str], verifier_dir: str, out: str) -> None:
             "num_layers": first["num_layers"],
             "hidden_size": first["hidden_size"],
             "dtype": first["dtype"],
+            "target_topk": first["target_topk"],  # 0: shards keep the final state
             "backends": sorted({h["backend"] for h in headers}),
             "convention": CONVENTION,
             "num_samples": sum(h["num_samples"] for h in headers),

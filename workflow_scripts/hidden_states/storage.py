@@ -22,6 +22,11 @@ FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 SCALE_BYTES = 4
 # Per token besides the states: the token id (int32) and the loss mask (int8).
 TOKEN_BYTES = 4 + 1
+# The compact target (`hidden_states.target: topk`) stores, instead of the final state, the
+# verifier's k largest logits per token: a verifier-vocabulary id (int32) and the logit less
+# the token's largest (float16, <= 0) for each.
+TARGETS = ("final_state", "topk")
+TOPK_ENTRY_BYTES = 4 + 2
 # Per sample: its offset (int64), its split (bool) and its id in the header (JSON, ~30 bytes).
 SAMPLE_BYTES = 8 + 1 + 32
 
@@ -38,18 +43,26 @@ def extraction_dtype(storage: str) -> str:
     return "bfloat16" if storage == FP8 else storage
 
 
-def token_bytes(num_states: int, hidden_size: int, storage: str) -> int:
+def num_stored_states(num_aux: int, topk: int) -> int:
+    """How many full states a shard stores per token: the aux states, and the final state
+    unless the compact target (`topk` > 0) replaces it. Pure."""
+    return num_aux + (0 if topk else 1)
+
+
+def token_bytes(num_states: int, hidden_size: int, storage: str, topk: int = 0) -> int:
     """Bytes a shard holds per token for `num_states` states of `hidden_size`: the states, fp8's
-    scales, the token id and the loss mask. Pure."""
+    scales, the compact target's `topk` entries, the token id and the loss mask. Pure."""
     states = num_states * hidden_size * STORAGE_BYTES[storage]
     scales = num_states * SCALE_BYTES if storage == FP8 else 0
-    return states + scales + TOKEN_BYTES
+    return states + scales + topk * TOPK_ENTRY_BYTES + TOKEN_BYTES
 
 
-def shard_bytes(num_tokens: int, num_samples: int, num_states: int, hidden_size: int, storage: str) -> int:
+def shard_bytes(
+    num_tokens: int, num_samples: int, num_states: int, hidden_size: int, storage: str, topk: int = 0
+) -> int:
     """What a shard of `num_tokens` tokens in `num_samples` samples takes on disk, give or
     take the safetensors header's fixed part. Pure."""
-    return num_tokens * token_bytes(num_states, hidden_size, storage) + num_samples * SAMPLE_BYTES
+    return num_tokens * token_bytes(num_states, hidden_size, storage, topk) + num_samples * SAMPLE_BYTES
 
 
 def quantize_fp8(states: torch.Tensor, num_states: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,6 +4,10 @@ Alignment (as speculators' shift_batch): at position t the draft sees the verifi
 g_t and the embedding of token x_{t+1}, and learns the verifier's distribution at t+1,
 i.e. (x_{t+1}, g_t, y_{t+1}, loss_mask_{t+1}). Packed samples get their own document id,
 and positions restart (at 1) for each sample.
+
+The verifier's distribution y comes from its final state, or from shards with the compact
+target (hidden_states.targets) from its top-k logits, whose ids are mapped into the draft
+vocabulary here; positions where none of them is in it leave the loss.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from safetensors import safe_open
 
 from workflow_scripts.common.fingerprint import stable_fraction
 from workflow_scripts.hidden_states.storage import stored_states
+from workflow_scripts.hidden_states.targets import draft_index
 
 # Seed of the learning curve's subsets; fixed, so that subsets are the same in every run.
 SUBSET_SEED = 0
@@ -26,8 +31,10 @@ SUBSET_SEED = 0
 class Sample:
     input_ids: torch.Tensor  # [n] int64
     hidden_states: torch.Tensor  # [n, num_aux * hidden]
-    verifier_last_hidden_states: torch.Tensor  # [n, hidden]
+    verifier_last_hidden_states: torch.Tensor | None  # [n, hidden]; None with the compact target
     loss_mask: torch.Tensor  # [n] bool
+    target_ids: torch.Tensor | None = None  # compact target: [n, k] draft-vocabulary indices, -1 outside it
+    target_logits: torch.Tensor | None = None  # compact target: [n, k] float32
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -48,10 +55,14 @@ def trained_on(sample_id: str, num_tokens: int, is_eval: bool, train_fraction: f
 
 
 def load_shards(
-    paths: list[str], dtype: torch.dtype = torch.float32, train_fraction: float = 1.0
+    paths: list[str],
+    dtype: torch.dtype = torch.float32,
+    train_fraction: float = 1.0,
+    t2d: torch.Tensor | None = None,
 ) -> tuple[list[Sample], list[Sample], list[int]]:
     """(train samples, eval samples, aux layer ids) from hidden-state shards, already shifted;
-    only the `train_fraction` subset of the training conversations (in_training_subset)."""
+    only the `train_fraction` subset of the training conversations (in_training_subset).
+    Shards with the compact target need the draft vocabulary (`t2d`, the vocab map's)."""
     train, evals, layer_ids = [], [], None
     for path in paths:
         with safe_open(path, framework="pt") as f:
@@ -63,23 +74,36 @@ def load_shards(
             sample_ids = json.loads(f.metadata()["sample_ids"])
         offsets = t["offsets"].tolist()
         aux = stored_states(t, "hidden_states", dtype)
-        final = stored_states(t, "verifier_last_hidden_states", dtype)
+        final = stored_states(t, "verifier_last_hidden_states", dtype) if "verifier_last_hidden_states" in t else None
+        ids = logits = None
+        if final is None:
+            if t2d is None:
+                raise ValueError(f"{path}: the shard keeps top-k logits (hidden_states.target: topk); pass t2d")
+            ids, logits = draft_index(t2d)[t["target_ids"].long()], t["target_logits"].float()
         for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:], strict=True)):
             if not trained_on(sample_ids[i], b - a, bool(t["is_eval"][i]), train_fraction):
                 continue
             s = shift(
                 t["input_ids"][a:b].long(),
                 aux[a:b],
-                final[a:b],
+                None if final is None else final[a:b],
                 t["loss_mask"][a:b].bool(),
+                None if ids is None else ids[a:b],
+                None if logits is None else logits[a:b],
             )
             (evals if t["is_eval"][i] else train).append(s)
     return train, evals, layer_ids
 
 
-def shift(input_ids, hidden_states, last_hidden_states, loss_mask) -> Sample:
-    """Drop x_0, g_{n-1}, y_0, l_0 so that position t pairs (x_{t+1}, g_t, y_{t+1}, l_{t+1}). Pure."""
-    return Sample(input_ids[1:], hidden_states[:-1], last_hidden_states[1:], loss_mask[1:])
+def shift(input_ids, hidden_states, last_hidden_states, loss_mask, target_ids=None, target_logits=None) -> Sample:
+    """Drop x_0, g_{n-1}, y_0, l_0 so that position t pairs (x_{t+1}, g_t, y_{t+1}, l_{t+1}).
+    With the compact target, positions none of whose top-k ids is in the draft vocabulary
+    have no target: they leave the loss. Pure."""
+    if target_ids is None:
+        return Sample(input_ids[1:], hidden_states[:-1], last_hidden_states[1:], loss_mask[1:])
+    ids = target_ids[1:]
+    mask = loss_mask[1:] & (ids >= 0).any(dim=-1)
+    return Sample(input_ids[1:], hidden_states[:-1], None, mask, ids, target_logits[1:])
 
 
 def pack(samples: list[Sample], batch_tokens: int, shuffle_seed: int | None) -> list[list[int]]:
@@ -101,16 +125,19 @@ def pack(samples: list[Sample], batch_tokens: int, shuffle_seed: int | None) -> 
 
 
 def collate(samples: list[Sample], batch_tokens: int) -> dict[str, torch.Tensor]:
-    """One packed [1, T] batch in the layout Eagle3DraftModel.forward takes."""
+    """One packed [1, T] batch in the layout Eagle3DraftModel.forward takes (the compact
+    target's top-k pairs as they are: train.loop.to_device makes the dense targets)."""
     cut = [min(len(s), batch_tokens) for s in samples]
 
     def cat(field: str) -> torch.Tensor:
         return torch.cat([getattr(s, field)[:n] for s, n in zip(samples, cut, strict=True)]).unsqueeze(0)
 
+    compact = samples[0].target_ids is not None
+    targets = ("target_ids", "target_logits") if compact else ("verifier_last_hidden_states",)
     return {
         "input_ids": cat("input_ids"),
         "hidden_states": cat("hidden_states"),
-        "verifier_last_hidden_states": cat("verifier_last_hidden_states"),
+        **{name: cat(name) for name in targets},
         "loss_mask": cat("loss_mask"),
         "document_ids": torch.cat([torch.full((n,), d, dtype=torch.long) for d, n in enumerate(cut)]).unsqueeze(0),
         "position_ids": torch.cat([torch.arange(1, n + 1, dtype=torch.long) for n in cut]).unsqueeze(0),

@@ -23,15 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from transformers import LlamaConfig
 
-from workflow_scripts.common.verifier_config import (
-    draft_attention_geometry,
-    is_mla,
-    read_text_config,
-    safetensors_weight_map,
-)
+from workflow_scripts.common.verifier_config import draft_attention_geometry, is_mla, read_text_config
+from workflow_scripts.common.verifier_weights import load_verifier_embeddings, load_verifier_final_norm
 
 log = logging.getLogger(__name__)
 
@@ -161,56 +156,6 @@ def register_mla_draft_layer() -> None:
     )
 
 
-# Where checkpoints keep the two tensors the draft shares with its verifier, by name.
-# Multimodal wrappers (Kimi-K2.5) prefix the language model's weights.
-EMBED_NAMES = (
-    "model.embed_tokens.weight",
-    "language_model.model.embed_tokens.weight",
-    "model.language_model.embed_tokens.weight",
-    "transformer.wte.weight",
-)
-LM_HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight", "model.language_model.lm_head.weight")
-FINAL_NORM_NAMES = ("model.norm.weight", "language_model.model.norm.weight", "model.language_model.norm.weight")
-
-
-def load_verifier_embeddings(verifier_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(embed_tokens, lm_head) weights of the verifier, read by name from its safetensors.
-
-    speculators' `load_verifier_weights` resolves the verifier through AutoConfig without
-    trust_remote_code, so custom-code verifiers fail there. Tied embeddings (no lm_head
-    tensor; SmolLM2) reuse embed_tokens as lm_head.
-    """
-    weights = safetensors_weight_map(verifier_dir)
-    embed = _read_first(weights, EMBED_NAMES)
-    if embed is None:
-        raise KeyError(f"{verifier_dir}: no embedding tensor among {EMBED_NAMES}")
-    lm_head = _read_first(weights, LM_HEAD_NAMES)
-    if lm_head is None:
-        top = json.loads((Path(verifier_dir) / "config.json").read_text())
-        if not (top.get("tie_word_embeddings") or read_text_config(verifier_dir).get("tie_word_embeddings")):
-            raise KeyError(f"{verifier_dir}: no lm_head tensor among {LM_HEAD_NAMES} and tie_word_embeddings is false")
-        lm_head = embed
-    return embed, lm_head
-
-
-def _read_first(weights: dict[str, Path], names: tuple[str, ...]) -> torch.Tensor | None:
-    for name in names:
-        if name in weights:
-            with safe_open(str(weights[name]), framework="pt") as f:
-                return f.get_tensor(name)
-    return None
-
-
-def load_verifier_final_norm(verifier_dir: str) -> torch.Tensor:
-    """The weight of the verifier's final norm. The trainer recomputes the verifier's logits
-    as lm_head(norm(final pre-norm state)): without this weight the draft learns to match
-    logits the verifier never produces."""
-    norm = _read_first(safetensors_weight_map(verifier_dir), FINAL_NORM_NAMES)
-    if norm is None:
-        raise KeyError(f"{verifier_dir}: no final norm tensor among {FINAL_NORM_NAMES}")
-    return norm
-
-
 def load_verifier_weights(model, verifier_dir: str, t2d: torch.Tensor) -> None:
     """What speculators' Eagle3DraftModel.load_verifier_weights does, without model code:
     embeddings as they are, lm_head rows of the draft vocabulary (t2d) and the final norm
@@ -236,6 +181,17 @@ def load_verifier_weights(model, verifier_dir: str, t2d: torch.Tensor) -> None:
     ):
         p.requires_grad_(False)
     model.embed_tokens.weight.requires_grad_(model.config.embed_requires_grad)
+
+
+def take_precomputed_targets(model) -> None:
+    """Training on shards with the compact target (hidden_states.target: topk): the batch
+    brings the verifier's logits on the draft vocabulary themselves, in the place of the final
+    state, so the forward's verifier_lm_head(verifier_norm(.)) must pass them through. Neither
+    module is part of the exported draft."""
+    from torch import nn
+
+    model.verifier_norm = nn.Identity()
+    model.verifier_lm_head = nn.Identity()
 
 
 def build_draft(

@@ -42,6 +42,7 @@ from workflow_scripts.common.acceptance import AcceptanceCounts, generated_spans
 from workflow_scripts.common.atomic import atomic_path, write_jsonl
 from workflow_scripts.common.config import typed
 from workflow_scripts.common.fingerprint import code_fingerprint
+from workflow_scripts.hidden_states.targets import dense_targets
 from workflow_scripts.train.checkpoint import (
     TrainState,
     latest_checkpoint,
@@ -51,7 +52,7 @@ from workflow_scripts.train.checkpoint import (
     training_fingerprint,
 )
 from workflow_scripts.train.data import Sample, collate, load_shards, pack
-from workflow_scripts.train.draft import build_draft, export_draft, verifier_ids
+from workflow_scripts.train.draft import build_draft, export_draft, take_precomputed_targets, verifier_ids
 from workflow_scripts.train.online import TokenSample, VerifierStates, load_token_samples, open_verifier
 
 log = logging.getLogger(__name__)
@@ -218,8 +219,16 @@ def metrics_vector(metrics: dict[str, torch.Tensor] | None, keys: list[str], dev
     ).double()
 
 
-def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+def to_device(batch: dict[str, torch.Tensor], device: torch.device, model=None) -> dict[str, torch.Tensor]:
+    """A collated batch on `device`, as the draft's forward takes it: the compact target's
+    top-k pairs become dense logits on `model`'s draft vocabulary there (the host sends k
+    pairs per token, not a row of the vocabulary), in the final state's place
+    (train.draft.take_precomputed_targets)."""
+    out = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    if "target_ids" in out:
+        vocab = model.lm_head.weight.shape[0]
+        out["verifier_last_hidden_states"] = dense_targets(out.pop("target_ids"), out.pop("target_logits"), vocab)
+    return out
 
 
 def train_step(
@@ -235,7 +244,7 @@ def train_step(
     metrics = None
     if batch is not None:
         with rt.autocast():
-            _, loss, metrics = model(**to_device(batch, rt.device), **fwd_kwargs)
+            _, loss, metrics = model(**to_device(batch, rt.device, model), **fwd_kwargs)
         (loss * loss_scale).backward()
     if rt.world_size > 1:
         all_reduce_grads(params)
@@ -270,7 +279,7 @@ def evaluate(
     for i, batch in enumerate(pack(samples, batch_tokens, shuffle_seed=None)):
         if i % rt.world_size != rt.rank:
             continue
-        inputs = to_device(collate([samples[j] for j in batch], batch_tokens), rt.device)
+        inputs = to_device(collate([samples[j] for j in batch], batch_tokens), rt.device, model)
         with rt.autocast():
             drafts, _, m = model(**inputs, **fwd_kwargs)
             agreement += target_agreement(model, inputs)
@@ -423,8 +432,9 @@ class Trainer:
         )
         # Data: the shards' samples, or (online) the dataset's tokens and the verifier.
         states = None
+        vocab = load_file(job.vocab_map)
         if job.online is None:
-            train, evals, aux_layer_ids = load_shards(job.shards, train_fraction=cfg.sample_fraction)
+            train, evals, aux_layer_ids = load_shards(job.shards, train_fraction=cfg.sample_fraction, t2d=vocab["t2d"])
         else:
             train, eval_tokens = load_token_samples(*job.dataset, train_fraction=cfg.sample_fraction)
             states = open_verifier(job.verifier_dir, job.online, rt.device, job.log_path, rt.is_main)
@@ -432,7 +442,6 @@ class Trainer:
         if not train or not evals:
             where = "the dataset" if states else "the hidden-state shards"
             raise ValueError(f"{where}: {len(train)} train and {len(evals)} eval samples; both must be non-empty")
-        vocab = load_file(job.vocab_map)
         model = build_draft(
             job.verifier_dir,
             vocab["d2t"],
@@ -444,6 +453,8 @@ class Trainer:
             sliding_window=cfg.sliding_window,
             attention=cfg.draft_attention,
         ).to(rt.device)
+        if train[0].target_ids is not None:  # shards with the compact target
+            take_precomputed_targets(model)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         # The packing of every epoch is fixed up front (a pure function of the seed), so the
