@@ -6,7 +6,9 @@
 
 Each JSON object overrides `train` in config/config.yaml. The runs go one after the other
 (never in parallel: they would share the 2 cores) and write under /tmp. Prints one Markdown
-row per schedule: steps, wall time, best eval loss, estimated acceptance length.
+row per schedule: steps, wall time, best eval loss, estimated acceptance length (every
+anchor: 1 + sum of full_acc_k) and the walk's (the anchors vLLM would visit on the eval split,
+the closer figure to vLLM's).
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ def main(run_dir: str, schedules: list[str]) -> None:
     base = yaml.safe_load(Path("config/config.yaml").read_text())
     verifier = f"resources/verifier/{base['verifier']['name']}"
     shards = sorted(str(p) for p in (run / "hidden_states").glob("shard-*.safetensors"))
-    print("| schedule | steps | train wall s | best eval loss | estimated acceptance |")
-    print("| --- | ---: | ---: | ---: | ---: |")
+    print("| schedule | steps | train wall s | best eval loss | estimated acceptance | walk acceptance |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for spec in schedules:
         cfg = {**base["train"], **json.loads(spec)}
         out = Path(tempfile.mkdtemp(prefix="eagleflow-schedule-"))
@@ -51,7 +53,8 @@ def main(run_dir: str, schedules: list[str]) -> None:
         best = min((r for r in rows if r["split"] == "eval"), key=lambda r: r["loss"])
         steps = max(r["step"] for r in rows)
         print(
-            f"| {spec} | {steps} | {wall:.0f} | {best['loss']:.3f} | {best['estimated_acceptance_length']:.3f} |",
+            f"| {spec} | {steps} | {wall:.0f} | {best['loss']:.3f} | {best['estimated_acceptance_length']:.3f} "
+            f"| {best['walk_acceptance_length']:.3f} |",
             flush=True,
         )
 

@@ -251,3 +251,58 @@ def test_the_limit_stops_at_one_without_counting_more_cuts():
 
     asyncio.run(refused_again_and_again())
     assert limit.current == 1 and limit.decreases == 2  # 4 -> 2 -> 1, then nothing left to cut
+
+
+def test_the_kv_cache_size_sets_a_floor_for_slow_start_and_cuts():
+    """24 blocks of 128 tokens hold 8 requests of up to 300 tokens (3 blocks each) at once:
+    the limit starts there, and no preemption cuts it below."""
+    text = VLLM_METRICS + 'vllm:cache_config_info{block_size="128",engine="0",num_gpu_blocks="24"} 1.0\n'
+    signals = parse_metrics(text)
+    assert (signals.kv_blocks, signals.block_size) == (24.0, 128)
+    limit = Concurrency(64, adaptive=True, request_tokens=300)
+    assert limit.current == INITIAL
+    limit.observe(signals)
+    assert limit.floor == 8 and limit.current == 8
+    limit.limit = 12.0
+
+    async def one_request():
+        async with limit.slot() as report:
+            await asyncio.sleep(0)
+            report(OK, 0.01, 10)
+
+    for preemptions in (10, 20, 30):
+        asyncio.run(one_request())  # a request of the current window has finished
+        limit.observe(ServerSignals(kv_blocks=24, block_size=128, preemptions=preemptions))
+    assert limit.current == 8 and limit.decreases == 1
+    # Without request_tokens (or a fixed limit, or no cache size) there is no floor.
+    for other in (Concurrency(64, adaptive=True), Concurrency(64, adaptive=False, request_tokens=300)):
+        other.observe(signals)
+        assert other.floor == 1
+    # A cache that holds more than the ceiling: the ceiling from the start.
+    big = Concurrency(16, adaptive=True, request_tokens=300)
+    big.observe(ServerSignals(kv_blocks=1000, block_size=16))
+    assert big.current == 16
+
+
+def test_time_per_token_holds_only_without_vllm_metrics():
+    """Replies that take ever longer per token (a batch growing on a busy server) hold the
+    limit of a server without metrics; from vLLM, whose queue and preemptions say more, they
+    do not."""
+
+    async def run(limit: Concurrency, metrics: bool) -> None:
+        if metrics:
+            limit.observe(ServerSignals(running=1, waiting=0, preemptions=0))
+        for _ in range(20):
+
+            async def one():
+                async with limit.slot() as report:
+                    await asyncio.sleep(0)
+                    report(OK, 0.01 * limit.in_flight * limit.current, 10)  # slower as the batch grows
+
+            await asyncio.gather(*(one() for _ in range(limit.current)))
+
+    without, with_metrics = Concurrency(64, adaptive=True), Concurrency(64, adaptive=True)
+    asyncio.run(run(without, metrics=False))
+    asyncio.run(run(with_metrics, metrics=True))
+    # One step per round (the slots of a round free one by one); held after a few without metrics.
+    assert with_metrics.current == INITIAL + 20 and without.current <= 10

@@ -14,8 +14,13 @@ Adaptive (the default), the limit moves between 1 and the configured ceiling by 
   window: signals from requests sent before the last decrease are ignored (they were sent
   under the old limit, as TCP ignores losses of packets sent before its last cut).
 - **hold**: neither, while more requests wait in vLLM's queue than a small margin
-  (`QUEUE_MARGIN` of those running, at least `MIN_QUEUE`), or a reply's time per output
-  token is far above the best seen (`LATENCY_HOLD`).
+  (`QUEUE_MARGIN` of those running, at least `MIN_QUEUE`), or, from a server without vLLM's
+  metrics, a reply's time per output token is far above the best seen (`LATENCY_HOLD`).
+- **floor**: a stage that knows how many tokens a request holds at its longest
+  (`request_tokens`: prompt and max_tokens) and a vLLM that says how large its KV cache is
+  (`vllm:cache_config_info`) give the number of requests that fit the cache at once even at
+  their longest: they cannot preempt each other, so the limit starts there (not at
+  `INITIAL`) and never drops below it.
 
 Why AIMD, and these signals. A batched LLM server's throughput grows with the sequences it
 runs until the KV cache is full; past that, more requests only wait or preempt running ones
@@ -31,8 +36,11 @@ travel. The KV-cache usage is logged but does not hold the limit: vLLM fills its
 design, and holding at 90% usage kept the limit at half of what the server could run
 (BENCHMARKS.md). Latency-gradient controllers (TCP Vegas, Netflix's concurrency-limits) read
 a request's latency as queueing delay, but an LLM request's latency is mostly its output
-length; here latency per output token only holds the limit. Servers without vLLM's
-`/metrics` (another OpenAI-compatible server) leave errors, timeouts and latency.
+length, and its time per output token grows with the batch (a batched server shares each
+step between the sequences it runs): holding at 3x the best time per token kept the demo's
+generation at 42-54 of its 64 with nothing waiting in vLLM. So latency per output token holds
+the limit only for servers without vLLM's `/metrics` (another OpenAI-compatible server),
+which leave errors, timeouts and latency.
 
 The limit over time is logged and kept (`trace`) for the report's plot.
 """
@@ -44,6 +52,7 @@ import collections
 import contextlib
 import logging
 import math
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -85,6 +94,8 @@ class ServerSignals:
     running: float | None = None
     waiting: float | None = None
     preemptions: float | None = None
+    kv_blocks: float | None = None  # KV-cache blocks (vllm:cache_config_info), summed over engines
+    block_size: int | None = None  # tokens per block
 
 
 METRICS = {
@@ -96,6 +107,10 @@ METRICS = {
 }
 
 
+CACHE_INFO = "vllm:cache_config_info"  # an info gauge: the cache's settings are its labels
+LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
 def parse_metrics(text: str) -> ServerSignals:
     """The signals in a Prometheus text exposition. Gauges and counters of several engines
     (label sets) are summed; the KV-cache usage is their maximum (one full engine preempts)."""
@@ -104,6 +119,13 @@ def parse_metrics(text: str) -> ServerSignals:
         if not line.startswith("vllm:"):
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name == CACHE_INFO:
+            labels = dict(LABEL.findall(line))
+            with contextlib.suppress(KeyError, ValueError):
+                blocks, size = float(labels["num_gpu_blocks"]), int(labels["block_size"])
+                found.setdefault("kv_blocks", []).append(blocks)
+                found["block_size"] = [size]
+            continue
         attr = METRICS.get(name)
         if attr is None:
             continue
@@ -114,7 +136,7 @@ def parse_metrics(text: str) -> ServerSignals:
         found.setdefault(attr, []).append(value)
     signals = ServerSignals()
     for attr, values in found.items():
-        setattr(signals, attr, max(values) if attr == "kv_usage" else sum(values))
+        setattr(signals, attr, max(values) if attr in ("kv_usage", "block_size") else sum(values))
     return signals
 
 
@@ -125,7 +147,9 @@ class Concurrency:
     ceiling: int
     adaptive: bool = True
     name: str = "requests"
+    request_tokens: int | None = None  # tokens a request holds at its longest (prompt + max_tokens), if known
     limit: float = field(init=False)
+    floor: int = field(default=1, init=False)  # requests the server's KV cache holds at their longest
     in_flight: int = field(default=0, init=False)
     decreases: int = field(default=0, init=False)
     preemptions_seen: float = field(default=0.0, init=False)
@@ -146,6 +170,7 @@ class Concurrency:
         self._best_token_s: float | None = None
         self._token_s_ewma: float | None = None
         self._logged = 0.0
+        self._metrics_seen = False
         self._record()
 
     @property
@@ -225,17 +250,19 @@ class Concurrency:
         s = self._signals
         if s.waiting is not None and s.waiting >= max(MIN_QUEUE, QUEUE_MARGIN * (s.running or 0)):
             return f"{s.waiting:.0f} requests waiting in the server"
+        if self._metrics_seen:
+            return None  # the queue and the preemptions speak; latency per token grows with the batch
         if self._best_token_s and self._token_s_ewma and self._token_s_ewma > LATENCY_HOLD * self._best_token_s:
             return f"{self._token_s_ewma * 1e3:.0f} ms per output token, best {self._best_token_s * 1e3:.0f} ms"
         return None
 
     def _decrease(self, why: str) -> None:
-        if self.limit <= 1.0:
+        if self.limit <= self.floor:
             return  # at the floor: nothing to take away, nothing to log
         self._slow_start = False
         self.decreases += 1
         self._window_start = self._tickets  # signals of requests already sent are of the old limit
-        self._set(max(1.0, self.limit * DECREASE), why)
+        self._set(max(float(self.floor), self.limit * DECREASE), why)
 
     def _set(self, limit: float, why: str | None) -> None:
         before = self.current
@@ -265,8 +292,11 @@ class Concurrency:
             self.trace = self.trace[::2]
 
     def observe(self, signals: ServerSignals) -> None:
-        """A /metrics reading: a moved preemption counter is congestion, once per window."""
+        """A /metrics reading: the KV cache's size sets the floor; a moved preemption counter
+        is congestion, once per window."""
         self._signals = signals
+        self._metrics_seen = True
+        self._raise_floor(signals)
         if signals.preemptions is None:
             return
         if self._preemptions is not None and signals.preemptions > self._preemptions:
@@ -275,6 +305,18 @@ class Concurrency:
             if self.adaptive and self._completed_in_window():
                 self._decrease(f"{signals.preemptions - self._preemptions:.0f} preemptions in the server")
         self._preemptions = signals.preemptions
+
+    def _raise_floor(self, signals: ServerSignals) -> None:
+        if not (self.adaptive and self.request_tokens and signals.kv_blocks and signals.block_size):
+            return
+        blocks_each = math.ceil(self.request_tokens / signals.block_size)
+        floor = max(1, min(self.ceiling, int(signals.kv_blocks // blocks_each)))
+        if floor <= self.floor:
+            return
+        self.floor = floor
+        if self.limit < floor:
+            why = f"the KV cache holds {floor} requests of up to {self.request_tokens} tokens"
+            self._set(float(floor), why)
 
     def _completed_in_window(self) -> bool:
         # Tickets from _window_start on were sent under the current limit; the oldest of them
@@ -309,6 +351,8 @@ class Concurrency:
             "adaptive": self.adaptive,
             "ceiling": self.ceiling,
             "final": self.current,
+            "floor": self.floor,
+            "request_tokens": self.request_tokens,
             "decreases": self.decreases,
             "server_preemptions": round(self.preemptions_seen),
             "started_at": self._started_at,  # Unix time of the trace's 0 s

@@ -196,6 +196,26 @@ async def _from_server(
     return done
 
 
+CHARS_PER_TOKEN = 3  # under the usual ~4 of English text: an estimate on the long side
+TEMPLATE_TOKENS = 16  # the chat template's tokens around each message
+
+
+def longest_request_tokens(conversations: list[dict[str, Any]], max_tokens: int | None) -> int | None:
+    """An upper estimate of the tokens the longest request of `conversations` holds in the
+    server's KV cache at its end: its system prompt and user turns (by characters), the
+    replies to its earlier turns and its own, each at most `max_tokens`. None without a
+    max_tokens. Pure."""
+    if not max_tokens or not conversations:
+        return None
+
+    def tokens(p: dict[str, Any]) -> int:
+        chars = len(p.get("system") or "") + sum(len(t) for t in p["turns"])
+        messages = len(p["turns"]) + 1
+        return chars // CHARS_PER_TOKEN + TEMPLATE_TOKENS * messages + len(p["turns"]) * max_tokens
+
+    return max(tokens(p) for p in conversations)
+
+
 def run_generate(
     prompts_path: str,
     verifier_dir: str,
@@ -225,7 +245,12 @@ def run_generate(
             entries_before,
             len(todo),
         )
-        limit = Concurrency(parse_ceiling(client.concurrency), client.adaptive, name="generate")
+        limit = Concurrency(
+            parse_ceiling(client.concurrency),
+            client.adaptive,
+            name="generate",
+            request_tokens=longest_request_tokens(todo, requests.sampling.get("max_tokens")),
+        )
         restarts = 0
         if todo:
             spec = ServerSpec.from_config(server, verifier_dir)

@@ -27,6 +27,7 @@ from transformers import LlamaConfig
 
 from workflow_scripts.common.verifier_config import draft_attention_geometry, is_mla, read_text_config
 from workflow_scripts.common.verifier_weights import load_verifier_embeddings, load_verifier_final_norm
+from workflow_scripts.train.attention import register as register_attention
 
 log = logging.getLogger(__name__)
 
@@ -216,6 +217,7 @@ def build_draft(
     from speculators.proposals.greedy import GreedyTokenProposalConfig
 
     register_mla_draft_layer()
+    register_attention()
     layer_config = draft_layer_config(
         verifier_dir, num_layers, attn_impl, sliding_window=sliding_window, attention=attention
     )
@@ -316,6 +318,7 @@ def load_draft(draft_dir: str, verifier_dir: str | None = None, attn_impl: str |
     from transformers import PreTrainedModel
 
     register_mla_draft_layer()
+    register_attention()
     sidecar = Path(draft_dir) / SPECULATORS_SIDECAR
     if sidecar.is_file():  # an MLA draft: vLLM's config.json, speculators' beside it
         config = Eagle3SpeculatorConfig.from_dict(json.loads(sidecar.read_text()))

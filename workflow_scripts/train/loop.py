@@ -43,6 +43,7 @@ from workflow_scripts.common.atomic import atomic_path, write_jsonl
 from workflow_scripts.common.config import typed
 from workflow_scripts.common.fingerprint import code_fingerprint
 from workflow_scripts.hidden_states.targets import dense_targets
+from workflow_scripts.train.attention import DOC_SDPA
 from workflow_scripts.train.checkpoint import (
     TrainState,
     latest_checkpoint,
@@ -176,9 +177,10 @@ def resolve_impls(attn_impl: str, loss_implementation: str, cuda: bool, triton: 
     """("auto" resolved) attention and loss implementations for the device. Pure.
 
     Flex attention has no CPU backward and the fused loss is a Triton kernel, so on CPU
-    "auto" means sdpa and the eager loss; asking for them explicitly there is an error.
+    "auto" means doc_sdpa (SDPA per packed sample, train.attention) and the eager loss;
+    asking for them explicitly there is an error.
     """
-    attn = attn_impl if attn_impl != "auto" else ("simple_flex_attention" if cuda else "sdpa")
+    attn = attn_impl if attn_impl != "auto" else ("simple_flex_attention" if cuda else DOC_SDPA)
     loss = loss_implementation if loss_implementation != "auto" else ("fused" if cuda and triton else "eager")
     if attn == "simple_flex_attention" and not cuda:
         raise ValueError(

@@ -1,0 +1,69 @@
+"""doc_sdpa (train.attention): the draft's attention per packed sample gives SDPA's result on
+the full mask, for the loss and every gradient, on the test-time-training layout."""
+
+import pytest
+import torch
+from speculators.losses import resolve_loss_config
+
+from workflow_scripts.train.attention import doc_sdpa_forward, sample_bounds
+from workflow_scripts.train.data import Sample, collate
+from workflow_scripts.train.draft import build_draft
+
+
+def test_sample_bounds_come_from_the_mask():
+    docs = torch.tensor([0, 0, 0, 1, 2, 2])
+    causal = torch.arange(6)[:, None] >= torch.arange(6)[None, :]
+    mask = causal & (docs[:, None] == docs[None, :])
+    assert sample_bounds(mask) == [(0, 3), (3, 4), (4, 6)]
+    assert sample_bounds(torch.ones(1, 1, dtype=torch.bool)) == [(0, 1)]
+
+
+def test_other_layouts_fall_back_to_plain_sdpa():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 5, 8, generator=g) for _ in range(3))
+    out, _ = doc_sdpa_forward(None, q, k, v, None)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+    assert torch.allclose(out, want, atol=1e-6)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 4])
+def test_doc_sdpa_equals_sdpa_on_packed_test_time_training(tiny_llama_dir, sliding_window):
+    g = torch.Generator().manual_seed(1)
+    vocab = 128
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[::2] = True
+    d2t = torch.nonzero(t2d).flatten() - torch.arange(int(t2d.sum()))
+    hidden = 128
+    samples = [
+        Sample(
+            torch.randint(0, vocab, (n,), generator=g),
+            torch.randn(n, 3 * hidden, generator=g),
+            torch.randn(n, hidden, generator=g),
+            torch.rand(n, generator=g) > 0.3,
+        )
+        for n in (7, 1, 12, 5)
+    ]
+    batch = collate(samples, 64)
+    results = {}
+    for impl in ("sdpa", "doc_sdpa"):
+        torch.manual_seed(0)
+        model = build_draft(
+            str(tiny_llama_dir),
+            d2t,
+            t2d,
+            num_layers=1,
+            ttt_steps=3,
+            aux_layer_ids=[2, 4, 5],
+            attn_impl=impl,
+            sliding_window=sliding_window,
+        )
+        _, loss, metrics = model(**batch, ttt_steps=3, loss_config=resolve_loss_config("kl_div", "eager"))
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results[impl] = (loss.detach(), metrics, grads)
+    (loss_a, metrics_a, grads_a), (loss_b, metrics_b, grads_b) = results["sdpa"], results["doc_sdpa"]
+    assert torch.allclose(loss_a, loss_b, rtol=1e-5)
+    assert {k: float(v) for k, v in metrics_a.items()} == pytest.approx({k: float(v) for k, v in metrics_b.items()})
+    assert grads_a.keys() == grads_b.keys() and grads_a
+    for name, grad in grads_a.items():
+        assert torch.allclose(grad, grads_b[name], rtol=1e-4, atol=1e-6), name
