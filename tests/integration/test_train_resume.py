@@ -179,7 +179,7 @@ def test_flatten_state_round_trips_nested_structure():
 
 
 def test_resolve_impls_auto_and_refusals():
-    assert resolve_impls("auto", "auto", cuda=False, triton=True) == ("sdpa", "eager")
+    assert resolve_impls("auto", "auto", cuda=False, triton=True) == ("doc_sdpa", "eager")
     assert resolve_impls("auto", "auto", cuda=True, triton=True) == ("simple_flex_attention", "fused")
     assert resolve_impls("auto", "auto", cuda=True, triton=False) == ("simple_flex_attention", "eager")
     assert resolve_impls("eager", "eager", cuda=True, triton=True) == ("eager", "eager")

@@ -455,7 +455,7 @@ class Trainer:
             sliding_window=cfg.sliding_window,
             attention=cfg.draft_attention,
         ).to(rt.device)
-        if train[0].target_ids is not None:  # shards with the compact target
+        if job.online is None and train[0].target_ids is not None:  # shards with the compact target
             take_precomputed_targets(model)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
