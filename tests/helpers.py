@@ -343,14 +343,17 @@ class KimiK2ForCausalLM(DeepseekV3ForCausalLM):
 """
 
 
-def save_tiny_kimi(out: Path, num_layers: int = 8, think: bool = False, corpus: list[str] | None = None) -> Path:
+def save_tiny_kimi(
+    out: Path, num_layers: int = 8, think: bool = False, corpus: list[str] | None = None, custom_code: bool = True
+) -> Path:
     """A Kimi-K2-style verifier shipped as *custom code*, laid out as moonshotai/Kimi-K2 is:
     model_type `kimi_k2` (unknown to transformers) with `auto_map` pointing at configuration
     and modelling files in the model dir (loads only with trust_remote_code), architectures
     `DeepseekV3ForCausalLM` (vLLM serves it with its own DeepSeek-V3 code), one tensor per
     routed expert, bfloat16, sharded. `think`: single-token <think>/</think> and a thinking
     chat template. `corpus`: taught those texts first (`teach`), so it writes text a draft
-    can learn instead of a random model's noise."""
+    can learn instead of a random model's noise. `custom_code` False: the same model as a
+    transformers-native DeepSeek-V3 checkpoint (model_type deepseek_v3, no code of its own)."""
     import json
 
     import torch
@@ -370,16 +373,18 @@ def save_tiny_kimi(out: Path, num_layers: int = 8, think: bool = False, corpus: 
         config.update(model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"], auto_map=auto_map)
         (out / "config.json").write_text(json.dumps(config, indent=2))
 
-    set_identity()
+    if custom_code:
+        set_identity()
     torch.manual_seed(3)
     tokenizer = char_tokenizer(think=think)
     model = AutoModelForCausalLM.from_config(
-        AutoConfig.from_pretrained(out, trust_remote_code=True), trust_remote_code=True
+        AutoConfig.from_pretrained(out, trust_remote_code=custom_code), trust_remote_code=custom_code
     )
     if corpus:
         teach(model, tokenizer, corpus)
     model.to(torch.bfloat16).save_pretrained(out, max_shard_size="200KB")
-    set_identity()  # save_pretrained names the class it saved (KimiK2ForCausalLM)
+    if custom_code:
+        set_identity()  # save_pretrained names the class it saved (KimiK2ForCausalLM)
     tokenizer.save_pretrained(out)
     return out
 

@@ -6,9 +6,15 @@ must hold on MLA as it does on Llama (tests/integration/test_parity.py).
 
 The verifier is tiny (4 layers, MLA + MoE routed as DeepSeek-V3 routes) and taught a short
 reply pattern first (tests.helpers.teach): a random model's noise would give the draft
-nothing to learn and the acceptance figures no meaning."""
+nothing to learn and the acceptance figures no meaning.
+
+`EAGLEFLOW_MLA_VERIFIER=deepseek_v3` runs the same on the same model saved as a
+transformers-native DeepSeek-V3 checkpoint (no custom code, no trust_remote_code): about 7
+minutes more than CI's budget allows for a second run, so CI runs the custom-code one, which
+covers more (BENCHMARKS.md has both)."""
 
 import json
+import os
 import subprocess
 
 import pyarrow.parquet as pq
@@ -36,6 +42,7 @@ ANSWERS = {
     "multi-turn": "Sure, let me help with that: start small, keep notes, and check each step.",
 }
 THINK_START, THINK_END = 3, 4  # ids in tests.helpers.char_tokenizer(think=True)
+CUSTOM_CODE = os.environ.get("EAGLEFLOW_MLA_VERIFIER", "kimi_k2") != "deepseek_v3"
 
 
 def demo_prompts() -> list[dict]:
@@ -61,19 +68,27 @@ def taught_texts(prompts: list[dict]) -> list[str]:
 def mla_run(tmp_path_factory):
     prompts = demo_prompts()
     verifier = save_tiny_kimi(
-        tmp_path_factory.mktemp("tiny-kimi"), num_layers=4, think=True, corpus=taught_texts(prompts)
+        tmp_path_factory.mktemp("tiny-kimi"),
+        num_layers=4,
+        think=True,
+        corpus=taught_texts(prompts),
+        custom_code=CUSTOM_CODE,
     )
     wf = copy_workflow(tmp_path_factory.mktemp("mla") / "wf")
     write_jsonl(wf / "prompts.jsonl", prompts)
     small = yaml.safe_load((REPO / "tests/config/small.yaml").read_text())
     config = {
         "run": "mla",
-        "verifier": {"name": "tiny-kimi", "source": "path", "path": str(verifier), "trust_remote_code": True},
+        "verifier": {"name": "tiny-mla", "source": "path", "path": str(verifier), "trust_remote_code": CUSTOM_CODE},
         "server": {
             "dtype": "bfloat16",
             "max_model_len": 512,
             "reasoning_parser": "kimi_k2",
-            "extra_args": ["--trust-remote-code", *CPU_MLA_ROPE_ARGS, *small["server"]["extra_args"]],
+            "extra_args": [
+                *(["--trust-remote-code"] if CUSTOM_CODE else []),
+                *CPU_MLA_ROPE_ARGS,
+                *small["server"]["extra_args"],
+            ],
             "env": small["server"]["env"],
         },
         "prompts": {"source": "prompts.jsonl", "max_train": 48, "max_eval": 6},
