@@ -395,7 +395,7 @@ def test_torchrun_two_processes_equal_one_process_accumulating_both_batches(tiny
     train, evals, aux = load_shards(inputs["shards"])
     batches = pack(train, 64, shuffle_seed=0)
     assert len(batches) == 2
-    cpu = Runtime(0, 1, torch.device("cpu"), "sdpa", "eager")
+    cpu = Runtime(0, 1, torch.device("cpu"), "doc_sdpa", "eager")  # what the stage resolves auto to on CPU
     kwargs = {"ttt_steps": 3, "ttt_step_loss_decay": 1.0, "loss_config": resolve_loss_config("kl_div", "eager")}
     keys = metric_keys(3)
 
@@ -409,7 +409,7 @@ def test_torchrun_two_processes_equal_one_process_accumulating_both_batches(tiny
             num_layers=1,
             ttt_steps=3,
             aux_layer_ids=aux,
-            attn_impl="sdpa",
+            attn_impl="doc_sdpa",
         )
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=lr_at(0, 1, 0.01, 0), betas=(0.9, 0.95), weight_decay=0.0)
