@@ -20,7 +20,7 @@ def test_gpu_check_script_runs_end_to_end_in_tiny_mode(tmp_path):
     report = json.loads(out.read_text())
     (training,) = report["training"]
     assert training["finite_metrics"] and training["tokens_per_s"] > 0 and training["steps"] == 3
-    assert training["attn_impl"] in ("sdpa", "simple_flex_attention")
+    assert training["attn_impl"] in ("doc_sdpa", "simple_flex_attention")
     extraction = report["extraction"]
     assert extraction["plain_tokens_per_s"] > 0 and extraction["capture_tokens_per_s"] > 0
     assert extraction["capture_over_plain_time"] > 0
