@@ -58,7 +58,6 @@ def main() -> None:
         )
         params = [p for p in model.parameters() if p.requires_grad]
         runs[impl] = (model, torch.optim.AdamW(params, lr=cfg["lr"]), [], [])
-    torch.set_num_threads(torch.get_num_threads())
     for i, batch in enumerate(batches):
         for impl in impls if i % 2 == 0 else impls[::-1]:
             model, optimizer, times, losses = runs[impl]

@@ -32,7 +32,7 @@ import yaml
 from workflow_scripts.common.config import validate_config
 from workflow_scripts.common.verifier_config import draft_attention_geometry, text_config
 from workflow_scripts.hidden_states.layers import default_aux_layer_ids
-from workflow_scripts.hidden_states.storage import FP8, num_stored_states, shard_bytes, token_bytes
+from workflow_scripts.hidden_states.storage import FP8, num_stored_states, shard_bytes, target_topk, token_bytes
 from workflow_scripts.variants import merged
 
 DEFAULT_CONFIG = "config/config.yaml"
@@ -292,7 +292,7 @@ def make_plan(
     online = hs["mode"] == "online"
 
     # Disk.
-    topk = hs["topk"] if hs["target"] == "topk" else 0
+    topk = target_topk(hs["target"], hs["topk"])
     num_states = num_stored_states(num_aux, topk)
     per_token = token_bytes(num_states, g.hidden_size, hs["dtype"], topk)
     states_dir = root / f"results/{run}/hidden_states"
@@ -384,7 +384,7 @@ def suggest(
 ) -> list[str]:
     """Settings that would make a run fit that does not. Pure."""
     hs, tokens = config["hidden_states"], plan.tokens
-    topk = hs["topk"] if hs["target"] == "topk" else 0
+    topk = target_topk(hs["target"], hs["topk"])
     num_states = num_stored_states(num_aux, topk)
     per_token = token_bytes(num_states, hidden_size, hs["dtype"], topk)
     out = []

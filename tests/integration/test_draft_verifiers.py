@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.helpers import VERIFIER_BUILDERS, hidden_states_config, train_config
 from workflow_scripts.common.verifier_config import draft_attention_geometry, read_text_config
-from workflow_scripts.common.verifier_weights import load_verifier_embeddings
+from workflow_scripts.common.verifier_weights import load_verifier_embeddings, load_verifier_lm_head
 from workflow_scripts.hidden_states.run import run_shard
 from workflow_scripts.hidden_states.shards import write_index
 from workflow_scripts.train.draft import draft_layer_config, load_draft
@@ -63,9 +63,12 @@ def test_embeddings_come_from_sharded_and_tied_checkpoints(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     e, head = load_verifier_embeddings(str(tmp_path))
     assert torch.equal(e, embed) and torch.equal(head, embed)
+    assert torch.equal(load_verifier_lm_head(str(tmp_path)), embed)
     (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": False}))
     with pytest.raises(KeyError, match="no lm_head"):
         load_verifier_embeddings(str(tmp_path))
+    with pytest.raises(KeyError, match="no lm_head"):
+        load_verifier_lm_head(str(tmp_path))
 
 
 def train_tiny_draft(verifier, trust: bool, tmp_path, hidden_states=None, **train_overrides):

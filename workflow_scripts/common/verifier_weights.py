@@ -32,16 +32,37 @@ def load_verifier_embeddings(verifier_dir: str | os.PathLike) -> tuple[torch.Ten
     tensor; SmolLM2) reuse embed_tokens as lm_head.
     """
     weights = safetensors_weight_map(verifier_dir)
+    embed = _read_embeddings(verifier_dir, weights)
+    lm_head = _read_first(weights, LM_HEAD_NAMES)
+    if lm_head is None:
+        _check_tied(verifier_dir)
+        lm_head = embed
+    return embed, lm_head
+
+
+def load_verifier_lm_head(verifier_dir: str | os.PathLike) -> torch.Tensor:
+    """The verifier's lm_head weight alone (a tied checkpoint's embeddings), without reading
+    an untied checkpoint's embeddings (2.3 GB for Kimi-K2.5)."""
+    weights = safetensors_weight_map(verifier_dir)
+    lm_head = _read_first(weights, LM_HEAD_NAMES)
+    if lm_head is None:
+        _check_tied(verifier_dir)
+        lm_head = _read_embeddings(verifier_dir, weights)
+    return lm_head
+
+
+def _read_embeddings(verifier_dir: str | os.PathLike, weights: dict[str, Path]) -> torch.Tensor:
     embed = _read_first(weights, EMBED_NAMES)
     if embed is None:
         raise KeyError(f"{verifier_dir}: no embedding tensor among {EMBED_NAMES}")
-    lm_head = _read_first(weights, LM_HEAD_NAMES)
-    if lm_head is None:
-        top = json.loads((Path(verifier_dir) / "config.json").read_text())
-        if not (top.get("tie_word_embeddings") or read_text_config(verifier_dir).get("tie_word_embeddings")):
-            raise KeyError(f"{verifier_dir}: no lm_head tensor among {LM_HEAD_NAMES} and tie_word_embeddings is false")
-        lm_head = embed
-    return embed, lm_head
+    return embed
+
+
+def _check_tied(verifier_dir: str | os.PathLike) -> None:
+    """A checkpoint without an lm_head tensor must say its embeddings are tied."""
+    top = json.loads((Path(verifier_dir) / "config.json").read_text())
+    if not (top.get("tie_word_embeddings") or read_text_config(verifier_dir).get("tie_word_embeddings")):
+        raise KeyError(f"{verifier_dir}: no lm_head tensor among {LM_HEAD_NAMES} and tie_word_embeddings is false")
 
 
 def _read_first(weights: dict[str, Path], names: tuple[str, ...]) -> torch.Tensor | None:

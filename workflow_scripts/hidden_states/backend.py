@@ -14,6 +14,7 @@ import torch
 
 from workflow_scripts.common.server import ServerConfig, Sharing
 from workflow_scripts.hidden_states.layers import States, VerifierGeometry
+from workflow_scripts.hidden_states.storage import target_topk
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ class HiddenStatesConfig:
     @property
     def target_topk(self) -> int:
         """Logits a shard keeps per token instead of the final state; 0: it keeps the state."""
-        return self.topk if self.target == "topk" else 0
+        return target_topk(self.target, self.topk)
 
 
 @dataclass(frozen=True)

@@ -125,7 +125,7 @@ def shard_tensors(
 ) -> dict[str, torch.Tensor]:
     """The shard's tensors: states and tokens of all samples back to back, unpadded, the states
     in `storage` (fp8 with a scale per token and state). With `targets` (the compact target,
-    hidden_states.targets: each sample's top-k ids and logits) they replace the final state. Pure."""
+    hidden_states/targets.py: each sample's top-k ids and logits) they replace the final state. Pure."""
     offsets = [0]
     for s, (aux, final) in zip(samples, states, strict=True):
         n = len(s["input_ids"])

@@ -25,7 +25,6 @@ TOKEN_BYTES = 4 + 1
 # The compact target (`hidden_states.target: topk`) stores, instead of the final state, the
 # verifier's k largest logits per token: a verifier-vocabulary id (int32) and the logit less
 # the token's largest (float16, <= 0) for each.
-TARGETS = ("final_state", "topk")
 TOPK_ENTRY_BYTES = 4 + 2
 # Per sample: its offset (int64), its split (bool) and its id in the header (JSON, ~30 bytes).
 SAMPLE_BYTES = 8 + 1 + 32
@@ -41,6 +40,12 @@ def torch_dtype(name: str) -> torch.dtype:
 def extraction_dtype(storage: str) -> str:
     """The dtype the backends hand states over in for storage dtype `storage`. Pure."""
     return "bfloat16" if storage == FP8 else storage
+
+
+def target_topk(target: str, topk: int) -> int:
+    """Logits a shard keeps per token instead of the final state (`hidden_states.target` and
+    `.topk`); 0: it keeps the state. Pure."""
+    return topk if target == "topk" else 0
 
 
 def num_stored_states(num_aux: int, topk: int) -> int:

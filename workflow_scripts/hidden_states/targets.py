@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from workflow_scripts.common.verifier_config import read_text_config
-from workflow_scripts.common.verifier_weights import load_verifier_embeddings, load_verifier_final_norm
+from workflow_scripts.common.verifier_weights import load_verifier_final_norm, load_verifier_lm_head
 
 CHUNK_TOKENS = 1024  # tokens per lm_head matmul: [chunk, vocab] float32 logits at a time
 FILL = -1.0e4  # a draft-vocabulary logit outside the stored top k: exp() of it is 0 in float32
@@ -41,7 +41,7 @@ class TopkHead:
     def __init__(self, verifier_dir: str, k: int, device: str = "cpu"):
         if k < 1:
             raise ValueError(f"hidden_states.topk must be at least 1, got {k}")
-        _, lm_head = load_verifier_embeddings(verifier_dir)
+        lm_head = load_verifier_lm_head(verifier_dir)
         self.k = min(k, lm_head.shape[0])
         self.device = torch.device(device)
         self.lm_head = lm_head.to(self.device, torch.float32)

@@ -6,7 +6,7 @@ i.e. (x_{t+1}, g_t, y_{t+1}, loss_mask_{t+1}). Packed samples get their own docu
 and positions restart (at 1) for each sample.
 
 The verifier's distribution y comes from its final state, or from shards with the compact
-target (hidden_states.targets) from its top-k logits, whose ids are mapped into the draft
+target (hidden_states.target: topk; hidden_states/targets.py) from its top-k logits, whose ids are mapped into the draft
 vocabulary here; positions where none of them is in it leave the loss.
 """
 
