@@ -12,7 +12,9 @@ do on the real host. The same prompts go through eagleflow's generate stage (run
 a fresh response store per row, the server as an endpoint) once per fixed concurrency and
 adaptively (ceiling CEILING), adaptive first and last so that drift of the shared machine
 shows. Per row: output tokens/s, vLLM's preemptions (delta of vllm:num_preemptions_total),
-and for adaptive the limit's range after the first cut.
+and for adaptive the limit's range after the first cut; below the table, adaptive against the
+fastest fixed concurrency that preempted no more than adaptive did (a fine sweep, e.g.
+`--fixed 8,10,12,14,16,24`, maps throughput against preemptions).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ def one_row(url: str, prompts: Path, work: Path, max_tokens: int, concurrency: i
     tokens = sum(r["response"]["usage"]["completion_tokens"] for r in read_replies(work / "replies.parquet"))
     limit = stats["concurrency"]
     limits = [c for _, c, _ in limit["trace"]]
+    cuts = limit["decreases"]
     first_cut = next((i for i in range(1, len(limits)) if limits[i] < limits[i - 1]), 0)
     after_cut = limits[first_cut:]
     return {
@@ -72,7 +75,7 @@ def one_row(url: str, prompts: Path, work: Path, max_tokens: int, concurrency: i
         "preemptions": preemptions(url) - before,
         "failed": stats["failed_conversations"],
         "wall_s": wall,
-        "limit_range": f"{min(after_cut)}-{max(after_cut)}, {limit['decreases']} cuts" if adaptive else "",
+        "limit_range": f"{min(after_cut)}-{max(after_cut)}, {cuts} cut{'s' * (cuts != 1)}" if adaptive else "",
     }
 
 
@@ -121,6 +124,18 @@ def main(argv: list[str] | None = None) -> None:
             for r in rows
         ),
     ]
+    adaptive_rows = [r for r in rows if not r["mode"].startswith("fixed")]
+    allowed = max(r["preemptions"] for r in adaptive_rows)
+    calm = [r for r in rows if r["mode"].startswith("fixed") and r["preemptions"] <= allowed]
+    if calm:
+        best_calm = max(calm, key=lambda r: r["tokens_per_s"])
+        mean = sum(r["tokens_per_s"] for r in adaptive_rows) / len(adaptive_rows)
+        lines += [
+            "",
+            f"Best fixed with at most adaptive's {allowed:.0f} preemptions: {best_calm['mode']}, "
+            f"{best_calm['tokens_per_s']:.1f} tokens/s; adaptive (mean of its rows) {mean:.1f} "
+            f"({mean / best_calm['tokens_per_s']:.2f}x).",
+        ]
     text = "\n".join(lines) + "\n"
     print(text)
     if a.out:

@@ -255,7 +255,8 @@ def test_the_limit_stops_at_one_without_counting_more_cuts():
 
 def test_the_kv_cache_size_sets_a_floor_for_slow_start_and_cuts():
     """24 blocks of 128 tokens hold 8 requests of up to 300 tokens (3 blocks each) at once:
-    the limit starts there, and no preemption cuts it below."""
+    the limit starts there, a preemption halves only the probe above it, and no cut goes
+    below it."""
     text = VLLM_METRICS + 'vllm:cache_config_info{block_size="128",engine="0",num_gpu_blocks="24"} 1.0\n'
     signals = parse_metrics(text)
     assert (signals.kv_blocks, signals.block_size) == (24.0, 128)
@@ -270,10 +271,17 @@ def test_the_kv_cache_size_sets_a_floor_for_slow_start_and_cuts():
             await asyncio.sleep(0)
             report(OK, 0.01, 10)
 
-    for preemptions in (10, 20, 30):
-        asyncio.run(one_request())  # a request of the current window has finished
+    preemptions = signals.preemptions
+    asyncio.run(one_request())  # a request of the current window has finished
+    for _ in range(2):  # two readings in one window: one cut
+        preemptions += 10
         limit.observe(ServerSignals(kv_blocks=24, block_size=128, preemptions=preemptions))
-    assert limit.current == 8 and limit.decreases == 1
+    assert limit.current == 10 and limit.decreases == 1  # 8 + (12 - 8) / 2
+    for _ in range(5):
+        asyncio.run(one_request())  # a request of the current window has finished
+        preemptions += 10
+        limit.observe(ServerSignals(kv_blocks=24, block_size=128, preemptions=preemptions))
+    assert limit.current == 8 and limit.decreases == 3  # 10 -> 9 -> 8.5, then at the floor
     # Without request_tokens (or a fixed limit, or no cache size) there is no floor.
     for other in (Concurrency(64, adaptive=True), Concurrency(64, adaptive=False, request_tokens=300)):
         other.observe(signals)

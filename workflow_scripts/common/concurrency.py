@@ -8,7 +8,8 @@ Adaptive (the default), the limit moves between 1 and the configured ceiling by 
   every slot is in use (a limit the stage does not reach says nothing) and the server shows
   no pressure. Until the first congestion the limit doubles per window instead (slow start),
   from `INITIAL`.
-- **decrease**: ×0.5 on congestion: vLLM's preemption counter moved, or a request sent under
+- **decrease**: the part of the limit above the floor (below) ×0.5 on congestion (the whole
+  limit, without a floor): vLLM's preemption counter moved, or a request sent under
   the current limit met a 429/503 or a timeout (not a dropped connection: a dead server is
   restarted or waited for, not a reason to send less). At most once per
   window: signals from requests sent before the last decrease are ignored (they were sent
@@ -20,7 +21,8 @@ Adaptive (the default), the limit moves between 1 and the configured ceiling by 
   (`request_tokens`: prompt and max_tokens) and a vLLM that says how large its KV cache is
   (`vllm:cache_config_info`) give the number of requests that fit the cache at once even at
   their longest: they cannot preempt each other, so the limit starts there (not at
-  `INITIAL`) and never drops below it.
+  `INITIAL`), never drops below it, and a preemption says only that the probe above it was
+  too large.
 
 Why AIMD, and these signals. A batched LLM server's throughput grows with the sequences it
 runs until the KV cache is full; past that, more requests only wait or preempt running ones
@@ -257,12 +259,13 @@ class Concurrency:
         return None
 
     def _decrease(self, why: str) -> None:
-        if self.limit <= self.floor:
+        if self.current <= self.floor:
             return  # at the floor: nothing to take away, nothing to log
         self._slow_start = False
         self.decreases += 1
         self._window_start = self._tickets  # signals of requests already sent are of the old limit
-        self._set(max(float(self.floor), self.limit * DECREASE), why)
+        # The floor's requests cannot preempt one another: the cut is of the probe above it.
+        self._set(self.floor + (self.limit - self.floor) * DECREASE, why)
 
     def _set(self, limit: float, why: str | None) -> None:
         before = self.current
