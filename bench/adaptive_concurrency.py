@@ -71,6 +71,7 @@ def one_row(url: str, prompts: Path, work: Path, max_tokens: int, concurrency: i
     after_cut = limits[first_cut:]
     return {
         "mode": f"adaptive (ceiling {concurrency})" if adaptive else f"fixed {concurrency}",
+        "adaptive": adaptive,
         "tokens_per_s": tokens / wall,
         "preemptions": preemptions(url) - before,
         "failed": stats["failed_conversations"],
@@ -111,7 +112,9 @@ def main(argv: list[str] | None = None) -> None:
             )
             rows.append(row)
             print(json.dumps(row), flush=True)
-    best_fixed = max((r for r in rows if r["mode"].startswith("fixed")), key=lambda r: r["tokens_per_s"])
+    adaptive_rows = [r for r in rows if r["adaptive"]]
+    fixed_rows = [r for r in rows if not r["adaptive"]]
+    best_fixed = max(fixed_rows, key=lambda r: r["tokens_per_s"])
     lines = [
         f"{len(prompts)} requests of exactly {a.max_tokens} output tokens, KV cache of {a.blocks} blocks "
         f"({kv_line.split('] ', 1)[-1].strip()}); {platform.node()}, {time.strftime('%Y-%m-%d')}.",
@@ -124,9 +127,8 @@ def main(argv: list[str] | None = None) -> None:
             for r in rows
         ),
     ]
-    adaptive_rows = [r for r in rows if not r["mode"].startswith("fixed")]
     allowed = max(r["preemptions"] for r in adaptive_rows)
-    calm = [r for r in rows if r["mode"].startswith("fixed") and r["preemptions"] <= allowed]
+    calm = [r for r in fixed_rows if r["preemptions"] <= allowed]
     if calm:
         best_calm = max(calm, key=lambda r: r["tokens_per_s"])
         mean = sum(r["tokens_per_s"] for r in adaptive_rows) / len(adaptive_rows)
