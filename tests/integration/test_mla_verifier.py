@@ -16,6 +16,7 @@ covers more (BENCHMARKS.md has both)."""
 import json
 import os
 import subprocess
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -23,7 +24,8 @@ import yaml
 
 from tests.helpers import REPO, SNAKEMAKE, char_tokenizer, copy_workflow, save_tiny_kimi, vllm_available
 from workflow_scripts.common.atomic import write_jsonl
-from workflow_scripts.common.verifier_config import CPU_MLA_ROPE_ARGS
+from workflow_scripts.common.verifier_config import CPU_MLA_ROPE_ARGS, read_text_config
+from workflow_scripts.common.vllm_cpu import cpu_has_amx, draft_backend_problem
 
 pytestmark = [
     pytest.mark.vllm,
@@ -64,20 +66,10 @@ def taught_texts(prompts: list[dict]) -> list[str]:
     return texts
 
 
-@pytest.fixture(scope="module")
-def mla_run(tmp_path_factory):
-    prompts = demo_prompts()
-    verifier = save_tiny_kimi(
-        tmp_path_factory.mktemp("tiny-kimi"),
-        num_layers=4,
-        think=True,
-        corpus=taught_texts(prompts),
-        custom_code=CUSTOM_CODE,
-    )
-    wf = copy_workflow(tmp_path_factory.mktemp("mla") / "wf")
-    write_jsonl(wf / "prompts.jsonl", prompts)
+def mla_config(verifier, extra_args=()) -> dict:
+    """The run's config on the tiny MLA verifier at `verifier`."""
     small = yaml.safe_load((REPO / "tests/config/small.yaml").read_text())
-    config = {
+    return {
         "run": "mla",
         "verifier": {"name": "tiny-mla", "source": "path", "path": str(verifier), "trust_remote_code": CUSTOM_CODE},
         "server": {
@@ -88,6 +80,7 @@ def mla_run(tmp_path_factory):
                 *(["--trust-remote-code"] if CUSTOM_CODE else []),
                 *CPU_MLA_ROPE_ARGS,
                 *small["server"]["extra_args"],
+                *extra_args,
             ],
             "env": small["server"]["env"],
         },
@@ -114,6 +107,30 @@ def mla_run(tmp_path_factory):
         # on the same data.
         "variants": {"mla-draft": {"train": {"draft_attention": "mla"}}},
     }
+
+
+@pytest.fixture(scope="module")
+def mla_run(tmp_path_factory):
+    """(results dir, {draft_attention: variant}) of the run; the Llama-shaped draft only where
+    this machine's vLLM can serve it beside an MLA verifier (with AMX: the preflight refuses
+    it elsewhere, test_a_draft_vllm_cannot_serve_is_refused_before_any_job)."""
+    prompts = demo_prompts()
+    verifier = save_tiny_kimi(
+        tmp_path_factory.mktemp("tiny-kimi"),
+        num_layers=4,
+        think=True,
+        corpus=taught_texts(prompts),
+        custom_code=CUSTOM_CODE,
+    )
+    wf = copy_workflow(tmp_path_factory.mktemp("mla") / "wf")
+    write_jsonl(wf / "prompts.jsonl", prompts)
+    config = mla_config(verifier)
+    variants = {"llama": "default", "mla": "mla-draft"}
+    skipped = draft_backend_problem(read_text_config(verifier), "llama", config["server"]["extra_args"], cpu_has_amx())
+    if skipped:
+        config["train"]["draft_attention"] = "mla"
+        config["variants"] = {}
+        variants = {"mla": "default"}
     (wf / "mla.yaml").write_text(yaml.safe_dump(config))
     proc = subprocess.run(
         [*SNAKEMAKE, "--cores", "2", "--configfile", "mla.yaml"], cwd=wf, capture_output=True, text=True, timeout=1800
@@ -121,11 +138,20 @@ def mla_run(tmp_path_factory):
     if proc.returncode != 0:
         logs = "\n".join(f"--- {p}\n{p.read_text()[-2500:]}" for p in sorted((wf / "results/mla/logs").glob("*.log")))
         pytest.fail(f"snakemake failed ({proc.returncode}):\n{proc.stderr[-4000:]}\n{logs}")
-    return wf / "results/mla"
+    return wf / "results/mla", variants, skipped
+
+
+def run_variant(mla_run, attention: str) -> tuple:
+    """(results dir, the variant with that draft attention), or a skip saying why this
+    machine cannot serve it."""
+    results, variants, skipped = mla_run
+    if attention not in variants:
+        pytest.skip(f"vLLM on this machine cannot serve it: {skipped}")
+    return results, variants[attention]
 
 
 def test_synth_through_vllm_keeps_the_verifiers_own_think_tokens(mla_run):
-    rows = pq.read_table(mla_run / "synth/responses.parquet").to_pylist()
+    rows = pq.read_table(mla_run[0] / "synth/responses.parquet").to_pylist()
     assert rows and all(r["token_source"] == "server" for r in rows)
     assert all(r["prompt_token_ids"][-1] == THINK_START for r in rows)
     # The taught verifier closes its think block once and answers: reasoning and content land
@@ -136,16 +162,17 @@ def test_synth_through_vllm_keeps_the_verifiers_own_think_tokens(mla_run):
         assert r["reasoning"].startswith("The user asks about") and r["content"]
 
 
-@pytest.mark.parametrize("variant", ["default", "mla-draft"])
-def test_the_eagle3_benchmark_on_the_mla_verifier_accepts_and_parity_holds(mla_run, variant):
+@pytest.mark.parametrize("attention", ["llama", "mla"])
+def test_the_eagle3_benchmark_on_the_mla_verifier_accepts_and_parity_holds(mla_run, attention):
     """Both drafts served by vLLM next to the MLA verifier: the Llama-shaped one and the MLA
     one (vLLM's Eagle3DeepseekV2ForCausalLM), each with replay parity."""
-    report = json.loads((mla_run / f"variants/{variant}/benchmark/report.json").read_text())
+    results, variant = run_variant(mla_run, attention)
+    report = json.loads((results / f"variants/{variant}/benchmark/report.json").read_text())
     spec = report["speculative"]
     assert spec["num_drafts"] > 0
     # The taught text is predictable: a draft that learned nothing would sit at 1.0.
     assert spec["mean_acceptance_length"] > 1.5, spec
-    parity = json.loads((mla_run / f"variants/{variant}/parity/report.json").read_text())
+    parity = json.loads((results / f"variants/{variant}/parity/report.json").read_text())
     assert parity["verdict"] == "pass", parity["findings"]
     # In float32 (the shared Llama run) the replay visits exactly vLLM's anchors; in bfloat16 a
     # position accepted on one side and not the other shifts the walk (measured: 122 vs 124).
@@ -153,13 +180,47 @@ def test_the_eagle3_benchmark_on_the_mla_verifier_accepts_and_parity_holds(mla_r
     assert abs(parity["gap"]) <= parity["tolerance"]
 
 
-def test_each_draft_is_exported_in_the_format_vllm_loads_for_its_layer(mla_run):
-    default = json.loads((mla_run / "drafts/default/draft/config.json").read_text())
-    assert default["speculators_model_type"] == "eagle3"
-    assert default["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]  # layer 0 is not servable on MLA
-    (mla_id,) = [p.name for p in (mla_run / "drafts").iterdir() if p.name != "default"]
-    mla = json.loads((mla_run / f"drafts/{mla_id}/draft/config.json").read_text())
-    assert mla["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and mla["kv_lora_rank"] == 512
-    assert mla["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
-    compare = (mla_run / "report.md").read_text()
-    assert "| default |" in compare and "| mla-draft |" in compare
+def draft_config(results, variant: str) -> dict:
+    """The exported draft's config.json of `variant` (drafts/default or drafts/d-<digest>)."""
+    draft = Path(json.loads((results / f"variants/{variant}/benchmark/report.json").read_text())["draft"])
+    workdir = results.parents[1]  # results/<run> lies in the workflow's directory
+    return json.loads(((draft if draft.is_absolute() else workdir / draft) / "config.json").read_text())
+
+
+@pytest.mark.parametrize("attention", ["llama", "mla"])
+def test_each_draft_is_exported_in_the_format_vllm_loads_for_its_layer(mla_run, attention):
+    results, variant = run_variant(mla_run, attention)
+    config = draft_config(results, variant)
+    if attention == "llama":
+        assert config["speculators_model_type"] == "eagle3"
+    else:
+        assert config["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and config["kv_lora_rank"] == 512
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]  # layer 0 is not servable on MLA
+    assert f"| {variant} |" in (results / "report.md").read_text()
+
+
+def test_a_draft_vllm_cannot_serve_is_refused_before_any_job(tmp_path):
+    """A Llama-shaped draft beside an MLA verifier whose attention runs on CPU_MLA (asked for
+    by name here, so that every machine takes that pair; without AMX it is vLLM's own choice):
+    the run stops while Snakemake builds the DAG, before any job, naming the setting."""
+    verifier = save_tiny_kimi(tmp_path / "tiny-kimi", num_layers=2, custom_code=False)
+    wf = copy_workflow(tmp_path / "wf")
+    write_jsonl(wf / "prompts.jsonl", demo_prompts())
+    config = mla_config(verifier, ["--attention-backend", "CPU_MLA"])
+    (wf / "mla.yaml").write_text(yaml.safe_dump(config))
+    proc = subprocess.run(
+        [*SNAKEMAKE, "--cores", "1", "--configfile", "mla.yaml"], cwd=wf, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "default: train.draft_attention: llama cannot be served" in out, out[-3000:]
+    assert "CPU_MLA" in out and "set train.draft_attention: mla" in out
+    assert "variants.mla-draft" not in out  # the MLA draft fits
+    assert not (wf / "results").exists() and not (wf / "resources").exists(), "no job ran"
+    # The same run with the MLA draft as its default plans every stage.
+    config["train"]["draft_attention"] = "mla"
+    config["variants"] = {}
+    (wf / "mla.yaml").write_text(yaml.safe_dump(config))
+    dry = subprocess.run([*SNAKEMAKE, "-n", "--configfile", "mla.yaml"], cwd=wf, capture_output=True, text=True)
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    assert "rule benchmark:" in dry.stdout + dry.stderr

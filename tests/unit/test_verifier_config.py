@@ -14,6 +14,12 @@ from workflow_scripts.common.verifier_config import (
     served_as_deepseek,
     vllm_serving_problems,
 )
+from workflow_scripts.common.vllm_cpu import (
+    common_block_size,
+    cpu_attention_backend,
+    draft_backend_problem,
+    requested_attention_backend,
+)
 
 DEEPSEEK_V3 = {
     "model_type": "deepseek_v3",
@@ -70,3 +76,34 @@ def test_the_launcher_refuses_before_starting_a_process(tmp_path):
             server_config(dtype="float32", extra_args=list(CPU_MLA_ROPE_ARGS)), str(tmp_path)
         ).check()
     ServerSpec.from_config(server_config(dtype="bfloat16", extra_args=list(CPU_MLA_ROPE_ARGS)), str(tmp_path)).check()
+
+
+def test_vllm_cpu_picks_the_mla_backend_by_amx_and_request():
+    assert cpu_attention_backend(mla=False, amx=True) == "CPU_ATTN"
+    assert cpu_attention_backend(mla=True, amx=True) == "AMX_MLA"
+    assert cpu_attention_backend(mla=True, amx=False) == "CPU_MLA"
+    assert cpu_attention_backend(mla=True, amx=True, requested="CPU_MLA") == "CPU_MLA"
+    assert requested_attention_backend(["--x", "1", "--attention-backend", "cpu_mla"]) == "CPU_MLA"
+    assert requested_attention_backend(["--attention-backend=AMX_MLA"]) == "AMX_MLA"
+    assert requested_attention_backend(["--attention-backend"]) is None
+
+
+def test_block_sizes_common_to_the_backends():
+    assert common_block_size(["CPU_ATTN", "AMX_MLA"]) == 32
+    assert common_block_size(["CPU_MLA", "CPU_MLA"]) == 16
+    assert common_block_size(["CPU_ATTN", "CPU_MLA"]) is None  # 16 only against multiples of 32
+    assert common_block_size(["CPU_ATTN"]) == 32
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_a_llama_draft_beside_an_mla_verifier_fits_only_with_amx(amx):
+    llama_problem = draft_backend_problem(DEEPSEEK_V3, "llama", [], amx)
+    assert (llama_problem is None) == amx
+    if llama_problem:
+        assert "train.draft_attention: llama" in llama_problem and "set train.draft_attention: mla" in llama_problem
+        assert "CPU_MLA" in llama_problem and "CPU_ATTN" in llama_problem
+    # The MLA draft shares the verifier's backend; a non-MLA verifier fits a Llama draft anywhere.
+    assert draft_backend_problem(DEEPSEEK_V3, "mla", [], amx) is None
+    assert draft_backend_problem({"model_type": "llama"}, "llama", [], amx) is None
+    # Asking for CPU_MLA by name takes the AMX backend away on any machine.
+    assert draft_backend_problem(DEEPSEEK_V3, "llama", ["--attention-backend", "CPU_MLA"], amx) is not None

@@ -47,7 +47,13 @@ from workflow_scripts.common.gpus import assign_job_gpus
 from workflow_scripts.common.loads import record_load
 from workflow_scripts.common.process import group_alive, group_members, kill_group, package_env, start_time
 from workflow_scripts.common.shared import LEASE_NAME, SharedDir, process_alive
-from workflow_scripts.common.verifier_config import read_text_config, safetensors_weight_map, vllm_serving_problems
+from workflow_scripts.common.verifier_config import (
+    is_mla,
+    read_text_config,
+    safetensors_weight_map,
+    vllm_serving_problems,
+)
+from workflow_scripts.common.vllm_cpu import cpu_has_amx, draft_backend_problem, vllm_cpu_installed
 
 log = logging.getLogger(__name__)
 
@@ -157,34 +163,24 @@ class ServerSpec:
 
     def check(self) -> None:
         """Refuse, before the launch, a model vLLM cannot serve as configured (an MLA
-        verifier in float32, DeepSeek-V3 routing without `topk_method: noaux_tc`)."""
+        verifier in float32, DeepSeek-V3 routing without `topk_method: noaux_tc`, a draft
+        whose attention shares no block size with the verifier's on vllm-cpu)."""
         if not (Path(self.model) / "config.json").is_file():
             return  # a hub name: nothing here to read
         try:
             tensor_names = set(safetensors_weight_map(self.model))
         except FileNotFoundError:
             tensor_names = set()  # no safetensors (vLLM reports what it cannot load)
-        problems = vllm_serving_problems(
-            read_text_config(self.model),
-            self.dtype,
-            tensor_names,
-            self.extra_args,
-            vllm_cpu=self.launcher is None and vllm_cpu_installed(),
-        )
+        vllm_cpu = self.launcher is None and vllm_cpu_installed()
+        verifier = read_text_config(self.model)
+        problems = vllm_serving_problems(verifier, self.dtype, tensor_names, self.extra_args, vllm_cpu=vllm_cpu)
+        draft = (self.speculative_config or {}).get("model")
+        if vllm_cpu and draft and (Path(draft) / "config.json").is_file():
+            attention = "mla" if is_mla(read_text_config(draft)) else "llama"
+            problem = draft_backend_problem(verifier, attention, self.extra_args, cpu_has_amx())
+            problems += [f"the draft {draft}: {problem}"] if problem else []
         if problems:
             raise ServerError(f"vLLM cannot serve {self.model} as configured: " + "; ".join(problems))
-
-
-def vllm_cpu_installed() -> bool:
-    """Whether this environment's vLLM (the one a launch without server.command runs) is the
-    CPU build, the `vllm-cpu` distribution."""
-    import importlib.metadata
-
-    try:
-        importlib.metadata.distribution("vllm-cpu")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
 
 
 class Launchable(Protocol):
