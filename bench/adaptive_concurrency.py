@@ -34,10 +34,11 @@ sys.path.insert(0, str(REPO))
 
 from tests.helpers import server_config  # noqa: E402
 from workflow_scripts.common.atomic import read_jsonl, write_jsonl  # noqa: E402
-from workflow_scripts.common.concurrency import parse_metrics  # noqa: E402
 from workflow_scripts.common.replies import read_replies  # noqa: E402
-from workflow_scripts.common.server import ServerSpec, VllmServer  # noqa: E402
 from workflow_scripts.generate.run import Client, Requests, run_generate  # noqa: E402
+from workflow_scripts.runtime.concurrency import parse_metrics  # noqa: E402
+from workflow_scripts.runtime.launch import VllmServer  # noqa: E402
+from workflow_scripts.runtime.spec import ServerSpec  # noqa: E402
 
 VERIFIER = REPO / "resources/verifier/smollm2-135m-instruct"
 

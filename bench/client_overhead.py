@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tests.helpers import fake_openai  # noqa: E402
-from workflow_scripts.common.client import ChatClient  # noqa: E402
+from workflow_scripts.runtime.client import ChatClient  # noqa: E402
 
 CONCURRENCIES = (1, 32, 128, 256)
 LATENCIES_S = (0.0, 0.05)

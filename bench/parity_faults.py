@@ -33,8 +33,8 @@ from safetensors.torch import load_file, save_file
 from workflow_scripts.benchmark.parity import ParityConfig, extraction_job, run_parity
 from workflow_scripts.benchmark.run import BenchmarkConfig, run_benchmark
 from workflow_scripts.common.config import typed
-from workflow_scripts.common.server import ServerConfig, ServerSpec
 from workflow_scripts.plan import load_merged_config
+from workflow_scripts.runtime.spec import ServerConfig, ServerSpec
 
 
 def break_aux_layer_ids(draft: Path) -> None:

@@ -14,7 +14,7 @@ rule baseline:
     resources:
         gpu=gpus("benchmark"),
     params:
-        server=section("server"),
+        server=measured_server(),
         workload=baseline_workload(),
         code=code("baseline"),
     script:
@@ -43,7 +43,7 @@ rule benchmark:
     resources:
         gpu=gpus("benchmark"),
     params:
-        server=section("server"),
+        server=measured_server(),
         benchmark=variant_section("benchmark"),
         chat_template_kwargs=benchmark_chat_template_kwargs(),
         code=code("benchmark"),

@@ -7,8 +7,9 @@ from snakemake.logging import logger
 
 from workflow_scripts.common.config import validate_config
 from workflow_scripts.common.fingerprint import code_fingerprint
-from workflow_scripts.generate.requests import REPLY_SHAPING_FLAGS
-from workflow_scripts.loads import RunInfoLine, describe_planned
+from workflow_scripts.common.server_args import result_args, server_args
+from workflow_scripts.runtime.spec import ServerConfig, ServerSpec
+from workflow_scripts.load_plan import RunInfoLine, describe_planned
 from workflow_scripts.plan import planned_disk_line
 from workflow_scripts.variants import (
     check_drafts_servable,
@@ -247,14 +248,32 @@ def shard_paths():
 
 
 def hidden_states_server():
-    """The server section, for the vllm backend only: a server setting must not restale
-    shards that transformers extracted."""
-    return section("server") if config["hidden_states"]["backend"] == "vllm" else {}
+    """The verifier server's result flags, for the vllm backend only: a server setting must
+    not restale shards that transformers extracted."""
+    return server_result_args() if config["hidden_states"]["backend"] == "vllm" else []
 
 
-def serve_verifier_path():
-    """The verifier path the exported draft names: where it will be served from."""
-    return config["verifier"]["serve_path"] or str(Path(VERIFIER_DIR).resolve())
+def measured_server():
+    """What a benchmark measures the verifier's server as: every flag it is launched with
+    (speed counts here, so tensor parallelism and eager mode do) but its port and the
+    verifier's path, and its environment."""
+    spec = ServerSpec.from_config(
+        ServerConfig.from_section(config["server"]), VERIFIER_DIR
+    )
+    argv = [
+        a
+        for flag in server_args(spec.command(0))
+        if flag[0] not in ("--port", "--model")
+        for a in flag
+    ]
+    return {"argv": argv, "env": _sorted(config["server"]["env"])}
+
+
+def serve_verifier_path(wildcards, input):
+    """The verifier path the exported draft names: `verifier.serve_path`, else the prepared
+    verifier (the job's input, relative to the workdir; the job makes it absolute), so that
+    the same results in another directory restale nothing."""
+    return config["verifier"]["serve_path"] or input.verifier
 
 
 def verifier_source():
@@ -279,9 +298,15 @@ def generate_requests():
     )
 
 
-def reply_shaping_server_flags():
-    """The server flags that change a reply (they are part of every response store key)."""
-    return _sorted({flag: config["server"][flag] for flag in REPLY_SHAPING_FLAGS})
+def server_result_args():
+    """The flags the verifier's server is launched with that can change a reply or a state,
+    from the argv the launcher builds (common/server_args.py): what generate's store keys and
+    the vllm backend's shard keys hold. Run-only settings (timeouts, restarts, host, GPUs)
+    are not among them, and the launcher's code is in no fingerprint."""
+    spec = ServerSpec.from_config(
+        ServerConfig.from_section(config["server"]), VERIFIER_DIR
+    )
+    return result_args(spec.command(0))
 
 
 def response_store():

@@ -17,7 +17,7 @@ rule generate:
         gpu=gpus("generate"),
     params:
         requests=generate_requests(),
-        server=reply_shaping_server_flags(),
+        server=server_result_args(),
         # Not an output: the store outlives every job, and a rerun sends only what it lacks.
         store=response_store(),
         code=code("generate"),

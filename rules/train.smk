@@ -17,7 +17,7 @@ rule train:
         gpu=gpus("train"),
     params:
         train=draft_section("train"),
-        serve_verifier_path=serve_verifier_path(),
+        serve_verifier_path=serve_verifier_path,
         checkpoint_dir=checkpoint_dir,
         online=online_states(),
         code=code("train"),

@@ -55,7 +55,7 @@ def merged(base: dict, override: dict) -> dict:
 
 
 def server_config(**overrides):
-    from workflow_scripts.common.server import ServerConfig
+    from workflow_scripts.runtime.spec import ServerConfig
 
     return ServerConfig.from_section(config_section("server", **overrides))
 

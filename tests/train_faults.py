@@ -11,8 +11,8 @@ import sys
 
 import torch.distributed as dist
 
-from workflow_scripts.common.logs import configure_logging
-from workflow_scripts.common.process import terminate_on_sigterm
+from workflow_scripts.runtime.logs import configure_logging
+from workflow_scripts.runtime.process import terminate_on_sigterm
 from workflow_scripts.train.loop import StepCallback, run_from_json
 
 

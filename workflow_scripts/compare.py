@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from workflow_scripts.common.atomic import read_jsonl, write_text
-from workflow_scripts.common.loads import count_loads, read_loads
-from workflow_scripts.common.server import stop_idle_shared_servers
-from workflow_scripts.common.smk import stage
 from workflow_scripts.common.train_metrics import exported_eval
 from workflow_scripts.report import pyplot, save_figure
+from workflow_scripts.runtime.ledger import count_loads, read_loads
+from workflow_scripts.runtime.shared_server import stop_idle_shared_servers
+from workflow_scripts.runtime.smk import stage
 
 log = logging.getLogger(__name__)
 

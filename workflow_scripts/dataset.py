@@ -22,7 +22,7 @@ from workflow_scripts.common.atomic import write_parquet
 from workflow_scripts.common.config import typed
 from workflow_scripts.common.defects import EXCLUDING
 from workflow_scripts.common.fingerprint import stable_fraction
-from workflow_scripts.common.smk import stage
+from workflow_scripts.runtime.smk import stage
 
 log = logging.getLogger(__name__)
 

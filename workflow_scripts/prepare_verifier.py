@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from workflow_scripts.common.atomic import atomic_path, write_json
-from workflow_scripts.common.smk import stage
+from workflow_scripts.runtime.smk import stage
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from typing import Any
 from workflow_scripts.common.atomic import write_jsonl
 from workflow_scripts.common.config import typed
 from workflow_scripts.common.fingerprint import stable_fraction
-from workflow_scripts.common.smk import stage
+from workflow_scripts.runtime.smk import stage
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from typing import Any
 
 from workflow_scripts.common.atomic import atomic_path, read_jsonl, write_text
 from workflow_scripts.common.defects import EXCLUDING
-from workflow_scripts.common.smk import stage
 from workflow_scripts.common.train_metrics import exported_eval
+from workflow_scripts.runtime.smk import stage
 
 log = logging.getLogger(__name__)
 

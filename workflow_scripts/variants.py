@@ -82,7 +82,7 @@ def check_drafts_servable(config: dict[str, Any], verifier_dir: str) -> None:
     Reads the verifier's config.json where it is already on disk (`verifier.path`, or the
     prepared `verifier_dir`); server.command launches a vLLM of its own, not checked here."""
     from workflow_scripts.common.verifier_config import is_mla, read_text_config
-    from workflow_scripts.common.vllm_cpu import cpu_has_amx, draft_backend_problem, vllm_cpu_installed
+    from workflow_scripts.runtime.vllm_cpu import cpu_has_amx, draft_backend_problem, vllm_cpu_installed
 
     candidates = [Path(verifier_dir)]
     if config["verifier"]["source"] == "path" and config["verifier"]["path"]:

@@ -17,8 +17,8 @@ import torch
 
 from workflow_scripts.common.atomic import write_json, write_safetensors
 from workflow_scripts.common.config import typed
-from workflow_scripts.common.smk import stage
 from workflow_scripts.common.verifier_config import read_text_config
+from workflow_scripts.runtime.smk import stage
 
 log = logging.getLogger(__name__)
 

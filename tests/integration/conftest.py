@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import REPO, SNAKEMAKE, copy_workflow, run_start_cluster, stored_replies, vllm_available
-from workflow_scripts.common.process import group_members, parent_pid
-from workflow_scripts.common.server import ServerSpec
+from workflow_scripts.runtime.process import group_members, parent_pid
+from workflow_scripts.runtime.spec import ServerSpec
 
 
 @pytest.fixture(scope="session", autouse=True)

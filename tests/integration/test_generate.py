@@ -17,11 +17,12 @@ import pytest
 
 from tests.helpers import REPO, fake_openai, server_config, stored_replies
 from workflow_scripts.common.atomic import write_jsonl
-from workflow_scripts.common.client import RetryPolicy
 from workflow_scripts.common.replies import read_replies
-from workflow_scripts.common.server import ServerError, free_port
 from workflow_scripts.generate.run import Client, Requests, run_generate
 from workflow_scripts.generate.store import ResponseStore, StoreError
+from workflow_scripts.runtime.client import RetryPolicy
+from workflow_scripts.runtime.launch import free_port
+from workflow_scripts.runtime.spec import ServerError
 
 REQUESTS = Requests(model="verifier", sampling={"max_tokens": 12, "temperature": 0.0}, chat_template_kwargs={})
 CLIENT = Client(concurrency=8, adaptive=True, request_timeout_s=1.0, max_attempts=8, api_key_env=None)
@@ -269,8 +270,8 @@ def test_prune_keeps_exactly_the_entries_current_replies_use(tmp_path, verifier)
 GENERATE_JOB = textwrap.dedent(
     """
     import json, logging, sys, yaml
-    from workflow_scripts.common.process import terminate_on_sigterm
-    from workflow_scripts.common.server import ServerConfig
+    from workflow_scripts.runtime.process import terminate_on_sigterm
+    from workflow_scripts.runtime.spec import ServerConfig
     from workflow_scripts.generate.run import Client, Requests, run_generate
     logging.basicConfig(level=logging.INFO)
     terminate_on_sigterm()  # as every Snakemake entry point does

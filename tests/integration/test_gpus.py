@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from tests.helpers import REPO
-from workflow_scripts.common.gpus import assign_job_gpus, claim_gpus, device_pool
+from workflow_scripts.runtime.gpus import assign_job_gpus, claim_gpus, device_pool
 
 
 def test_device_pool_prefers_the_users_restriction(tmp_path):
@@ -40,7 +40,7 @@ def test_claims_are_disjoint_and_die_with_the_process(tmp_path):
             textwrap.dedent(f"""
             import sys, time
             from pathlib import Path
-            from workflow_scripts.common.gpus import claim_gpus
+            from workflow_scripts.runtime.gpus import claim_gpus
             claim_gpus(1, ["7"], Path({str(tmp_path)!r}))
             print("held", flush=True)
             time.sleep(60)
@@ -71,7 +71,7 @@ def test_slurm_and_cpu_jobs_are_left_alone(monkeypatch):
 
 JOB_SCRIPT = """
 import json, os, time
-from workflow_scripts.common.smk import stage
+from workflow_scripts.runtime.smk import stage
 
 with stage(snakemake):
     start = time.time()

@@ -12,12 +12,12 @@ import torch
 from safetensors import safe_open
 
 from tests.helpers import hidden_states_config
-from workflow_scripts.common.loads import read_loads
-from workflow_scripts.common.shared import SharedDir
 from workflow_scripts.hidden_states.forward import extract, load_verifier
 from workflow_scripts.hidden_states.run import run_shard
 from workflow_scripts.hidden_states.shards import write_index
 from workflow_scripts.hidden_states.storage import shard_bytes
+from workflow_scripts.runtime.ledger import read_loads
+from workflow_scripts.runtime.shared import SharedDir
 
 SETTINGS = {"backend": "hf", "batch_tokens": 32, "dtype": "bfloat16", "device": "cpu", "compute_dtype": "auto"}
 
@@ -74,8 +74,14 @@ def test_eight_shards_share_one_load_are_unpadded_and_equal_the_in_process_forwa
         assert (hs.numel() + final.numel()) * 2 == n_tokens * 4 * 128 * 2
         # (the safetensors header, its JSON metadata, is the rest: under 2 KB)
         assert 0 <= os.path.getsize(out) - shard_bytes(n_tokens, len(ids), 4, 128, "bfloat16") < 2048
-        # The server's forward is the one the job would run itself: same batches, same padding.
-        expected = extract(model, [by_id[i] for i in ids], [2, 4, 5], 32, torch.bfloat16)
+        # The server's forward is the one the job would run itself: same batches, same padding,
+        # and one thread as the server runs (a thread count is a summation order on a CPU).
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            expected = extract(model, [by_id[i] for i in ids], [2, 4, 5], 32, torch.bfloat16)
+        finally:
+            torch.set_num_threads(threads)
         for k, (aux, fin) in enumerate(expected):
             assert hs[offsets[k] : offsets[k + 1]].equal(aux) and final[offsets[k] : offsets[k + 1]].equal(fin)
     assert sorted(seen) == sorted(by_id)

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from tests.helpers import REPO, SNAKEMAKE, planned_jobs, vllm_available, vllm_processes
-from workflow_scripts.common.loads import count_loads, read_loads
+from workflow_scripts.runtime.ledger import count_loads, read_loads
 
 pytestmark = [
     pytest.mark.vllm,
@@ -217,6 +217,34 @@ def test_comments_and_docs_restale_nothing(finished_run):
         assert stale_rules(finished_run) == set()
     finally:
         path.write_text(original)
+
+
+def test_a_copy_of_the_finished_run_in_another_directory_plans_nothing(finished_run, tmp_path):
+    """No param holds an absolute path: the same results elsewhere (a moved project, a scratch
+    disk mounted at another path) are up to date there, and the draft still names a verifier
+    vLLM loads (the absolute path it was trained under, which exists)."""
+    moved = tmp_path / "moved"
+    shutil.copytree(finished_run, moved, symlinks=True)  # copy2 keeps the mtimes
+    assert stale_rules(moved) == set()
+    draft = json.loads((moved / "results/small/drafts/default/draft/config.json").read_text())
+    assert Path(draft["speculators_config"]["verifier"]["name_or_path"]).is_dir()
+
+
+def test_editing_run_only_code_restales_nothing(finished_run):
+    """A statement appended to every module of workflow_scripts/runtime (server launch,
+    supervision, leases, recovery, client, concurrency, logging, GPU locks, the ledger, the
+    Snakemake adapter): the finished run plans no job. All at once in one dry run: a fingerprint
+    is per module, so any one edit that restaled a rule would restale it here too."""
+    paths = sorted((finished_run / "workflow_scripts/runtime").glob("*.py"))
+    assert len(paths) >= 15
+    originals = {path: path.read_text() for path in paths}
+    try:
+        for path, text in originals.items():
+            path.write_text(text + "\n_EAGLEFLOW_TEST_EDIT = 1\n")
+        assert stale_rules(finished_run) == set()
+    finally:
+        for path, text in originals.items():
+            path.write_text(text)
 
 
 @pytest.mark.parametrize(

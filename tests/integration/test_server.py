@@ -15,8 +15,11 @@ import httpx2
 import pytest
 
 from tests.helpers import server_config
-from workflow_scripts.common.process import group_alive, group_members, parent_pid, start_time
-from workflow_scripts.common.server import Lease, RestartDeadServer, ServerError, ServerSpec, VllmServer, free_port
+from workflow_scripts.runtime.launch import VllmServer, free_port
+from workflow_scripts.runtime.leases import Lease
+from workflow_scripts.runtime.process import group_alive, group_members, parent_pid, start_time
+from workflow_scripts.runtime.recovery import RestartDeadServer
+from workflow_scripts.runtime.spec import ServerError, ServerSpec
 
 # A stand-in for vLLM's process tree: a parent serving /health, plus a forked worker that
 # ignores SIGTERM (as a wedged engine worker does), so the SIGKILL path is exercised too.
@@ -128,7 +131,7 @@ FAKE_JOB = textwrap.dedent(
     """
     import sys, time
     from tests.integration.test_server import fake_spec
-    from workflow_scripts.common.server import VllmServer
+    from workflow_scripts.runtime.launch import VllmServer
     with VllmServer(fake_spec(startup_timeout_s=30, stop_grace_s=2), sys.argv[1]) as srv:
         print("READY", srv.proc.pid, flush=True)
         time.sleep(3600)
@@ -189,7 +192,9 @@ def test_a_leftover_server_of_a_dead_job_is_stopped_by_the_next_one(tmp_path, ca
     # A lease of a live job (this test process) is not ours to touch.
     alive = dataclasses.replace(lease, pgid=os.getpid(), owner_pid=os.getpid(), owner_started=start_time(os.getpid()))
     (lease_dir / f"vllm-{os.getpid()}.json").write_text(json.dumps(dataclasses.asdict(alive)))
-    time.sleep(1.0)  # the fake forks its worker
+    deadline = time.monotonic() + 30  # the fake forks its worker; a loaded machine takes a while
+    while len(group_members(leftover.pid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert len(group_members(leftover.pid)) == 2
     with (
         caplog.at_level(logging.WARNING),
@@ -207,9 +212,9 @@ def test_a_leftover_server_of_a_dead_job_is_stopped_by_the_next_one(tmp_path, ca
 
 
 def test_a_shared_server_outlives_its_launcher_keeps_its_gpus_and_stops_after_the_linger(tmp_path, monkeypatch):
-    from workflow_scripts.common.gpus import claim_gpus
-    from workflow_scripts.common.loads import read_loads
-    from workflow_scripts.common.server import SharedServer, Sharing
+    from workflow_scripts.runtime.gpus import claim_gpus
+    from workflow_scripts.runtime.ledger import read_loads
+    from workflow_scripts.runtime.shared_server import SharedServer, Sharing
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     monkeypatch.setenv("EAGLEFLOW_GPU_LOCK_DIR", str(tmp_path / "gpu-locks"))
@@ -234,8 +239,9 @@ def test_a_shared_server_outlives_its_launcher_keeps_its_gpus_and_stops_after_th
 
 
 def test_a_shared_server_that_dies_is_restarted_once_for_every_job(tmp_path):
-    from workflow_scripts.common.loads import read_loads
-    from workflow_scripts.common.server import RestartSharedServer, SharedServer, Sharing, stop_idle_shared_servers
+    from workflow_scripts.runtime.ledger import read_loads
+    from workflow_scripts.runtime.recovery import RestartSharedServer
+    from workflow_scripts.runtime.shared_server import SharedServer, Sharing, stop_idle_shared_servers
 
     spec = fake_spec(startup_timeout_s=30, stop_grace_s=2)
     sharing = Sharing(name="hidden_states", linger_s=60)

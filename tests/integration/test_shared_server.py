@@ -19,8 +19,8 @@ from safetensors import safe_open
 
 from tests.fake_connector import known_states
 from tests.helpers import REPO, SNAKEMAKE
-from workflow_scripts.common.loads import read_loads
-from workflow_scripts.common.shared import SharedDir
+from workflow_scripts.runtime.ledger import read_loads
+from workflow_scripts.runtime.shared import SharedDir
 
 SMALL = REPO / "tests/config/small.yaml"
 INDEX = "results/small/hidden_states/index.json"

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from tests.helpers import REPO, SNAKEMAKE, START_CLUSTER, merged, run_start_cluster, vllm_processes
-from workflow_scripts.common.loads import read_loads
+from workflow_scripts.runtime.ledger import read_loads
 from workflow_scripts.variants import draft_id
 
 PROFILE = REPO / "profiles/slurm/config.yaml"

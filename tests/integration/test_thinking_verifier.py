@@ -16,8 +16,9 @@ from transformers import AutoTokenizer
 
 from tests.helpers import SNAKEMAKE, copy_workflow, lean_server_config, planned_jobs, vllm_available
 from workflow_scripts.common.atomic import write_jsonl
-from workflow_scripts.common.server import ServerSpec, VllmServer
 from workflow_scripts.generate.run import Client, Requests, run_generate
+from workflow_scripts.runtime.launch import VllmServer
+from workflow_scripts.runtime.spec import ServerSpec
 from workflow_scripts.synth.run import Parsing, run_synth
 
 pytestmark = [

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from tests.helpers import REPO
 from tests.train_inputs import make_train_inputs
 from workflow_scripts.common.atomic import read_jsonl
-from workflow_scripts.common.loads import read_loads
+from workflow_scripts.runtime.ledger import read_loads
 from workflow_scripts.train.checkpoint import (
     TrainState,
     checkpoints,

@@ -24,7 +24,7 @@ train: {nproc_per_node: 2, epochs: 2, batch_tokens: 64, log_every: 1, eval_every
 KILLED_AFTER_STEP_3 = """
 import json, os, signal, sys
 import torch.distributed as dist
-from workflow_scripts.common.logs import configure_logging
+from workflow_scripts.runtime.logs import configure_logging
 from workflow_scripts.train.loop import run_from_json
 
 

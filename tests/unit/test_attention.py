@@ -63,7 +63,11 @@ def test_doc_sdpa_equals_sdpa_on_packed_test_time_training(tiny_llama_dir, slidi
         results[impl] = (loss.detach(), metrics, grads)
     (loss_a, metrics_a, grads_a), (loss_b, metrics_b, grads_b) = results["sdpa"], results["doc_sdpa"]
     assert torch.allclose(loss_a, loss_b, rtol=1e-5)
-    assert {k: float(v) for k, v in metrics_a.items()} == pytest.approx({k: float(v) for k, v in metrics_b.items()})
+    # Other shapes give the CPU's matrix kernels other summation orders: the loss sums agree to
+    # float32 rounding (measured 6.5e-7 relative on an AVX-512 CPU), counts exactly.
+    assert {k: float(v) for k, v in metrics_a.items()} == pytest.approx(
+        {k: float(v) for k, v in metrics_b.items()}, rel=1e-5
+    )
     assert grads_a.keys() == grads_b.keys() and grads_a
     for name, grad in grads_a.items():
         assert torch.allclose(grad, grads_b[name], rtol=1e-4, atol=1e-6), name

@@ -1,4 +1,4 @@
-"""The concurrency limit (common.concurrency): fixed and adaptive admission, AIMD against a
+"""The concurrency limit (runtime.concurrency): fixed and adaptive admission, AIMD against a
 simulated server of known capacity, vLLM's /metrics signals, and once-per-window decreases."""
 
 import asyncio
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from workflow_scripts.common.concurrency import (
+from workflow_scripts.runtime.concurrency import (
     AUTO_CEILING,
     DISCONNECT,
     INITIAL,

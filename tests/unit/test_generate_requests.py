@@ -4,6 +4,7 @@ import json
 import shutil
 
 from tests.helpers import server_config
+from workflow_scripts.common.server_args import result_args
 from workflow_scripts.generate.requests import (
     history_message,
     request_key,
@@ -12,6 +13,7 @@ from workflow_scripts.generate.requests import (
     server_identity,
     verifier_fingerprint,
 )
+from workflow_scripts.runtime.spec import ServerSpec
 
 PAYLOAD = {"model": "verifier", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
@@ -22,20 +24,28 @@ def write_verifier(d):
     return d
 
 
+def launched(verifier, **server) -> list[str]:
+    """The argv the launcher starts vLLM with for `verifier` and these server settings."""
+    return ServerSpec.from_config(server_config(**server), str(verifier)).command(port=8000)
+
+
 def test_another_verifier_or_reply_shaping_flag_is_another_key(tmp_path):
     verifier = write_verifier(tmp_path / "verifier")
-    base = server_identity(verifier, server_config())
+    base = server_identity(verifier, launched(verifier))
     assert request_key(PAYLOAD, base) == request_key(
-        json.loads(json.dumps(PAYLOAD)), server_identity(verifier, server_config())
+        json.loads(json.dumps(PAYLOAD)), server_identity(verifier, launched(verifier))
     )
-    for changed in (server_config(dtype="bfloat16"), server_config(extra_args=["--max-logprobs", "5"])):
-        assert request_key(PAYLOAD, base) != request_key(PAYLOAD, server_identity(verifier, changed))
+    for changed in ({"dtype": "bfloat16"}, {"extra_args": ["--max-logprobs", "5"]}, {"reasoning_parser": "qwen3"}):
+        other = server_identity(verifier, launched(verifier, **changed))
+        assert request_key(PAYLOAD, base) != request_key(PAYLOAD, other)
     # Speed, not content: the same key.
-    fast = server_config(host="0.0.0.0", enforce_eager=False, tensor_parallel_size=2, env={"X": "1"})
-    assert request_key(PAYLOAD, base) == request_key(PAYLOAD, server_identity(verifier, fast))
+    fast = {"host": "0.0.0.0", "enforce_eager": False, "tensor_parallel_size": 2, "env": {"X": "1"}}
+    assert request_key(PAYLOAD, base) == request_key(PAYLOAD, server_identity(verifier, launched(verifier, **fast)))
 
     other = tmp_path / "other"
     shutil.copytree(verifier, other)
+    # The same files at another path: the same server, the same key.
+    assert request_key(PAYLOAD, base) == request_key(PAYLOAD, server_identity(other, launched(other)))
     assert verifier_fingerprint(other) == verifier_fingerprint(verifier)  # a copy is the same verifier
     (other / "README.md").write_text("docs do not change replies")
     (other / "eagleflow_source.json").write_text('{"file": "/another/venv/model.gguf"}')  # where it was found
@@ -80,3 +90,15 @@ def test_longest_request_is_estimated_on_the_long_side():
     assert longest_request_tokens([two], 100) == 40 + 3 * 16 + 200
     assert longest_request_tokens([one, two], 100) == 288
     assert longest_request_tokens([one], None) is None and longest_request_tokens([], 100) is None
+
+
+def test_result_args_keep_every_flag_but_the_run_only_ones():
+    argv = ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m", "--port", "1", "--dtype", "bf16"]
+    argv += ["--enforce-eager", "--compilation-config", '{"custom_ops": ["-rotary_embedding"]}', "--x=1", "--flag"]
+    assert result_args(argv) == [
+        ["--dtype", "bf16"],
+        ["--compilation-config", '{"custom_ops": ["-rotary_embedding"]}'],
+        ["--x", "1"],
+        ["--flag"],
+    ]
+    assert result_args(["vllm", "serve"]) == []

@@ -414,9 +414,9 @@ class FakeExtractionServer:
 
 
 def vllm_backend_for(fake: FakeExtractionServer, concurrency: int):
-    from workflow_scripts.common.concurrency import Concurrency
-    from workflow_scripts.common.server import WaitForEndpoint
     from workflow_scripts.hidden_states.client import ExtractionClient
+    from workflow_scripts.runtime.concurrency import Concurrency
+    from workflow_scripts.runtime.recovery import WaitForEndpoint
 
     return ExtractionClient(
         fake.url,

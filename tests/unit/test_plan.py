@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from tests.helpers import REPO
 from workflow_scripts.common.atomic import write_jsonl
-from workflow_scripts.loads import RunInfoLine
+from workflow_scripts.load_plan import RunInfoLine
 from workflow_scripts.plan import (
     Geometry,
     draft_export_bytes,

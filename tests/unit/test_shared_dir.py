@@ -1,12 +1,12 @@
-"""The files through which jobs share a server (common.shared): who counts as a consumer,
+"""The files through which jobs share a server (runtime.shared): who counts as a consumer,
 and which server counts as running."""
 
 import os
 import subprocess
 import sys
 
-from workflow_scripts.common.process import start_time
-from workflow_scripts.common.shared import SharedDir
+from workflow_scripts.runtime.process import start_time
+from workflow_scripts.runtime.shared import SharedDir
 
 
 def test_only_live_jobs_count_as_consumers_and_dead_ones_are_forgotten(tmp_path):

@@ -9,10 +9,10 @@ import yaml
 from tests.helpers import REPO, config_section
 from workflow_scripts.benchmark.run import BenchmarkConfig
 from workflow_scripts.common.config import ConfigError, typed
-from workflow_scripts.common.server import ServerConfig
 from workflow_scripts.dataset import DatasetConfig
 from workflow_scripts.hidden_states.backend import HiddenStatesConfig, VllmExtractionConfig
 from workflow_scripts.prompts import PromptsConfig
+from workflow_scripts.runtime.spec import ServerConfig
 from workflow_scripts.synth.run import Parsing
 from workflow_scripts.train.loop import TrainConfig
 from workflow_scripts.vocab import VocabConfig

@@ -7,16 +7,17 @@ import torch
 from safetensors.torch import save_file
 
 from tests.helpers import server_config
-from workflow_scripts.common.server import ServerError, ServerSpec
 from workflow_scripts.common.verifier_config import (
     CPU_MLA_ROPE_ARGS,
     safetensors_weight_map,
     served_as_deepseek,
     vllm_serving_problems,
 )
-from workflow_scripts.common.vllm_cpu import (
+from workflow_scripts.runtime.spec import ServerError, ServerSpec
+from workflow_scripts.runtime.vllm_cpu import (
     common_block_size,
     cpu_attention_backend,
+    cpu_has_amx,
     draft_backend_problem,
     requested_attention_backend,
 )
@@ -107,3 +108,12 @@ def test_a_llama_draft_beside_an_mla_verifier_fits_only_with_amx(amx):
     assert draft_backend_problem({"model_type": "llama"}, "llama", [], amx) is None
     # Asking for CPU_MLA by name takes the AMX backend away on any machine.
     assert draft_backend_problem(DEEPSEEK_V3, "llama", ["--attention-backend", "CPU_MLA"], amx) is not None
+
+
+def test_amx_is_read_from_the_cpu_flags(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 amx_bf16 amx_tile amx_int8\n")
+    assert cpu_has_amx(str(info))
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 avx512_vnni\n")
+    assert not cpu_has_amx(str(info))
+    assert not cpu_has_amx(str(tmp_path / "missing"))

@@ -26,8 +26,6 @@ from tqdm import tqdm
 
 from workflow_scripts.common.atomic import read_jsonl, write_json
 from workflow_scripts.common.config import typed
-from workflow_scripts.common.server import ServerConfig
-from workflow_scripts.common.smk import stage
 from workflow_scripts.common.train_metrics import exported_eval
 
 # Importing a backend registers it (as in the hidden_states stage, whose backends replay uses).
@@ -35,6 +33,8 @@ from workflow_scripts.hidden_states import hf, vllm  # noqa: F401
 from workflow_scripts.hidden_states.backend import ExtractionJob, HiddenStatesConfig, open_backend
 from workflow_scripts.hidden_states.layers import resolve_aux_layer_ids, verifier_geometry
 from workflow_scripts.hidden_states.storage import as_read_back, extraction_dtype, torch_dtype
+from workflow_scripts.runtime.smk import stage
+from workflow_scripts.runtime.spec import ServerConfig
 from workflow_scripts.train.data import Sample, shift
 
 log = logging.getLogger(__name__)
@@ -175,7 +175,8 @@ def main(smk) -> None:
         extraction = extraction_job(
             smk.input.verifier,
             smk.params.hidden_states,
-            smk.params.server,
+            # The server section for the vllm backend (its result flags are the rule's param).
+            smk.config["server"] if smk.params.hidden_states["backend"] == "vllm" else None,
             smk.params.trust_remote_code,
             log_path=smk.log[0],
             threads=smk.threads,

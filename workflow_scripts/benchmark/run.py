@@ -23,10 +23,11 @@ from tqdm import tqdm
 
 from workflow_scripts.benchmark.metrics import acceptance, counter_delta, spec_decode_counters
 from workflow_scripts.common.atomic import read_jsonl, write_json, write_jsonl
-from workflow_scripts.common.client import ChatClient
 from workflow_scripts.common.config import typed
-from workflow_scripts.common.server import ServerConfig, ServerSpec, VllmServer
-from workflow_scripts.common.smk import stage
+from workflow_scripts.runtime.client import ChatClient
+from workflow_scripts.runtime.launch import VllmServer
+from workflow_scripts.runtime.smk import stage
+from workflow_scripts.runtime.spec import ServerConfig, ServerSpec
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class Workload:
 def main_baseline(smk) -> None:
     """The baseline rule's job (rules/benchmark.smk): the verifier alone, once per run."""
     with stage(smk):
-        server = ServerConfig.from_section(smk.params.server)
+        server = ServerConfig.from_section(smk.config["server"])
         # request_timeout_s is operational: from the config, so that changing it reruns nothing.
         workload = Workload(**smk.params.workload, request_timeout_s=smk.config["benchmark"]["request_timeout_s"])
         run_baseline(
@@ -80,7 +81,7 @@ def main_baseline(smk) -> None:
 def main(smk) -> None:
     """The benchmark rule's job (rules/benchmark.smk): one variant's draft in vLLM."""
     with stage(smk):
-        server = ServerConfig.from_section(smk.params.server)
+        server = ServerConfig.from_section(smk.config["server"])
         run_benchmark(
             smk.input.prompts,
             smk.input.verifier,

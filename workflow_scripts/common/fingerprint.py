@@ -3,8 +3,13 @@
 `code_fingerprint` hashes the AST of a module and every `workflow_scripts` module it
 imports, transitively, so that a comment or docstring-free formatting change does not count
 as a code change while any change in behaviour does. The Snakemake rules pass it as a
-param (Snakemake itself only tracks the mtime of a `script:` file), and synth keys its
-resume cache on it.
+param (Snakemake itself only tracks the mtime of a `script:` file), and training keys its
+checkpoints on it.
+
+The walk stops at `workflow_scripts.runtime`: the code that starts servers, retries, throttles,
+logs and supervises a stage decides none of its bytes, so editing it restales nothing. What of
+it can change a result (the vLLM flags it launches with) reaches the keys as data
+(common.server_args).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 PACKAGE = "workflow_scripts"
+RUNTIME = f"{PACKAGE}.runtime"  # run-only code: in no fingerprint
 
 
 ROOT = Path(__file__).resolve().parents[1]  # the workflow_scripts package directory
@@ -75,13 +81,19 @@ def _module_digest(path: Path, module: str, mtime_ns: int) -> tuple[str, frozens
     return hashlib.sha256(ast.dump(_strip_docstrings(tree)).encode()).hexdigest(), imports
 
 
+def is_runtime(module: str) -> bool:
+    """Whether `module` is run-only code (workflow_scripts.runtime and below)."""
+    return module == RUNTIME or module.startswith(RUNTIME + ".")
+
+
 def module_digests(module: str, root: Path = ROOT) -> dict[str, str]:
     """{module: digest of its docstring-free AST} for `module` and its transitive
-    workflow_scripts imports: exactly the code that runs when `module` runs."""
+    workflow_scripts imports, less the run-only ones (workflow_scripts.runtime and what only
+    they import): the code that decides what `module` computes."""
     todo, digests = [module], {}
     while todo:
         name = todo.pop()
-        if name in digests:
+        if name in digests or (is_runtime(name) and name != module):
             continue
         path = _module_file(name, Path(root))
         if path is None:

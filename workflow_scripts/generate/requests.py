@@ -11,12 +11,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-# Server flags that change what a reply says. Others (host, port, tensor parallelism, eager
-# mode, KV-cache size, timeouts) change how fast it comes, not what it is.
-REPLY_SHAPING_FLAGS = ("dtype", "max_model_len", "reasoning_parser", "extra_args")
+from workflow_scripts.common.server_args import result_args
 
 # Files read whole into the verifier fingerprint; larger ones by name, size, head and tail.
 SMALL_FILE_BYTES = 1 << 20
@@ -70,12 +69,10 @@ def history_message(body: dict[str, Any]) -> dict[str, Any]:
     return {"role": "assistant", **carried, "content": message.get("content") or ""}
 
 
-def server_identity(verifier_dir: str | os.PathLike, server: Any) -> dict[str, Any]:
+def server_identity(verifier_dir: str | os.PathLike, argv: Sequence[str]) -> dict[str, Any]:
     """What decides the server's replies besides the request: the verifier's files and the
-    reply-shaping flags of `server` (a common.server.ServerConfig)."""
-    # json.dumps writes the tuple extra_args as the list the config held: keys are unchanged.
-    flags = {flag: getattr(server, flag) for flag in REPLY_SHAPING_FLAGS}
-    return {"verifier": verifier_fingerprint(verifier_dir), **flags}
+    flags of the server's `argv` that can change a reply (common.server_args)."""
+    return {"verifier": verifier_fingerprint(verifier_dir), "server": result_args(argv)}
 
 
 def verifier_fingerprint(model_dir: str | os.PathLike) -> str:

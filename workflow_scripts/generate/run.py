@@ -20,13 +20,14 @@ from typing import Any
 from tqdm import tqdm
 
 from workflow_scripts.common.atomic import read_jsonl, write_json
-from workflow_scripts.common.client import ChatClient, RequestFailed, RetryPolicy
-from workflow_scripts.common.concurrency import Concurrency, parse_ceiling
 from workflow_scripts.common.replies import write_replies
-from workflow_scripts.common.server import Served, ServerConfig, ServerSpec, serve
-from workflow_scripts.common.smk import stage
 from workflow_scripts.generate.requests import history_message, request_key, request_payload, server_identity
 from workflow_scripts.generate.store import ResponseStore
+from workflow_scripts.runtime.client import ChatClient, RequestFailed, RetryPolicy
+from workflow_scripts.runtime.concurrency import Concurrency, parse_ceiling
+from workflow_scripts.runtime.serving import Served, serve
+from workflow_scripts.runtime.smk import stage
+from workflow_scripts.runtime.spec import ServerConfig, ServerSpec
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ class Requests:
 @dataclass(frozen=True)
 class Client:
     """How it is asked: these change speed and robustness, never a reply. `concurrency` is
-    the ceiling of an adaptive limit (common.concurrency), or the fixed number of requests
+    the ceiling of an adaptive limit (runtime.concurrency), or the fixed number of requests
     in flight without `adaptive`."""
 
     concurrency: int | str
@@ -228,11 +229,13 @@ def run_generate(
     server: ServerConfig,
     server_log: str,
 ) -> None:
-    """The reply-shaping flags of `server` go into every store key; when a request is
-    missing, `server.endpoint` answers it, or a vLLM launched as `server` says."""
+    """The flags of the server as launched that can change a reply go into every store key
+    (a `server.endpoint` is taken to run with the flags a launch would give it); when a request
+    is missing, `server.endpoint` answers it, or a vLLM launched as `server` says."""
     started = time.monotonic()
     prompts = read_jsonl(prompts_path)
-    identity = server_identity(verifier_dir, server)
+    spec = ServerSpec.from_config(server, verifier_dir)
+    identity = server_identity(verifier_dir, spec.command(0))
     with ResponseStore(store_path) as store:
         entries_before = len(store)
         done, todo = asyncio.run(_from_store(prompts, requests, identity, store))
@@ -253,7 +256,6 @@ def run_generate(
         )
         restarts = 0
         if todo:
-            spec = ServerSpec.from_config(server, verifier_dir)
             with serve(spec, server_log, server, server.endpoint) as served:
                 done |= asyncio.run(_from_server(served, todo, requests, identity, store, client, counts, limit))
                 restarts = served.recovery.restarts

@@ -12,9 +12,10 @@ from typing import Any, Protocol
 
 import torch
 
-from workflow_scripts.common.server import ServerConfig, Sharing
 from workflow_scripts.hidden_states.layers import States, VerifierGeometry
 from workflow_scripts.hidden_states.storage import target_topk
+from workflow_scripts.runtime.shared_server import Sharing
+from workflow_scripts.runtime.spec import ServerConfig
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ class ExtractionJob:
 
 
 def sharing(job: ExtractionJob) -> Sharing:
-    """Every job of the phase uses one server (common.server.SharedServer)."""
+    """Every job of the phase uses one server (runtime.shared_server.SharedServer)."""
     return Sharing(name=job.phase, linger_s=job.settings.linger_s, gpus=job.gpus)
 
 

@@ -25,10 +25,10 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from workflow_scripts.common.client import ChatClient, RequestFailed
-from workflow_scripts.common.concurrency import Concurrency
-from workflow_scripts.common.server import Recovery
 from workflow_scripts.hidden_states.layers import States
+from workflow_scripts.runtime.client import ChatClient, RequestFailed
+from workflow_scripts.runtime.concurrency import Concurrency
+from workflow_scripts.runtime.recovery import Recovery
 
 log = logging.getLogger(__name__)
 

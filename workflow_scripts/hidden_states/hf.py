@@ -13,13 +13,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
-from workflow_scripts.common.concurrency import Concurrency
-from workflow_scripts.common.server import RestartSharedServer, SharedServer, spec_key
 from workflow_scripts.hidden_states.backend import ExtractionJob, register_backend, sharing, storage_dir
 from workflow_scripts.hidden_states.client import ExtractionClient
 from workflow_scripts.hidden_states.forward import token_budget_batches
 from workflow_scripts.hidden_states.layers import States
 from workflow_scripts.hidden_states.storage import extraction_dtype
+from workflow_scripts.runtime.concurrency import Concurrency
+from workflow_scripts.runtime.recovery import RestartSharedServer
+from workflow_scripts.runtime.shared_server import SharedServer
+from workflow_scripts.runtime.spec import spec_key
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +34,7 @@ STARTUP_TIMEOUT_S = 3600.0
 
 @dataclass(frozen=True)
 class HfServerSpec:
-    """How the phase's hf extraction server is started (common.server.Launchable)."""
+    """How the phase's hf extraction server is started (runtime.spec.Launchable)."""
 
     name: ClassVar[str] = "hf extraction server"
     model: str

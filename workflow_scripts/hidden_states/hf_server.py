@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 from aiohttp import web
 
-from workflow_scripts.common.logs import configure_logging
 from workflow_scripts.hidden_states.client import stack_states
 from workflow_scripts.hidden_states.forward import extract, load_verifier, resolve_compute_dtype
 from workflow_scripts.hidden_states.storage import COMPUTE_DTYPES, torch_dtype
+from workflow_scripts.runtime.logs import configure_logging
 
 log = logging.getLogger("eagleflow.hf_server")
 

@@ -12,8 +12,7 @@ from typing import Any
 
 from workflow_scripts.common.atomic import write_safetensors
 from workflow_scripts.common.config import typed
-from workflow_scripts.common.server import ServerConfig
-from workflow_scripts.common.smk import stage
+from workflow_scripts.common.server_args import result_args
 
 # Importing a backend registers it. hf_server runs in its own process (the hf backend's
 # server); imported here so that an edit to it restales the shards (common.fingerprint).
@@ -29,6 +28,8 @@ from workflow_scripts.hidden_states.shards import (
 )
 from workflow_scripts.hidden_states.storage import extraction_dtype, num_stored_states, torch_dtype
 from workflow_scripts.hidden_states.targets import TopkHead, head_device
+from workflow_scripts.runtime.smk import stage
+from workflow_scripts.runtime.spec import ServerConfig, ServerSpec
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 def main(smk) -> None:
     """The hidden_states rule's job (rules/hidden_states.smk): one shard."""
     # The job's GPUs go to the phase's shared server: the job that launches it claims them for
-    # it (common.server.SharedServer); the jobs that attach use the server's.
+    # it (runtime.shared_server.SharedServer); the jobs that attach use the server's.
     with stage(smk, claim_gpus=False):
         settings = typed(HiddenStatesConfig, smk.params.hidden_states, "hidden_states")
         run_shard(
@@ -46,8 +47,9 @@ def main(smk) -> None:
             int(smk.wildcards.shard),
             smk.output[0],
             settings=settings,
-            # Empty for the hf backend: server settings must not restale what transformers extracted.
-            server=ServerConfig.from_section(smk.params.server) if smk.params.server else None,
+            # The vllm backend's server; the hf backend has none, and no server setting restales
+            # what transformers extracted.
+            server=ServerConfig.from_section(smk.config["server"]) if settings.backend == "vllm" else None,
             threads=smk.threads,
             gpus=int(smk.resources.get("gpu", 0) or 0),
             trust_remote_code=smk.params.trust_remote_code,
@@ -58,18 +60,20 @@ def main(smk) -> None:
 
 # Settings that cannot change a shard's bytes: a change of these must not redo an extraction.
 OPERATIONAL = {"mode", "num_shards", "linger_s", "gpus", "vllm"}
-OPERATIONAL_SERVER = {"endpoint", "api_key_env", "host", "gpus", "startup_timeout_s", "max_restarts", "endpoint_wait_s"}
 
 
 def content_settings(
-    settings: HiddenStatesConfig, server: ServerConfig | None, layer_ids: list[int], trust_remote_code: bool, code: str
+    settings: HiddenStatesConfig,
+    server_args: list[list[str]] | None,
+    layer_ids: list[int],
+    trust_remote_code: bool,
+    code: str,
 ) -> dict[str, Any]:
-    """The settings a shard's bytes depend on (the shard cache's key). Pure."""
+    """The settings a shard's bytes depend on (the shard cache's key): `server_args`, the
+    result flags of the vllm backend's server as launched (common.server_args; None for hf). Pure."""
     return {
         "hidden_states": {k: v for k, v in dataclasses.asdict(settings).items() if k not in OPERATIONAL},
-        "server": {k: v for k, v in dataclasses.asdict(server).items() if k not in OPERATIONAL_SERVER}
-        if server
-        else None,
+        "server": server_args,
         "aux_layer_ids": layer_ids,
         "trust_remote_code": trust_remote_code,
         "code": code,
@@ -100,7 +104,8 @@ def run_shard(
     geometry = verifier_geometry(verifier_dir)
     layer_ids = resolve_aux_layer_ids(settings.aux_layer_ids, geometry)
     cache = ShardCache(Path(out).parent)
-    key = shard_key(samples, verifier_dir, content_settings(settings, server, layer_ids, trust_remote_code, code))
+    server_args = result_args(ServerSpec.from_config(server, verifier_dir).command(0)) if server else None
+    key = shard_key(samples, verifier_dir, content_settings(settings, server_args, layer_ids, trust_remote_code, code))
     if cache.restore(shard, key, out):
         log.info("shard %d/%d: made from the same inputs before; linked from %s", shard, num_shards, cache.dir)
         return

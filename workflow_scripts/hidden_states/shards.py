@@ -16,10 +16,10 @@ import pyarrow.parquet as pq
 import torch
 
 from workflow_scripts.common.atomic import write_json
-from workflow_scripts.common.server import stop_idle_shared_servers
-from workflow_scripts.common.smk import stage
 from workflow_scripts.hidden_states.layers import CONVENTION, States, vllm_layer_ids
 from workflow_scripts.hidden_states.storage import FP8, quantize_fp8, shard_bytes
+from workflow_scripts.runtime.shared_server import stop_idle_shared_servers
+from workflow_scripts.runtime.smk import stage
 
 log = logging.getLogger(__name__)
 

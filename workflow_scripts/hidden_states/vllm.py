@@ -10,11 +10,12 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
-from workflow_scripts.common.concurrency import Concurrency, parse_ceiling
-from workflow_scripts.common.server import ServerSpec, serve, spec_key
 from workflow_scripts.hidden_states.backend import ExtractionJob, register_backend, sharing, storage_dir
 from workflow_scripts.hidden_states.client import ExtractionClient
 from workflow_scripts.hidden_states.layers import vllm_layer_ids
+from workflow_scripts.runtime.concurrency import Concurrency, parse_ceiling
+from workflow_scripts.runtime.serving import serve
+from workflow_scripts.runtime.spec import ServerSpec, spec_key
 
 log = logging.getLogger(__name__)
 # vLLM (checked against 0.32.0) extracts hidden states as a speculative "method": the

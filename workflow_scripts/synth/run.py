@@ -17,7 +17,7 @@ from typing import Any
 from workflow_scripts.common.atomic import write_json, write_jsonl, write_parquet
 from workflow_scripts.common.config import typed
 from workflow_scripts.common.replies import read_replies
-from workflow_scripts.common.smk import stage
+from workflow_scripts.runtime.smk import stage
 from workflow_scripts.synth.assemble import (
     Completion,
     StreamTokens,

@@ -7,8 +7,8 @@ Snakemake entry redirects to the rule's log.
 import json
 import sys
 
-from workflow_scripts.common.logs import configure_logging
-from workflow_scripts.common.process import terminate_on_sigterm
+from workflow_scripts.runtime.logs import configure_logging
+from workflow_scripts.runtime.process import terminate_on_sigterm
 from workflow_scripts.train.loop import run_from_json
 
 if __name__ == "__main__":

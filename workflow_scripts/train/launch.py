@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from workflow_scripts.common.atomic import write_text
-from workflow_scripts.common.process import kill_group, package_env
-from workflow_scripts.common.smk import stage
+from workflow_scripts.runtime.process import kill_group, package_env
+from workflow_scripts.runtime.smk import stage
 from workflow_scripts.train.loop import run_from_json
 
 log = logging.getLogger(__name__)
@@ -40,11 +40,19 @@ def main(smk) -> None:
             "draft_out": smk.output.draft,
             "metrics_out": smk.output.metrics,
             "checkpoint_dir": smk.params.checkpoint_dir,
-            "serve_verifier_path": smk.params.serve_verifier_path,
+            "serve_verifier_path": served_verifier(smk.params.serve_verifier_path),
             "cfg": smk.params.train,
             "threads": smk.threads,
         }
         run_stage(spec, smk.params.train["nproc_per_node"])
+
+
+def served_verifier(path: str) -> str:
+    """The verifier path the exported draft names. The rule passes it relative to the workdir
+    (a param with an absolute path would restale the same results in another directory);
+    a path that exists here is named absolute, as vLLM loads it from anywhere on this host,
+    and anything else (a hub name, a path on the serving host) as given."""
+    return str(Path(path).resolve()) if Path(path).exists() else path
 
 
 def torchrun_command(spec_path: Path, nproc: int) -> list[str]:

@@ -19,10 +19,10 @@ import pyarrow.parquet as pq
 import torch
 
 from workflow_scripts.common.config import typed
-from workflow_scripts.common.loads import record_load
 from workflow_scripts.hidden_states.forward import extract, load_verifier, resolve_compute_dtype
 from workflow_scripts.hidden_states.layers import resolve_aux_layer_ids, verifier_geometry
 from workflow_scripts.hidden_states.storage import as_read_back, extraction_dtype, torch_dtype
+from workflow_scripts.runtime.ledger import record_load
 from workflow_scripts.train.data import Sample, shift, trained_on
 
 log = logging.getLogger(__name__)

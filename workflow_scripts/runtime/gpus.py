@@ -16,6 +16,8 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import shutil
+import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,3 +100,41 @@ def assign_job_gpus(count: int, environ: dict[str, str] | None = None) -> GpuCla
     environ["CUDA_VISIBLE_DEVICES"] = ",".join(claim.devices)
     log.info("GPUs %s of %s assigned to this job", ",".join(claim.devices), ",".join(pool))
     return claim
+
+
+def describe_gpu_holders(gpus_csv: str, apps_csv: str, visible: str | None) -> list[str]:
+    """Processes on the GPUs this job may use, one line each. Pure.
+
+    `gpus_csv`: `nvidia-smi --query-gpu=index,uuid --format=csv,noheader`;
+    `apps_csv`: `nvidia-smi --query-compute-apps=gpu_uuid,pid,process_name,used_memory
+    --format=csv,noheader`; `visible`: CUDA_VISIBLE_DEVICES (indices or UUIDs; None: all)."""
+    index_of = {}
+    for line in gpus_csv.strip().splitlines():
+        index, uuid = (x.strip() for x in line.split(",", 1))
+        index_of[uuid] = index
+    wanted = None if visible is None else {v.strip() for v in visible.split(",") if v.strip()}
+    lines = []
+    for line in apps_csv.strip().splitlines():
+        uuid, pid, name, memory = (x.strip() for x in line.split(",", 3))
+        index = index_of.get(uuid, "?")
+        if wanted is None or index in wanted or uuid in wanted:
+            lines.append(f"GPU {index}: pid {pid} ({name}) holds {memory}")
+    return lines
+
+
+def gpu_holders() -> list[str]:
+    """describe_gpu_holders for this host and job; empty without nvidia-smi."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        query = ["nvidia-smi", "--format=csv,noheader"]
+        gpus = subprocess.run([*query, "--query-gpu=index,uuid"], capture_output=True, text=True, timeout=30)
+        apps = subprocess.run(
+            [*query, "--query-compute-apps=gpu_uuid,pid,process_name,used_memory"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return [f"(nvidia-smi failed: {e})"]
+    return describe_gpu_holders(gpus.stdout, apps.stdout, os.environ.get("CUDA_VISIBLE_DEVICES"))

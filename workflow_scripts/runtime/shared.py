@@ -1,5 +1,5 @@
-"""The files through which the jobs of one phase share a server (common.server.SharedServer)
-and its supervisor (common.supervise --shared) decides when nobody needs it any more.
+"""The files through which the jobs of one phase share a server (runtime.shared_server.SharedServer)
+and its supervisor (runtime.supervise --shared) decides when nobody needs it any more.
 
 One directory per shared server, `<run logs>/servers/shared-<key>/`:
 - `lock`: flock held while a job looks up, launches or restarts the server, and while the
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from workflow_scripts.common.atomic import write_json
-from workflow_scripts.common.process import is_zombie, start_time
+from workflow_scripts.runtime.process import is_zombie, start_time
 
 LEASE_NAME = "vllm-{pgid}.json"  # a launched server's lease, next to the shared directories
 
@@ -94,7 +94,7 @@ class SharedDir:
             self.state.unlink(missing_ok=True)
 
     def write_exit(self, pgid: int, status: int) -> None:
-        """Record how the server of group `pgid` ended, and drop its lease (common.server):
+        """Record how the server of group `pgid` ended, and drop its lease (runtime.launch):
         its supervisor, the lease's owner, is about to exit having stopped the group."""
         write_json(self.path / f"exit-{pgid}.json", {"status": status})
         (self.path.parent / LEASE_NAME.format(pgid=pgid)).unlink(missing_ok=True)

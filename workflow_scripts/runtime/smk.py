@@ -8,9 +8,9 @@ import logging
 import sys
 from collections.abc import Iterator
 
-from workflow_scripts.common.gpus import assign_job_gpus
-from workflow_scripts.common.logs import configure_logging
-from workflow_scripts.common.process import terminate_on_sigterm
+from workflow_scripts.runtime.gpus import assign_job_gpus
+from workflow_scripts.runtime.logs import configure_logging
+from workflow_scripts.runtime.process import terminate_on_sigterm
 
 
 @contextlib.contextmanager

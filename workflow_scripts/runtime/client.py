@@ -4,9 +4,9 @@ httpx2 (the client stack `openai` itself ships; httpx 0.28's connection pool spe
 quadratic in the pool size per request, see BENCHMARKS.md) with explicit timeouts and a
 connection pool sized to the concurrency limit;
 retries with exponential backoff and jitter on connection errors, timeouts, 429 and 5xx.
-With a `Concurrency` (common.concurrency) each attempt holds one of its slots and reports
+With a `Concurrency` (runtime.concurrency) each attempt holds one of its slots and reports
 how it went, and while the client is open the limit watches the server's /metrics; with a
-`Recovery` (common.server) a dropped connection first asks whether the
+`Recovery` (runtime.launch) a dropped connection first asks whether the
 server died, and a request that waited for its restart does not spend an attempt.
 The API key comes from an environment variable named in config and is never logged.
 """
@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any
 
 import httpx2 as httpx
 
-from workflow_scripts.common.concurrency import DISCONNECT, FAILED, OK, OVERLOAD, TIMEOUT, Concurrency
+from workflow_scripts.runtime.concurrency import DISCONNECT, FAILED, OK, OVERLOAD, TIMEOUT, Concurrency
 
 if TYPE_CHECKING:
-    from workflow_scripts.common.server import Recovery
+    from workflow_scripts.runtime.recovery import Recovery
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""`python -m workflow_scripts.common.supervise (--parent PID | --shared DIR --linger S) --grace S -- CMD...`:
+"""`python -m workflow_scripts.runtime.supervise (--parent PID | --shared DIR --linger S) --grace S -- CMD...`:
 run CMD so that it cannot outlive the process(es) that asked for it.
 
 A server runs in its own process group, so that stopping it also stops the engine and
@@ -10,9 +10,9 @@ PR_SET_PDEATHSIG, which SIGKILL of the parent triggers too) and then stops the r
 group: SIGTERM, and SIGKILL after the grace period. It does the same when CMD exits on its
 own (a crash leaves no engine process behind). CMD gets the same parent-death signal with the
 supervisor as its parent, so even a supervisor killed outright takes CMD down (CMD's own
-children are then left to the lease check of the next job, see common.server).
+children are then left to the lease check of the next job, see runtime.leases).
 
-A server that several jobs share (`--shared DIR`, see common.shared) outlives the job that
+A server that several jobs share (`--shared DIR`, see runtime.shared) outlives the job that
 launched it. Its supervisor does not follow a parent but the consumers registered in DIR:
 once none has been alive for `--linger` seconds it takes DIR's lock (so that no job attaches
 meanwhile), forgets the server and stops the group. Jobs that die without unregistering count
@@ -33,8 +33,8 @@ import subprocess
 import sys
 import time
 
-from workflow_scripts.common.process import group_members
-from workflow_scripts.common.shared import SharedDir
+from workflow_scripts.runtime.process import group_members
+from workflow_scripts.runtime.shared import SharedDir
 
 PR_SET_PDEATHSIG = 1
 
@@ -71,7 +71,7 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     owner = ap.add_mutually_exclusive_group(required=True)
     owner.add_argument("--parent", type=int, help="pid of the launching process")
-    owner.add_argument("--shared", help="the shared server's directory (common.shared)")
+    owner.add_argument("--shared", help="the shared server's directory (runtime.shared)")
     ap.add_argument("--linger", type=float, default=60.0, help="with --shared: seconds without consumers")
     ap.add_argument("--grace", type=float, required=True, help="seconds between SIGTERM and SIGKILL")
     ap.add_argument("cmd", nargs=argparse.REMAINDER)

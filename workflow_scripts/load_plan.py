@@ -1,5 +1,5 @@
 """Verifier loads a run will take, planned from the jobs Snakemake will run (the loads it
-took are counted in common.loads). A load is a start of the verifier: a vLLM server, or the
+took are counted in runtime.ledger). A load is a start of the verifier: a vLLM server, or the
 hf backend's extraction server.
 
 On the target host one load of Kimi-K2.5 INT4 takes about 22 minutes: the count is what a
