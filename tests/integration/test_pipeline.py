@@ -3,6 +3,7 @@
 import json
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -219,15 +220,43 @@ def test_comments_and_docs_restale_nothing(finished_run):
         path.write_text(original)
 
 
-def test_a_copy_of_the_finished_run_in_another_directory_plans_nothing(finished_run, tmp_path):
-    """No param holds an absolute path: the same results elsewhere (a moved project, a scratch
-    disk mounted at another path) are up to date there, and the draft still names a verifier
-    vLLM loads (the absolute path it was trained under, which exists)."""
+def test_a_copy_elsewhere_plans_nothing_and_a_fix_that_changes_no_byte_costs_no_load(finished_run, tmp_path):
+    """On a copy of the finished run in another directory (no param holds an absolute path):
+    `snakemake -n` plans nothing, and the draft still names a verifier vLLM loads. Then early
+    cut-off: an edit of generate's code that changes no request reruns every rule downstream,
+    and each finds its key unchanged: no verifier start, no request, no shard extracted, no
+    training step; dataset, shards and draft byte-identical."""
     moved = tmp_path / "moved"
     shutil.copytree(finished_run, moved, symlinks=True)  # copy2 keeps the mtimes
     assert stale_rules(moved) == set()
-    draft = json.loads((moved / "results/small/drafts/default/draft/config.json").read_text())
+    run = moved / "results/small"
+    draft = json.loads((run / "drafts/default/draft/config.json").read_text())
     assert Path(draft["speculators_config"]["verifier"]["name_or_path"]).is_dir()
+
+    kept = ["dataset/train.parquet", "dataset/eval.parquet", "hidden_states/shard-00000.safetensors"]
+    kept += [str(p.relative_to(run)) for p in sorted((run / "drafts/default/draft").iterdir())]
+    before = {name: (run / name).read_bytes() for name in kept}
+    loads_before = len(read_loads(run / "logs/servers"))
+    generate = moved / "workflow_scripts/generate/run.py"
+    generate.write_text(generate.read_text() + "\n_EAGLEFLOW_TEST_EDIT = 1\n")
+    stale = stale_rules(moved)
+    assert {"generate", "synth", "dataset", "hidden_states", "train", "benchmark", "parity"} <= stale
+    started = time.monotonic()
+    cmd = SNAKEMAKE + ["--cores", "2", "--configfile", str(REPO / "tests/config/small.yaml")]
+    proc = subprocess.run(cmd, cwd=moved, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (tmp_path / "early_cutoff_wall_s.txt").write_text(f"{time.monotonic() - started:.1f}\n")
+    assert len(read_loads(run / "logs/servers")) == loads_before, "a verifier was started"
+    stats = json.loads((run / "generate/stats.json").read_text())
+    assert stats["sent"] == 0 and stats["reused"] == stats["requests"]
+    logs = run / "logs"
+    # Each message is written only by a job that links its outputs back.
+    assert "made from the same inputs before; linked from" in (logs / "hidden_states.shard-00000.log").read_text()
+    assert "0 training steps" in (logs / "train.default.log").read_text()
+    for rule in ("baseline", "benchmark.default", "parity.default"):
+        assert "outputs linked back" in (logs / f"{rule}.log").read_text(), rule
+    assert {name: (run / name).read_bytes() for name in kept} == before
+    assert stale_rules(moved) == set()
 
 
 def test_editing_run_only_code_restales_nothing(finished_run):

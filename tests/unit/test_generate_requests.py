@@ -4,6 +4,7 @@ import json
 import shutil
 
 from tests.helpers import server_config
+from workflow_scripts.common.identity import verifier_fingerprint
 from workflow_scripts.common.server_args import result_args
 from workflow_scripts.generate.requests import (
     history_message,
@@ -11,7 +12,6 @@ from workflow_scripts.generate.requests import (
     request_payload,
     sample_seed,
     server_identity,
-    verifier_fingerprint,
 )
 from workflow_scripts.runtime.spec import ServerSpec
 

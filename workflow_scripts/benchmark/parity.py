@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from workflow_scripts.common.atomic import read_jsonl, write_json
 from workflow_scripts.common.config import typed
+from workflow_scripts.common.output_cache import reuse_or_make
 from workflow_scripts.common.train_metrics import exported_eval
 
 # Importing a backend registers it (as in the hidden_states stage, whose backends replay uses).
@@ -171,7 +172,7 @@ def check_prompt_format(streams: list[dict], expected: dict[str, list[int]]) -> 
 
 def main(smk) -> None:
     """The parity rule's job (rules/benchmark.smk)."""
-    with stage(smk, claim_gpus=False):
+    with stage(smk, claim_gpus=False) as log:
         extraction = extraction_job(
             smk.input.verifier,
             smk.params.hidden_states,
@@ -182,18 +183,22 @@ def main(smk) -> None:
             threads=smk.threads,
             gpus=int(smk.resources.get("gpu", 0) or 0),
         )
-        run_parity(
-            extraction,
-            draft_dir=smk.input.draft,
-            vocab_map=smk.input.vocab_map,
-            streams_path=smk.input.streams,
-            benchmark_report=smk.input.report,
-            metrics_path=smk.input.metrics,
-            prompts_path=smk.input.prompts,
-            out=smk.output.report,
-            chat_template_kwargs=smk.params.chat_template_kwargs,
-            greedy_data=smk.params.synth_temperature == 0,
-            cfg=typed(ParityConfig, smk.params.parity, "parity"),
+        reuse_or_make(
+            smk,
+            lambda: run_parity(
+                extraction,
+                draft_dir=smk.input.draft,
+                vocab_map=smk.input.vocab_map,
+                streams_path=smk.input.streams,
+                benchmark_report=smk.input.report,
+                metrics_path=smk.input.metrics,
+                prompts_path=smk.input.prompts,
+                out=smk.output.report,
+                chat_template_kwargs=smk.params.chat_template_kwargs,
+                greedy_data=smk.params.synth_temperature == 0,
+                cfg=typed(ParityConfig, smk.params.parity, "parity"),
+            ),
+            log,
         )
 
 

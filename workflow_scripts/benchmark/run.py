@@ -24,6 +24,7 @@ from tqdm import tqdm
 from workflow_scripts.benchmark.metrics import acceptance, counter_delta, spec_decode_counters
 from workflow_scripts.common.atomic import read_jsonl, write_json, write_jsonl
 from workflow_scripts.common.config import typed
+from workflow_scripts.common.output_cache import reuse_or_make
 from workflow_scripts.runtime.client import ChatClient
 from workflow_scripts.runtime.launch import VllmServer
 from workflow_scripts.runtime.smk import stage
@@ -64,35 +65,43 @@ class Workload:
 
 def main_baseline(smk) -> None:
     """The baseline rule's job (rules/benchmark.smk): the verifier alone, once per run."""
-    with stage(smk):
+    with stage(smk) as log:
         server = ServerConfig.from_section(smk.config["server"])
         # request_timeout_s is operational: from the config, so that changing it reruns nothing.
         workload = Workload(**smk.params.workload, request_timeout_s=smk.config["benchmark"]["request_timeout_s"])
-        run_baseline(
-            smk.input.prompts,
-            smk.input.verifier,
-            smk.output.report,
-            vllm_log_prefix(smk.log[0]),
-            server=ServerSpec.from_config(server, smk.input.verifier),
-            workload=workload,
+        reuse_or_make(
+            smk,
+            lambda: run_baseline(
+                smk.input.prompts,
+                smk.input.verifier,
+                smk.output.report,
+                vllm_log_prefix(smk.log[0]),
+                server=ServerSpec.from_config(server, smk.input.verifier),
+                workload=workload,
+            ),
+            log,
         )
 
 
 def main(smk) -> None:
     """The benchmark rule's job (rules/benchmark.smk): one variant's draft in vLLM."""
-    with stage(smk):
+    with stage(smk) as log:
         server = ServerConfig.from_section(smk.config["server"])
-        run_benchmark(
-            smk.input.prompts,
-            smk.input.verifier,
-            smk.input.draft,
-            smk.output.report,
-            vllm_log_prefix(smk.log[0]),
-            server=ServerSpec.from_config(server, smk.input.verifier),
-            cfg=typed(BenchmarkConfig, smk.params.benchmark, "benchmark"),
-            chat_template_kwargs=smk.params.chat_template_kwargs,
-            baseline=smk.input.baseline or None,
-            streams_out=smk.output.streams,
+        reuse_or_make(
+            smk,
+            lambda: run_benchmark(
+                smk.input.prompts,
+                smk.input.verifier,
+                smk.input.draft,
+                smk.output.report,
+                vllm_log_prefix(smk.log[0]),
+                server=ServerSpec.from_config(server, smk.input.verifier),
+                cfg=typed(BenchmarkConfig, smk.params.benchmark, "benchmark"),
+                chat_template_kwargs=smk.params.chat_template_kwargs,
+                baseline=smk.input.baseline or None,
+                streams_out=smk.output.streams,
+            ),
+            log,
         )
 
 

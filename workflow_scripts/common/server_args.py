@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 # Flags that change how a server runs (where it listens, what it is called, how it is split
 # across GPUs, whether it captures CUDA graphs), never a reply or a hidden state. `--model` is
-# the verifier's path: its content is keyed apart (generate.requests.verifier_fingerprint),
+# the verifier's path: its content is keyed apart (common.identity.verifier_fingerprint),
 # and a path must not restale (docs/invalidation.md).
 # Every other flag, including any in server.extra_args, counts as one that changes results.
 RUN_ONLY_FLAGS = frozenset(

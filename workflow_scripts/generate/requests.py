@@ -12,14 +12,10 @@ import hashlib
 import json
 import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
+from workflow_scripts.common.identity import verifier_fingerprint
 from workflow_scripts.common.server_args import result_args
-
-# Files read whole into the verifier fingerprint; larger ones by name, size, head and tail.
-SMALL_FILE_BYTES = 1 << 20
-EDGE_BYTES = 1 << 20
 
 
 def sample_seed(run_seed: int, prompt_id: str, turn: int) -> int:
@@ -73,37 +69,3 @@ def server_identity(verifier_dir: str | os.PathLike, argv: Sequence[str]) -> dic
     """What decides the server's replies besides the request: the verifier's files and the
     flags of the server's `argv` that can change a reply (common.server_args)."""
     return {"verifier": verifier_fingerprint(verifier_dir), "server": result_args(argv)}
-
-
-def verifier_fingerprint(model_dir: str | os.PathLike) -> str:
-    """A cheap content fingerprint of a model directory (symlinks followed).
-
-    Config, tokenizer, chat template and custom code are hashed whole; weight files by name,
-    size and their first and last MiB, which is seconds for a terabyte checkpoint. Copying or
-    re-linking the same files keeps the fingerprint; mtimes do not count.
-    """
-    root = Path(model_dir)
-    if not root.is_dir():
-        raise FileNotFoundError(f"verifier directory {root} does not exist (prepare_verifier makes it)")
-    h = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.is_file() and not _ignored(p.relative_to(root))):
-        size = path.stat().st_size
-        h.update(f"{path.relative_to(root).as_posix()}\0{size}\0".encode())
-        with open(path, "rb") as fh:
-            if size <= SMALL_FILE_BYTES:
-                h.update(fh.read())
-            else:
-                h.update(fh.read(EDGE_BYTES))
-                fh.seek(size - EDGE_BYTES)
-                h.update(fh.read(EDGE_BYTES))
-    return h.hexdigest()[:32]
-
-
-def _ignored(rel: Path) -> bool:
-    """Files that cannot change a reply: docs, VCS metadata, caches, and eagleflow's own notes
-    (`eagleflow_source.json` names where the embedded GGUF was found: a path, not weights)."""
-    return (
-        any(part.startswith(".") or part == "__pycache__" for part in rel.parts)
-        or rel.name.startswith("eagleflow_")
-        or rel.suffix.lower() in (".md", ".png", ".jpg")
-    )

@@ -12,6 +12,7 @@ from typing import Any
 
 from workflow_scripts.common.atomic import write_safetensors
 from workflow_scripts.common.config import typed
+from workflow_scripts.common.output_cache import OutputCache
 from workflow_scripts.common.server_args import result_args
 
 # Importing a backend registers it. hf_server runs in its own process (the hf backend's
@@ -20,7 +21,6 @@ from workflow_scripts.hidden_states import hf, hf_server, vllm  # noqa: F401
 from workflow_scripts.hidden_states.backend import ExtractionJob, HiddenStatesConfig, open_backend
 from workflow_scripts.hidden_states.layers import CONVENTION, resolve_aux_layer_ids, verifier_geometry
 from workflow_scripts.hidden_states.shards import (
-    ShardCache,
     check_disk_space,
     samples_for_shard,
     shard_key,
@@ -103,10 +103,13 @@ def run_shard(
         raise ValueError(f"shard {shard} of {num_shards} has no samples: lower hidden_states.num_shards")
     geometry = verifier_geometry(verifier_dir)
     layer_ids = resolve_aux_layer_ids(settings.aux_layer_ids, geometry)
-    cache = ShardCache(Path(out).parent)
+    # Snakemake removes every output of a failed group job (under SLURM all shard jobs are one
+    # group), and restales shards when a setting that cannot change them changes (linger_s,
+    # concurrency) or an upstream file is rewritten with the same bytes.
+    cache = OutputCache(Path(out).parent / ".done", f"shard-{shard:05d}")
     server_args = result_args(ServerSpec.from_config(server, verifier_dir).command(0)) if server else None
     key = shard_key(samples, verifier_dir, content_settings(settings, server_args, layer_ids, trust_remote_code, code))
-    if cache.restore(shard, key, out):
+    if cache.restore(key, {"shard": out}):
         log.info("shard %d/%d: made from the same inputs before; linked from %s", shard, num_shards, cache.dir)
         return
     # The backends hand over states in the extraction dtype; fp8 is quantized on write.
@@ -143,7 +146,7 @@ def run_shard(
         "convention": CONVENTION,
     }
     write_safetensors(out, shard_tensors(samples, states, settings.dtype, targets), metadata)
-    cache.keep(shard, key, out)
+    cache.keep(key, {"shard": out})
     log.info(
         "shard %d/%d (%s): %d samples, %d tokens in %.1f s -> %s",
         shard,

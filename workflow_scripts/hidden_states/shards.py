@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -52,42 +51,6 @@ def check_disk_space(
             "(hidden_states.mode: online); `python -m workflow_scripts.plan` shows the whole run's needs"
         )
     return need
-
-
-class ShardCache:
-    """Finished shards by what they were made from, as hard links in `<shards>/.done/`
-    (no extra space): `shard-<k>.<key>.safetensors`, one entry per shard index.
-
-    Snakemake removes every output of a failed group job, the shards that finished included
-    (under SLURM all shard jobs are one group), and restales shards when a setting that cannot
-    change them changes (linger_s, concurrency). A shard job whose key is here links the shard
-    back instead of extracting it again."""
-
-    def __init__(self, shards_dir: str | os.PathLike):
-        self.dir = Path(shards_dir) / ".done"
-
-    def _entry(self, shard: int, key: str) -> Path:
-        return self.dir / f"shard-{shard:05d}.{key}.safetensors"
-
-    def restore(self, shard: int, key: str, out: str | os.PathLike) -> bool:
-        entry = self._entry(shard, key)
-        if not entry.exists():
-            return False
-        tmp = Path(out).with_name(f".{Path(out).name}.restore.tmp")
-        tmp.unlink(missing_ok=True)
-        os.link(entry, tmp)
-        os.replace(tmp, out)
-        return True
-
-    def keep(self, shard: int, key: str, out: str | os.PathLike) -> None:
-        """Link the finished shard `out` in, dropping this shard's entries of other keys."""
-        self.dir.mkdir(parents=True, exist_ok=True)
-        entry = self._entry(shard, key)
-        for old in self.dir.glob(f"shard-{shard:05d}.*.safetensors"):
-            if old != entry:
-                old.unlink(missing_ok=True)
-        if not entry.exists():
-            os.link(out, entry)
 
 
 def shard_key(samples: list[dict[str, Any]], verifier_dir: str, settings: dict[str, Any]) -> str:

@@ -7,6 +7,7 @@ group that is killed as a whole on every exit path, SIGTERM from Snakemake inclu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -16,9 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from workflow_scripts.common.atomic import write_text
+from workflow_scripts.common.config import typed
+from workflow_scripts.common.fingerprint import value_fingerprint
+from workflow_scripts.common.output_cache import OutputCache
 from workflow_scripts.runtime.process import kill_group, package_env
 from workflow_scripts.runtime.smk import stage
-from workflow_scripts.train.loop import run_from_json
+from workflow_scripts.train.loop import TrainConfig, TrainJob, job_fingerprint, run_from_json
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +48,28 @@ def main(smk) -> None:
             "cfg": smk.params.train,
             "threads": smk.threads,
         }
-        run_stage(spec, smk.params.train["nproc_per_node"])
+        train_or_restore(spec, smk.params.train["nproc_per_node"])
+
+
+def train_or_restore(spec: dict[str, Any], nproc: int) -> None:
+    """Train as run_stage does, unless a run with the same key (config, inputs, training code
+    and the verifier the draft names) finished before: then its draft and metrics are linked
+    back, with no process started and no step run. Snakemake reruns train whenever a file
+    upstream is rewritten, with the same bytes too (generate's code changed, no request did)."""
+    job = TrainJob(**{f.name: spec[f.name] for f in dataclasses.fields(TrainJob) if f.name in spec})
+    key = value_fingerprint([job_fingerprint(job, typed(TrainConfig, spec["cfg"], "train")), job.serve_verifier_path])
+    cache = OutputCache(Path(job.checkpoint_dir).parent / "done", "draft")
+    outputs = {"draft": job.draft_out, "metrics": job.metrics_out}
+    if cache.restore(key, outputs):
+        log.info(
+            "this draft was trained from the same config, inputs and code before (key %s): draft and metrics "
+            "linked back from %s; 0 training steps",
+            key,
+            cache.dir,
+        )
+        return
+    run_stage(spec, nproc)
+    cache.keep(key, outputs)
 
 
 def served_verifier(path: str) -> str:

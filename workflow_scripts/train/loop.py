@@ -347,6 +347,19 @@ def target_agreement(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 # --- the loop --------------------------------------------------------------------------------
 
 
+def job_fingerprint(job: TrainJob, cfg: TrainConfig) -> str:
+    """What a training run is: its config, inputs and the code that trains (the checkpoints'
+    key, and with the named verifier the finished draft's)."""
+    return training_fingerprint(
+        dataclasses.asdict(cfg),
+        job.index,
+        job.vocab_map,
+        job.shards or job.dataset,
+        code_fingerprint("workflow_scripts.train.loop"),
+        online=job.online,
+    )
+
+
 def run_train(job: TrainJob, cfg: TrainConfig, on_step_end: StepCallback | None = None) -> None:
     """Train a draft as `cfg` says on `job`'s inputs and export the best one."""
     torch.set_num_threads(job.threads)
@@ -424,14 +437,7 @@ class Trainer:
         from speculators.losses import resolve_loss_config
 
         torch.manual_seed(cfg.seed)
-        fingerprint = training_fingerprint(
-            dataclasses.asdict(cfg),
-            job.index,
-            job.vocab_map,
-            job.shards or job.dataset,
-            code_fingerprint("workflow_scripts.train.loop"),
-            online=job.online,
-        )
+        fingerprint = job_fingerprint(job, cfg)
         # Data: the shards' samples, or (online) the dataset's tokens and the verifier.
         states = None
         vocab = load_file(job.vocab_map)
