@@ -41,9 +41,12 @@ from hidden_states_overhead import plain  # noqa: E402 (a sibling bench script)
 from workflow_scripts.common.config import typed  # noqa: E402
 from workflow_scripts.hidden_states.forward import extract  # noqa: E402
 from workflow_scripts.hidden_states.layers import default_aux_layer_ids  # noqa: E402
+from workflow_scripts.train.config import TrainConfig  # noqa: E402
 from workflow_scripts.train.data import Sample, collate, pack  # noqa: E402
+from workflow_scripts.train.device import init_runtime  # noqa: E402
 from workflow_scripts.train.draft import build_draft  # noqa: E402
-from workflow_scripts.train.loop import TrainConfig, init_runtime, metric_keys, train_step  # noqa: E402
+from workflow_scripts.train.evaluation import metric_keys  # noqa: E402
+from workflow_scripts.train.steps import train_step  # noqa: E402
 
 LLAMA_8B = {
     "hidden_size": 4096,

@@ -38,9 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.train_inputs import make_train_inputs
 from workflow_scripts.common.atomic import read_jsonl
 from workflow_scripts.common.config import typed
+from workflow_scripts.train.config import TrainConfig, TrainJob
 from workflow_scripts.train.data import collate, load_shards, pack
 from workflow_scripts.train.draft import build_draft
-from workflow_scripts.train.loop import TrainConfig, TrainJob, run_train
+from workflow_scripts.train.loop import run_train
 
 
 def smollm2_geometry_verifier(out: Path) -> Path:

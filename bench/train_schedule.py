@@ -22,7 +22,8 @@ from pathlib import Path
 import yaml
 
 from workflow_scripts.common.config import typed
-from workflow_scripts.train.loop import TrainConfig, TrainJob, run_train
+from workflow_scripts.train.config import TrainConfig, TrainJob
+from workflow_scripts.train.loop import run_train
 
 
 def main(run_dir: str, schedules: list[str]) -> None:

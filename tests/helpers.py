@@ -76,7 +76,7 @@ def hidden_states_config(**overrides):
 
 def train_config(**overrides):
     from workflow_scripts.common.config import typed
-    from workflow_scripts.train.loop import TrainConfig
+    from workflow_scripts.train.config import TrainConfig
 
     return typed(TrainConfig, config_section("train", **overrides), "train")
 

@@ -15,8 +15,9 @@ from workflow_scripts.common.verifier_config import draft_attention_geometry, re
 from workflow_scripts.common.verifier_weights import load_verifier_embeddings, load_verifier_lm_head
 from workflow_scripts.hidden_states.run import run_shard
 from workflow_scripts.hidden_states.shards import write_index
+from workflow_scripts.train.config import TrainJob
 from workflow_scripts.train.draft import draft_layer_config, load_draft
-from workflow_scripts.train.loop import TrainJob, run_train
+from workflow_scripts.train.loop import run_train
 
 TRAIN_CFG = {
     "num_layers": 1,

@@ -144,7 +144,8 @@ def test_a_draft_trained_without_the_verifier_norm_is_caught(run, tmp_path, monk
     those same targets."""
     from tests.helpers import train_config
     from workflow_scripts.train import draft as draft_module
-    from workflow_scripts.train.loop import TrainJob, run_train
+    from workflow_scripts.train.config import TrainJob
+    from workflow_scripts.train.loop import run_train
 
     # The weight a fresh draft's verifier_norm has when nothing is loaded into it.
     monkeypatch.setattr(draft_module, "load_verifier_final_norm", lambda verifier_dir: torch.ones(576))

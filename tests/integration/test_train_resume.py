@@ -30,17 +30,12 @@ from workflow_scripts.train.checkpoint import (
     unflatten_state,
 )
 from workflow_scripts.train.data import collate, load_shards, pack
+from workflow_scripts.train.device import Runtime, resolve_impls
 from workflow_scripts.train.draft import build_draft
+from workflow_scripts.train.evaluation import evaluate, metric_keys
 from workflow_scripts.train.launch import run_stage
-from workflow_scripts.train.loop import (
-    Runtime,
-    evaluate,
-    lr_at,
-    metric_keys,
-    resolve_impls,
-    run_from_json,
-    steps_in,
-)
+from workflow_scripts.train.loop import run_from_json
+from workflow_scripts.train.steps import lr_at, steps_in
 
 TRAIN_LENGTHS = [30, 25, 40, 20, 35, 28, 33, 22, 38, 26, 31, 24]
 EVAL_LENGTHS = [30, 35, 25]

@@ -86,9 +86,9 @@ def test_longest_request_is_estimated_on_the_long_side():
     two = {"id": "b", "turns": ["y" * 30, "z" * 30], "system": "s" * 60}
     # 300 characters at 3 per token, two messages of template, one reply of 100.
     assert longest_request_tokens([one], 100) == 100 + 2 * 16 + 100
-    # The second turn's request holds the first reply as well.
-    assert longest_request_tokens([two], 100) == 40 + 3 * 16 + 200
-    assert longest_request_tokens([one, two], 100) == 288
+    # The second turn's request holds the first reply as well: system, two turns of two messages.
+    assert longest_request_tokens([two], 100) == 40 + 5 * 16 + 200
+    assert longest_request_tokens([one, two], 100) == 320
     assert longest_request_tokens([one], None) is None and longest_request_tokens([], 100) is None
 
 

@@ -13,18 +13,9 @@ from transformers import AutoModelForCausalLM
 from tests.helpers import REPO
 from workflow_scripts.common.atomic import write_jsonl
 from workflow_scripts.load_plan import RunInfoLine
-from workflow_scripts.plan import (
-    Geometry,
-    draft_export_bytes,
-    draft_params,
-    estimated_weight_bytes,
-    load_merged_config,
-    make_plan,
-    planned_disk_line,
-    render,
-    summary_line,
-    tokens_from_prompts,
-)
+from workflow_scripts.plan import load_merged_config, make_plan, planned_disk_line, render, summary_line
+from workflow_scripts.plan_sizes import Geometry, draft_export_bytes, draft_params, estimated_weight_bytes
+from workflow_scripts.plan_tokens import tokens_from_prompts
 from workflow_scripts.train.draft import build_draft, export_draft
 from workflow_scripts.variants import merged
 
@@ -34,9 +25,10 @@ REPO_CONFIG = load_merged_config([], REPO)
 def test_prompt_tokens_bound_each_turn_with_every_earlier_turn_and_reply():
     prompts = [{"turns": ["a" * 40, "b" * 80]}, {"system": "s" * 8, "turns": ["c" * 4]}]
     t = tokens_from_prompts(prompts, max_tokens=100, max_seq_len=200, source="x")
-    # turn 1: 10 + 16 + 100; turn 2 adds 20 + 16 + 100 (cut at 200); the system prompt 2 + 16.
+    # At 3 characters per token and two messages of template per turn (common.token_estimate):
+    # turn 1: 13 + 32 + 100; turn 2 adds 26 + 32 + 100 (cut at 200); the system prompt 2 + 16.
     assert t.samples == 3 and t.longest == 200
-    assert t.tokens == 126 + 200 + (18 + 1 + 16 + 100)
+    assert t.tokens == 145 + 200 + (2 + 16 + 1 + 32 + 100)
 
 
 def test_weight_estimate_matches_real_checkpoints_of_every_family(tiny_verifier):

@@ -13,7 +13,7 @@ from workflow_scripts.hidden_states.shards import read_shard_header, shard_tenso
 from workflow_scripts.hidden_states.storage import num_stored_states, shard_bytes, token_bytes
 from workflow_scripts.hidden_states.targets import FILL, TopkHead, dense_targets, draft_index
 from workflow_scripts.train.data import collate, load_shards
-from workflow_scripts.train.loop import to_device
+from workflow_scripts.train.steps import to_device
 
 
 def test_topk_head_gives_the_verifiers_own_largest_logits(tiny_llama_dir):

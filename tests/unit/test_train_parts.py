@@ -3,7 +3,8 @@ import math
 import torch
 
 from workflow_scripts.train.data import Sample, collate, pack, shift
-from workflow_scripts.train.loop import lr_at, summarise
+from workflow_scripts.train.evaluation import summarise
+from workflow_scripts.train.steps import lr_at
 
 
 def test_shift_pairs_next_token_with_current_state():

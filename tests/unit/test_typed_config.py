@@ -14,7 +14,7 @@ from workflow_scripts.hidden_states.backend import HiddenStatesConfig, VllmExtra
 from workflow_scripts.prompts import PromptsConfig
 from workflow_scripts.runtime.spec import ServerConfig
 from workflow_scripts.synth.run import Parsing
-from workflow_scripts.train.loop import TrainConfig
+from workflow_scripts.train.config import TrainConfig
 from workflow_scripts.vocab import VocabConfig
 
 SECTIONS = {

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from workflow_scripts.common.atomic import read_jsonl, write_json
 from workflow_scripts.common.replies import write_replies
+from workflow_scripts.common.token_estimate import turn_contexts
 from workflow_scripts.generate.requests import history_message, request_key, request_payload, server_identity
 from workflow_scripts.generate.store import ResponseStore
 from workflow_scripts.runtime.client import ChatClient, RequestFailed, RetryPolicy
@@ -197,24 +198,14 @@ async def _from_server(
     return done
 
 
-CHARS_PER_TOKEN = 3  # under the usual ~4 of English text: an estimate on the long side
-TEMPLATE_TOKENS = 16  # the chat template's tokens around each message
-
-
 def longest_request_tokens(conversations: list[dict[str, Any]], max_tokens: int | None) -> int | None:
     """An upper estimate of the tokens the longest request of `conversations` holds in the
-    server's KV cache at its end: its system prompt and user turns (by characters), the
-    replies to its earlier turns and its own, each at most `max_tokens`. None without a
+    server's KV cache at its end (common.token_estimate): its system prompt and user turns,
+    the replies to its earlier turns and its own, each at most `max_tokens`. None without a
     max_tokens. Pure."""
     if not max_tokens or not conversations:
         return None
-
-    def tokens(p: dict[str, Any]) -> int:
-        chars = len(p.get("system") or "") + sum(len(t) for t in p["turns"])
-        messages = len(p["turns"]) + 1
-        return chars // CHARS_PER_TOKEN + TEMPLATE_TOKENS * messages + len(p["turns"]) * max_tokens
-
-    return max(tokens(p) for p in conversations)
+    return max(turn_contexts(p, max_tokens)[-1] for p in conversations)
 
 
 def run_generate(

@@ -22,7 +22,8 @@ from workflow_scripts.common.fingerprint import value_fingerprint
 from workflow_scripts.common.output_cache import OutputCache
 from workflow_scripts.runtime.process import kill_group, package_env
 from workflow_scripts.runtime.smk import stage
-from workflow_scripts.train.loop import TrainConfig, TrainJob, job_fingerprint, run_from_json
+from workflow_scripts.train.config import TrainConfig, TrainJob
+from workflow_scripts.train.loop import job_fingerprint, run_from_json
 
 log = logging.getLogger(__name__)
 

@@ -1,10 +1,8 @@
 """The training loop, top to bottom: setup (data, model, optimizer), resume, the step loop
 (step, log, validate, checkpoint), export.
 
-Validation runs on the held-out split every `eval_every` steps and at the end of every
-epoch; the draft exported is the one with the lowest validation loss. The estimated
-acceptance length of a chain draft is 1 + sum_k full_acc_k, where full_acc_k is the
-fraction of positions whose first k+1 draft tokens were all correct.
+Validation (train/evaluation.py) runs on the held-out split every `eval_every` steps and at
+the end of every epoch; the draft exported is the one with the lowest validation loss.
 
 Data parallel: under torchrun every rank runs this same loop. A step consumes `world_size`
 consecutive batches of the epoch's packing, one per rank; each rank scales its loss by
@@ -19,16 +17,11 @@ from the newest one and produces the same metrics rows and weights as an uninter
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import importlib.util
 import logging
-import math
-import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
-from contextlib import nullcontext
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,12 +31,9 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from tqdm import tqdm
 
-from workflow_scripts.common.acceptance import AcceptanceCounts, generated_spans, walk
 from workflow_scripts.common.atomic import atomic_path, write_jsonl
 from workflow_scripts.common.config import typed
 from workflow_scripts.common.fingerprint import code_fingerprint
-from workflow_scripts.hidden_states.targets import dense_targets
-from workflow_scripts.train.attention import DOC_SDPA
 from workflow_scripts.train.checkpoint import (
     TrainState,
     latest_checkpoint,
@@ -52,9 +42,13 @@ from workflow_scripts.train.checkpoint import (
     trainable_state,
     training_fingerprint,
 )
+from workflow_scripts.train.config import TrainConfig, TrainJob
 from workflow_scripts.train.data import Sample, collate, load_shards, pack
-from workflow_scripts.train.draft import build_draft, export_draft, take_precomputed_targets, verifier_ids
+from workflow_scripts.train.device import Runtime, init_runtime
+from workflow_scripts.train.draft import build_draft, export_draft, take_precomputed_targets
+from workflow_scripts.train.evaluation import evaluate, metric_keys, summarise
 from workflow_scripts.train.online import TokenSample, VerifierStates, load_token_samples, open_verifier
+from workflow_scripts.train.steps import Window, lr_at, steps_in, train_step
 
 log = logging.getLogger(__name__)
 
@@ -63,285 +57,10 @@ log = logging.getLogger(__name__)
 StepCallback = Callable[[int], None]
 
 
-@dataclass(frozen=True)
-class TrainConfig:
-    """The `train` config section."""
-
-    num_layers: int
-    ttt_steps: int
-    ttt_step_loss_decay: float
-    loss: str
-    loss_implementation: str
-    attn_impl: str
-    sliding_window: int | None
-    draft_attention: str
-    lr: float
-    weight_decay: float
-    warmup_steps: int
-    grad_clip: float
-    epochs: int
-    batch_tokens: int
-    log_every: int
-    eval_every: int
-    checkpoint_every: int
-    keep_checkpoints: int
-    sample_fraction: float
-    nproc_per_node: int
-    seed: int
-    gpus: int
-
-
-@dataclass(frozen=True)
-class TrainJob:
-    """Where one training run reads and writes, and the threads of each process."""
-
-    shards: list[str]  # offline: the hidden-state shards (empty online)
-    vocab_map: str
-    index: str | None  # offline: the shards' index.json
-    verifier_dir: str
-    draft_out: str
-    metrics_out: str
-    checkpoint_dir: str  # resumable checkpoints, under <checkpoint_dir>/<fingerprint>/
-    serve_verifier_path: str  # the verifier path the exported draft names
-    threads: int
-    # Online mode (train/online.py): the dataset's train and eval parquet, the hidden_states
-    # settings the states are computed with, and the job's log (the load ledger sits by it).
-    dataset: list[str] = dataclasses.field(default_factory=list)
-    online: dict[str, Any] | None = None
-    log_path: str | None = None
-
-
-def lr_at(step: int, total: int, base_lr: float, warmup: int, min_ratio: float = 0.1) -> float:
-    """Linear warmup, then cosine decay to `min_ratio` * base_lr. Pure."""
-    if step < warmup:
-        return base_lr * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return base_lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def metric_keys(ttt_steps: int) -> list[str]:
-    """The per-batch {name_sum, name_total} metrics that summarise reads, in a fixed order
-    (every rank reduces the same vector). `num_batches` counts the batches summed."""
-    keys = ["num_batches", "loss_sum"]
-    for k in range(ttt_steps):
-        keys += [f"{n}_{k}_{t}" for n in ("loss", "full_acc", "cond_acc") for t in ("sum", "total")]
-    return keys
-
-
-def summarise(totals: dict[str, float], ttt_steps: int) -> dict[str, float]:
-    """Means from summed metrics (see metric_keys): loss per batch, accuracies per position. Pure."""
-
-    def ratio(name):
-        t = totals[f"{name}_total"]
-        return totals[f"{name}_sum"] / t if t else 0.0
-
-    out = {"loss": totals["loss_sum"] / max(1.0, totals["num_batches"])}
-    for k in range(ttt_steps):
-        out[f"loss_{k}"] = ratio(f"loss_{k}")
-        out[f"full_acc_{k}"] = ratio(f"full_acc_{k}")
-        out[f"cond_acc_{k}"] = ratio(f"cond_acc_{k}")
-    out["estimated_acceptance_length"] = 1.0 + sum(out[f"full_acc_{k}"] for k in range(ttt_steps))
-    return out
-
-
-def steps_in(num_batches: int, world_size: int) -> int:
-    return -(-num_batches // world_size)
-
-
 # --- device, attention and loss --------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Runtime:
-    rank: int
-    world_size: int
-    device: torch.device
-    attn_impl: str
-    loss_implementation: str
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    def autocast(self):
-        # bf16 compute on GPUs, float32 master weights; CPUs without bf16 units take slow paths in bf16.
-        return torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else nullcontext()
-
-    def sum_(self, t: torch.Tensor) -> torch.Tensor:
-        if self.world_size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return t
-
-
-def resolve_impls(attn_impl: str, loss_implementation: str, cuda: bool, triton: bool) -> tuple[str, str]:
-    """("auto" resolved) attention and loss implementations for the device. Pure.
-
-    Flex attention has no CPU backward and the fused loss is a Triton kernel, so on CPU
-    "auto" means doc_sdpa (SDPA per packed sample, train.attention) and the eager loss;
-    asking for them explicitly there is an error.
-    """
-    attn = attn_impl if attn_impl != "auto" else ("simple_flex_attention" if cuda else DOC_SDPA)
-    loss = loss_implementation if loss_implementation != "auto" else ("fused" if cuda and triton else "eager")
-    if attn == "simple_flex_attention" and not cuda:
-        raise ValueError(
-            "train.attn_impl: simple_flex_attention needs CUDA (flex "
-            "attention has no CPU backward); use auto, sdpa or eager"
-        )
-    if loss == "fused" and not (cuda and triton):
-        raise ValueError("train.loss_implementation: fused needs CUDA and Triton; use auto or eager")
-    return attn, loss
-
-
-def init_runtime(cfg: TrainConfig) -> Runtime:
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    cuda = torch.cuda.is_available()
-    if cuda:
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-    if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if cuda else "gloo")
-    attn, loss = resolve_impls(
-        cfg.attn_impl, cfg.loss_implementation, cuda, importlib.util.find_spec("triton") is not None
-    )
-    return Runtime(rank, world_size, device, attn, loss)
-
-
 # --- steps -----------------------------------------------------------------------------------
-
-
-def metrics_vector(metrics: dict[str, torch.Tensor] | None, keys: list[str], device: torch.device) -> torch.Tensor:
-    if metrics is None:  # this rank had no batch in this step
-        return torch.zeros(len(keys), dtype=torch.float64, device=device)
-    return torch.stack(
-        [torch.ones((), device=device) if k == "num_batches" else metrics[k].detach().float().reshape(()) for k in keys]
-    ).double()
-
-
-def to_device(batch: dict[str, torch.Tensor], device: torch.device, model=None) -> dict[str, torch.Tensor]:
-    """A collated batch on `device`, as the draft's forward takes it: the compact target's
-    top-k pairs become dense logits on `model`'s draft vocabulary there (the host sends k
-    pairs per token, not a row of the vocabulary), in the final state's place
-    (train.draft.take_precomputed_targets)."""
-    out = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-    if "target_ids" in out:
-        vocab = model.lm_head.weight.shape[0]
-        out["verifier_last_hidden_states"] = dense_targets(out.pop("target_ids"), out.pop("target_logits"), vocab)
-    return out
-
-
-def train_step(
-    model, params, optimizer, batch, rt: Runtime, fwd_kwargs, *, lr: float, loss_scale: float, grad_clip: float, keys
-):
-    """One optimizer step on this rank's `batch` (None: no batch for this rank in this step).
-
-    Returns (grad_norm, summed metrics vector over all ranks) as device tensors: nothing here
-    waits for the device.
-    """
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    metrics = None
-    if batch is not None:
-        with rt.autocast():
-            _, loss, metrics = model(**to_device(batch, rt.device, model), **fwd_kwargs)
-        (loss * loss_scale).backward()
-    if rt.world_size > 1:
-        all_reduce_grads(params)
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return grad_norm, rt.sum_(metrics_vector(metrics, keys, rt.device))
-
-
-def all_reduce_grads(params: list[torch.nn.Parameter]) -> None:
-    """Sum gradients across ranks, in place (a rank without a batch adds zeros). One
-    asynchronous all-reduce per parameter: no flat copy of a large draft's gradients."""
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    handles = [dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, async_op=True) for p in params]
-    for h in handles:
-        h.wait()
-
-
-@torch.no_grad()
-def evaluate(
-    model, samples, batch_tokens: int, fwd_kwargs: dict[str, Any], rt: Runtime, keys: list[str]
-) -> dict[str, float]:
-    """Validation metrics over all of `samples`; under data parallel each rank takes every
-    world_size-th batch and the sums are reduced."""
-    model.eval()
-    total = torch.zeros(len(keys), dtype=torch.float64, device=rt.device)
-    agreement = torch.zeros(2, dtype=torch.float64, device=rt.device)
-    k = fwd_kwargs["ttt_steps"]
-    walked = AcceptanceCounts(k)
-    for i, batch in enumerate(pack(samples, batch_tokens, shuffle_seed=None)):
-        if i % rt.world_size != rt.rank:
-            continue
-        inputs = to_device(collate([samples[j] for j in batch], batch_tokens), rt.device, model)
-        with rt.autocast():
-            drafts, _, m = model(**inputs, **fwd_kwargs)
-            agreement += target_agreement(model, inputs)
-        total += metrics_vector(m, keys, rt.device)
-        walked.add(walk_batch(model, inputs, drafts))
-    model.train()
-    agree, counted = rt.sum_(agreement).tolist()
-    walk_totals = rt.sum_(
-        torch.tensor([walked.drafts, *walked.accepted_per_pos], dtype=torch.float64, device=rt.device)
-    )
-    walked = AcceptanceCounts(k, int(walk_totals[0]), [int(x) for x in walk_totals[1:].tolist()])
-    out = summarise(dict(zip(keys, rt.sum_(total).tolist(), strict=True)), k)
-    return out | {
-        "walk_acceptance_length": walked.summary()["mean_acceptance_length"] if walked.drafts else None,
-        "target_agreement": agree / counted if counted else None,
-    }
-
-
-def walk_batch(model, batch: dict[str, torch.Tensor], drafts: list[torch.Tensor]) -> AcceptanceCounts:
-    """The anchors vLLM would visit on each assistant turn of a packed eval batch, with the
-    draft's own chains (speculators' teacher-forced steps, as benchmark.replay uses them), and
-    what each accepts: what vLLM's counters would say on the eval split, where the training
-    estimate (1 + sum full_acc_k) averages over every anchor instead.
-
-    Shifted alignment (train.data): position t pairs token t+1 with the state at t, so the
-    anchor of original position t is position t, and the stream is [x_0] + input_ids."""
-    k = len(drafts)
-    counts = AcceptanceCounts(k)
-    ids, docs, mask = (batch[name][0].tolist() for name in ("input_ids", "document_ids", "loss_mask"))
-    steps = [verifier_ids(model, d[0]).tolist() for d in drafts]
-    start = 0
-    while start < len(ids):
-        end = start + 1
-        while end < len(ids) and docs[end] == docs[start]:
-            end += 1
-        tokens = [-1, *ids[start:end]]  # x_0 is never compared: the first anchor is 0 at the earliest
-        proposals = [step[start:end] for step in steps]
-        for span_start, span_end in generated_spans([0, *mask[start:end]]):
-            counts.add(walk(tokens, span_start, proposals, span_end))
-        start = end
-    return counts
-
-
-def target_agreement(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """(agreeing, counted) positions of a packed batch: the argmax of the training targets,
-    verifier_lm_head(verifier_norm(final state)), against the token that follows in the data,
-    where that token is verifier-generated and in the draft vocabulary. On greedy data the two
-    are the same token up to rounding of the stored states; targets built without the
-    verifier's final norm, or from another layer, agree far less (the parity rule reads it).
-
-    Shifted alignment (train.data): the final state at position t predicts input_ids[t + 1]."""
-    targets = model.verifier_lm_head(model.verifier_norm(batch["verifier_last_hidden_states"][0]))
-    predicted = verifier_ids(model, targets.argmax(-1))
-    ids, docs, mask = batch["input_ids"][0], batch["document_ids"][0], batch["loss_mask"][0].bool()
-    following = ids[1:]
-    counted = mask[1:] & (docs[1:] == docs[:-1])
-    if model.use_draft_vocab:
-        counted &= model.t2d[following].bool()
-    agree = (predicted[:-1] == following) & counted
-    return torch.stack([agree.sum(), counted.sum()]).double()
 
 
 # --- the loop --------------------------------------------------------------------------------
@@ -379,34 +98,6 @@ def run_from_json(spec: dict[str, Any], on_step_end: StepCallback | None = None)
     fields and the train config section under "cfg", as JSON."""
     job = TrainJob(**{f.name: spec[f.name] for f in dataclasses.fields(TrainJob) if f.name in spec})
     run_train(job, typed(TrainConfig, spec["cfg"], "train"), on_step_end)
-
-
-@dataclass
-class Window:
-    """Train metrics summed since the last train row, with the tokens and training wall time
-    they took (validation time excluded)."""
-
-    sums: torch.Tensor
-    tokens: int
-    started: float
-
-    @classmethod
-    def restore(cls, saved: dict[str, float], keys: list[str], device: torch.device) -> Window:
-        sums = torch.tensor([saved.get(k, 0.0) for k in keys], dtype=torch.float64, device=device)
-        return cls(sums, int(saved.get("tokens", 0)), time.monotonic())
-
-    def saved(self, keys: list[str]) -> dict[str, float]:
-        return {**dict(zip(keys, self.sums.tolist(), strict=True)), "tokens": self.tokens}
-
-    def reset(self) -> None:
-        self.sums.zero_()
-        self.tokens, self.started = 0, time.monotonic()
-
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        paused_at = time.monotonic()
-        yield
-        self.started += time.monotonic() - paused_at
 
 
 @dataclass

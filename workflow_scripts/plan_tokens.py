@@ -1,0 +1,63 @@
+"""The plan's tokens (workflow_scripts.plan): exact once the dataset exists, else an upper
+bound from the prompts (common.token_estimate)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from workflow_scripts.common.token_estimate import CHARS_PER_TOKEN, turn_contexts
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """What the hidden-state stage will see: samples and their tokens."""
+
+    samples: int
+    tokens: int
+    longest: int
+    source: str  # where the figures come from, said in the plan
+
+
+def tokens_from_dataset(paths: list[Path]) -> Tokens:
+    import pyarrow.parquet as pq
+
+    lengths = [n for p in paths for n in pq.read_table(p, columns=["length"]).column("length").to_pylist()]
+    return Tokens(len(lengths), sum(lengths), max(lengths, default=0), "exact: " + ", ".join(map(str, paths)))
+
+
+def tokens_from_prompts(prompts: list[dict[str, Any]], max_tokens: int, max_seq_len: int, source: str) -> Tokens:
+    """Upper bound: one sample per turn, holding every earlier turn and reply
+    (common.token_estimate), cut at `max_seq_len`. Pure."""
+    lengths = [min(context, max_seq_len) for p in prompts for context in turn_contexts(p, max_tokens)]
+    return Tokens(len(lengths), sum(lengths), max(lengths, default=0), source)
+
+
+def planned_tokens(config: dict[str, Any], root: Path, assume_prompt_tokens: int) -> Tokens:
+    """Exact tokens from the dataset when it exists, else the upper bound from the prompts."""
+    dataset = [root / f"results/{config['run']}/dataset/{split}.parquet" for split in ("train", "eval")]
+    if all(p.exists() for p in dataset):
+        return tokens_from_dataset(dataset)
+    synth, cut = config["synth"]["max_tokens"], config["dataset"]["max_seq_len"]
+    prompts_cfg = config["prompts"]
+    source = root / prompts_cfg["source"]
+    if source.exists():
+        from workflow_scripts.prompts import load_prompts, split_prompts
+
+        train, _ = split_prompts(load_prompts(source), prompts_cfg["eval_fraction"], prompts_cfg["seed"])
+        train = train[: prompts_cfg["max_train"]] if prompts_cfg["max_train"] is not None else train
+        how = f"upper bound: {len(train)} train prompts of {source}, every reply at synth.max_tokens {synth}"
+        return tokens_from_prompts(train, synth, cut, how)
+    if prompts_cfg["max_train"] is None:
+        raise ValueError(
+            f"prompts.source {source} is not on this machine and prompts.max_train is not set: "
+            "the plan cannot count the samples"
+        )
+    n = prompts_cfg["max_train"]
+    assumed = [{"turns": ["x" * assume_prompt_tokens * CHARS_PER_TOKEN]}] * n
+    how = (
+        f"assumed: {source} is not on this machine; prompts.max_train {n} single-turn prompts of "
+        f"{assume_prompt_tokens} tokens, every reply at synth.max_tokens {synth}"
+    )
+    return tokens_from_prompts(assumed, synth, cut, how)

@@ -1,0 +1,56 @@
+"""The train stage's typed settings (TrainConfig, the `train` section) and where one training
+run reads and writes (TrainJob)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The `train` config section."""
+
+    num_layers: int
+    ttt_steps: int
+    ttt_step_loss_decay: float
+    loss: str
+    loss_implementation: str
+    attn_impl: str
+    sliding_window: int | None
+    draft_attention: str
+    lr: float
+    weight_decay: float
+    warmup_steps: int
+    grad_clip: float
+    epochs: int
+    batch_tokens: int
+    log_every: int
+    eval_every: int
+    checkpoint_every: int
+    keep_checkpoints: int
+    sample_fraction: float
+    nproc_per_node: int
+    seed: int
+    gpus: int
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """Where one training run reads and writes, and the threads of each process."""
+
+    shards: list[str]  # offline: the hidden-state shards (empty online)
+    vocab_map: str
+    index: str | None  # offline: the shards' index.json
+    verifier_dir: str
+    draft_out: str
+    metrics_out: str
+    checkpoint_dir: str  # resumable checkpoints, under <checkpoint_dir>/<fingerprint>/
+    serve_verifier_path: str  # the verifier path the exported draft names
+    threads: int
+    # Online mode (train/online.py): the dataset's train and eval parquet, the hidden_states
+    # settings the states are computed with, and the job's log (the load ledger sits by it).
+    dataset: list[str] = dataclasses.field(default_factory=list)
+    online: dict[str, Any] | None = None
+    log_path: str | None = None
