@@ -315,10 +315,9 @@ def test_online_training_loads_the_verifier_once_and_learns_from_its_states(unin
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
 def test_online_states_are_those_the_offline_stage_stores(inputs, tiny_llama_dir, tmp_path, dtype):
-    from workflow_scripts.common.atomic import write_safetensors
     from workflow_scripts.common.config import typed
     from workflow_scripts.hidden_states.forward import extract, load_verifier
-    from workflow_scripts.hidden_states.shards import shard_tensors
+    from workflow_scripts.hidden_states.shard_file import ShardMeta, write_shard
     from workflow_scripts.train.online import OnlineStates, VerifierStates, load_token_samples
 
     tokens, _ = load_token_samples(*inputs["dataset"], train_fraction=1.0)
@@ -336,8 +335,8 @@ def test_online_states_are_those_the_offline_stage_stores(inputs, tiny_llama_dir
         progress=False,
     )
     shard = tmp_path / "shard.safetensors"
-    metadata = {"sample_ids": json.dumps([t.id for t in tokens]), "aux_layer_ids": json.dumps(online.aux_layer_ids)}
-    write_safetensors(shard, shard_tensors(samples, stored, dtype), metadata)
+    hidden_size = stored[0][1].shape[1]
+    write_shard(shard, samples, stored, ShardMeta([t.id for t in tokens], online.aux_layer_ids, 0, hidden_size), dtype)
     want, _, _ = load_shards([str(shard)])
     # Online: per training batch, batches of other shapes.
     got = online.samples(tokens[:5]) + online.samples(tokens[5:])

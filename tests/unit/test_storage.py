@@ -1,13 +1,10 @@
 """Shard storage: fp8 states with per-token scales, what they cost per token, and the round
 trip through a shard file into training samples."""
 
-import json
-
 import pytest
 import torch
 
-from workflow_scripts.common.atomic import write_safetensors
-from workflow_scripts.hidden_states.shards import read_shard_header, shard_tensors
+from workflow_scripts.hidden_states.shard_file import ShardMeta, read_shard_header, write_shard
 from workflow_scripts.hidden_states.storage import (
     FP8,
     dequantize_fp8,
@@ -51,21 +48,19 @@ def test_token_bytes_for_kimi_k25_halve_with_fp8():
     assert extraction_dtype(FP8) == "bfloat16" and extraction_dtype("float32") == "float32"
 
 
-def write_shard(path, states, storage):
+def write_test_shard(path, states, storage):
     samples = [
         {"id": "p0#t0", "split": "train", "input_ids": list(range(5)), "loss_mask": [0, 0, 1, 1, 1]},
         {"id": "p1#t0", "split": "eval", "input_ids": list(range(7)), "loss_mask": [0, 1, 1, 1, 1, 1, 1]},
     ]
-    metadata = {"sample_ids": json.dumps([s["id"] for s in samples]), "aux_layer_ids": "[1, 2, 3]"}
-    metadata |= {"num_layers": "6", "hidden_size": "8"}
-    write_safetensors(path, shard_tensors(samples, states, storage), metadata)
+    write_shard(path, samples, states, ShardMeta([s["id"] for s in samples], [1, 2, 3], 6, 8), storage)
 
 
 def test_an_fp8_shard_reads_back_as_the_bf16_shard_within_rounding(tmp_path):
     g = torch.Generator().manual_seed(2)
     states = [(torch.randn(n, 24, generator=g).bfloat16(), torch.randn(n, 8, generator=g).bfloat16()) for n in (5, 7)]
-    write_shard(tmp_path / "bf16.safetensors", states, "bfloat16")
-    write_shard(tmp_path / "fp8.safetensors", states, FP8)
+    write_test_shard(tmp_path / "bf16.safetensors", states, "bfloat16")
+    write_test_shard(tmp_path / "fp8.safetensors", states, FP8)
     assert read_shard_header(str(tmp_path / "fp8.safetensors"))["dtype"] == "F8_E4M3"
     assert (tmp_path / "fp8.safetensors").stat().st_size < (tmp_path / "bf16.safetensors").stat().st_size
     want_train, want_eval, _ = load_shards([str(tmp_path / "bf16.safetensors")])

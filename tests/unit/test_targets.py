@@ -2,14 +2,12 @@
 state, stored in a shard, read back in the draft vocabulary, and made into the dense targets
 training's loss takes."""
 
-import json
-
 import pytest
 import torch
 
-from workflow_scripts.common.atomic import write_safetensors
 from workflow_scripts.common.config import ConfigError, load_config, validate_config
-from workflow_scripts.hidden_states.shards import read_shard_header, shard_tensors, write_index
+from workflow_scripts.hidden_states.shard_file import ShardMeta, read_shard_header, write_shard
+from workflow_scripts.hidden_states.shards import write_index
 from workflow_scripts.hidden_states.storage import num_stored_states, shard_bytes, token_bytes
 from workflow_scripts.hidden_states.targets import FILL, TopkHead, dense_targets, draft_index
 from workflow_scripts.train.data import collate, load_shards
@@ -70,9 +68,8 @@ def write_compact_shard(path, k: int = 3):
         ids = torch.stack([torch.randperm(10, generator=g)[:k] * 2 for _ in range(n)]).to(torch.int32)
         targets.append((ids, -torch.rand(n, k, generator=g).sort(-1, descending=True).values.half()))
     targets[0][0][3] = torch.tensor([1, 3, 5][:k], dtype=torch.int32)
-    metadata = {"sample_ids": json.dumps([s["id"] for s in samples]), "aux_layer_ids": "[1, 2, 3]"}
-    metadata |= {"num_layers": "6", "hidden_size": "8"}
-    write_safetensors(path, shard_tensors(samples, states, "bfloat16", targets), metadata)
+    meta = ShardMeta([s["id"] for s in samples], [1, 2, 3], num_layers=6, hidden_size=8)
+    write_shard(path, samples, states, meta, "bfloat16", targets)
     return samples, states, targets
 
 
@@ -114,8 +111,7 @@ def test_an_index_over_mixed_targets_is_refused(tmp_path):
     write_compact_shard(tmp_path / "a.safetensors")
     samples = [{"id": "p2#t0", "split": "train", "input_ids": [1, 2], "loss_mask": [1, 1]}]
     states = [(torch.zeros(2, 24).bfloat16(), torch.zeros(2, 8).bfloat16())]
-    metadata = {"sample_ids": '["p2#t0"]', "aux_layer_ids": "[1, 2, 3]", "num_layers": "6", "hidden_size": "8"}
-    write_safetensors(tmp_path / "b.safetensors", shard_tensors(samples, states), metadata)
+    write_shard(tmp_path / "b.safetensors", samples, states, ShardMeta(["p2#t0"], [1, 2, 3], 6, 8))
     with pytest.raises(ValueError, match="target_topk"):
         write_index([str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")], "v", str(tmp_path / "i.json"))
 

@@ -4,13 +4,11 @@ write the shard."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from pathlib import Path
 from typing import Any
 
-from workflow_scripts.common.atomic import write_safetensors
 from workflow_scripts.common.config import typed
 from workflow_scripts.common.output_cache import OutputCache
 from workflow_scripts.common.server_args import result_args
@@ -19,12 +17,12 @@ from workflow_scripts.common.server_args import result_args
 # server); imported here so that an edit to it restales the shards (common.fingerprint).
 from workflow_scripts.hidden_states import hf, hf_server, vllm  # noqa: F401
 from workflow_scripts.hidden_states.backend import ExtractionJob, HiddenStatesConfig, open_backend
-from workflow_scripts.hidden_states.layers import CONVENTION, resolve_aux_layer_ids, verifier_geometry
+from workflow_scripts.hidden_states.layers import resolve_aux_layer_ids, verifier_geometry
+from workflow_scripts.hidden_states.shard_file import ShardMeta, write_shard
 from workflow_scripts.hidden_states.shards import (
     check_disk_space,
     samples_for_shard,
     shard_key,
-    shard_tensors,
 )
 from workflow_scripts.hidden_states.storage import extraction_dtype, num_stored_states, torch_dtype
 from workflow_scripts.hidden_states.targets import TopkHead, head_device
@@ -136,16 +134,8 @@ def run_shard(
     if topk:  # the compact target: the verifier's top-k logits replace the final state
         head = TopkHead(verifier_dir, topk, head_device(settings.device))
         targets = [head(final) for _, final in states]
-    metadata = {
-        "sample_ids": json.dumps([s["id"] for s in samples]),
-        "aux_layer_ids": json.dumps(layer_ids),
-        "final_layer_id": str(geometry.num_layers),
-        "num_layers": str(geometry.num_layers),
-        "hidden_size": str(geometry.hidden_size),
-        "backend": backend_name,
-        "convention": CONVENTION,
-    }
-    write_safetensors(out, shard_tensors(samples, states, settings.dtype, targets), metadata)
+    meta = ShardMeta([s["id"] for s in samples], layer_ids, geometry.num_layers, geometry.hidden_size, backend_name)
+    write_shard(out, samples, states, meta, settings.dtype, targets)
     cache.keep(key, {"shard": out})
     log.info(
         "shard %d/%d (%s): %d samples, %d tokens in %.1f s -> %s",

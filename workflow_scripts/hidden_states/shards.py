@@ -1,6 +1,5 @@
-"""The shard format and the index: states and tokens of a shard's samples back to back,
-unpadded, in one safetensors file written atomically; the disk check before a shard is
-written; index.json over all shards."""
+"""Which samples go to a shard, a shard's cache key, the disk check before a shard is
+written, and index.json over all shards (the file format itself: hidden_states.shard_file)."""
 
 from __future__ import annotations
 
@@ -12,11 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
-import torch
 
 from workflow_scripts.common.atomic import write_json
-from workflow_scripts.hidden_states.layers import CONVENTION, States, vllm_layer_ids
-from workflow_scripts.hidden_states.storage import FP8, quantize_fp8, shard_bytes
+from workflow_scripts.hidden_states.layers import CONVENTION, vllm_layer_ids
+from workflow_scripts.hidden_states.shard_file import read_shard_header
+from workflow_scripts.hidden_states.storage import FP8, shard_bytes
 from workflow_scripts.runtime.shared_server import stop_idle_shared_servers
 from workflow_scripts.runtime.smk import stage
 
@@ -78,62 +77,6 @@ def samples_for_shard(train: str, eval_: str, shard: int, num_shards: int) -> li
             rows.append({**r, "split": split})
     rows.sort(key=lambda r: r["id"])
     return rows[shard::num_shards]
-
-
-def shard_tensors(
-    samples: list[dict[str, Any]],
-    states: list[States],
-    storage: str = "bfloat16",
-    targets: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-) -> dict[str, torch.Tensor]:
-    """The shard's tensors: states and tokens of all samples back to back, unpadded, the states
-    in `storage` (fp8 with a scale per token and state). With `targets` (the compact target,
-    hidden_states/targets.py: each sample's top-k ids and logits) they replace the final state. Pure."""
-    offsets = [0]
-    for s, (aux, final) in zip(samples, states, strict=True):
-        n = len(s["input_ids"])
-        if aux.shape[0] != n or final.shape[0] != n:
-            raise ValueError(f"sample {s['id']}: {n} tokens but states for {aux.shape[0]} / {final.shape[0]}")
-        offsets.append(offsets[-1] + n)
-    aux = torch.cat([a for a, _ in states])
-    hidden_size = states[0][1].shape[1]
-    scales = {}
-    if storage == FP8:
-        aux, scales["hidden_states_scale"] = quantize_fp8(aux, aux.shape[1] // hidden_size)
-    if targets is None:
-        final = torch.cat([f for _, f in states])
-        if storage == FP8:
-            final, scales["verifier_last_hidden_states_scale"] = quantize_fp8(final, 1)
-        target = {"verifier_last_hidden_states": final}
-    else:
-        target = {"target_ids": torch.cat([i for i, _ in targets]), "target_logits": torch.cat([v for _, v in targets])}
-    return {
-        "hidden_states": aux,
-        **target,
-        **scales,
-        "input_ids": torch.tensor([t for s in samples for t in s["input_ids"]], dtype=torch.int32),
-        "loss_mask": torch.tensor([t for s in samples for t in s["loss_mask"]], dtype=torch.int8),
-        "offsets": torch.tensor(offsets, dtype=torch.int64),
-        "is_eval": torch.tensor([s["split"] == "eval" for s in samples], dtype=torch.bool),
-    }
-
-
-def read_shard_header(path: str) -> dict[str, Any]:
-    from safetensors import safe_open
-
-    with safe_open(path, framework="pt") as f:
-        meta = f.metadata()
-        return {
-            "path": Path(path).name,
-            "num_samples": len(json.loads(meta["sample_ids"])),
-            "num_tokens": f.get_slice("input_ids").get_shape()[0],
-            "aux_layer_ids": json.loads(meta["aux_layer_ids"]),
-            "num_layers": int(meta["num_layers"]),
-            "hidden_size": int(meta["hidden_size"]),
-            "dtype": str(f.get_slice("hidden_states").get_dtype()),
-            "target_topk": f.get_slice("target_ids").get_shape()[1] if "target_ids" in f.keys() else 0,  # noqa: SIM118
-            "backend": meta.get("backend", "hf"),
-        }
 
 
 def main(smk) -> None:

@@ -12,15 +12,13 @@ vocabulary here; positions where none of them is in it leave the loss.
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
 
 from workflow_scripts.common.fingerprint import stable_fraction
-from workflow_scripts.hidden_states.storage import stored_states
+from workflow_scripts.hidden_states.shard_file import read_shard
 from workflow_scripts.hidden_states.targets import draft_index
 
 # Seed of the learning curve's subsets; fixed, so that subsets are the same in every run.
@@ -65,33 +63,25 @@ def load_shards(
     Shards with the compact target need the draft vocabulary (`t2d`, the vocab map's)."""
     train, evals, layer_ids = [], [], None
     for path in paths:
-        with safe_open(path, framework="pt") as f:
-            ids = json.loads(f.metadata()["aux_layer_ids"])
-            if layer_ids is not None and ids != layer_ids:
-                raise ValueError(f"{path}: aux_layer_ids {ids} differ from other shards ({layer_ids})")
-            layer_ids = ids
-            t = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is no dict)
-            sample_ids = json.loads(f.metadata()["sample_ids"])
-        offsets = t["offsets"].tolist()
-        aux = stored_states(t, "hidden_states", dtype)
-        final = stored_states(t, "verifier_last_hidden_states", dtype) if "verifier_last_hidden_states" in t else None
-        ids = logits = None
-        if final is None:
-            if t2d is None:
-                raise ValueError(f"{path}: the shard keeps top-k logits (hidden_states.target: topk); pass t2d")
-            ids, logits = draft_index(t2d)[t["target_ids"].long()], t["target_logits"].float()
-        for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:], strict=True)):
-            if not trained_on(sample_ids[i], b - a, bool(t["is_eval"][i]), train_fraction):
+        meta, samples = read_shard(path, dtype)
+        if layer_ids is not None and meta.aux_layer_ids != layer_ids:
+            raise ValueError(f"{path}: aux_layer_ids {meta.aux_layer_ids} differ from other shards ({layer_ids})")
+        layer_ids = meta.aux_layer_ids
+        if samples and samples[0].final is None and t2d is None:
+            raise ValueError(f"{path}: the shard keeps top-k logits (hidden_states.target: topk); pass t2d")
+        to_draft = draft_index(t2d) if t2d is not None else None
+        for s in samples:
+            if not trained_on(s.id, len(s.input_ids), s.is_eval, train_fraction):
                 continue
-            s = shift(
-                t["input_ids"][a:b].long(),
-                aux[a:b],
-                None if final is None else final[a:b],
-                t["loss_mask"][a:b].bool(),
-                None if ids is None else ids[a:b],
-                None if logits is None else logits[a:b],
+            shifted = shift(
+                s.input_ids,
+                s.aux,
+                s.final,
+                s.loss_mask,
+                None if s.target_ids is None else to_draft[s.target_ids],
+                s.target_logits,
             )
-            (evals if t["is_eval"][i] else train).append(s)
+            (evals if s.is_eval else train).append(shifted)
     return train, evals, layer_ids
 
 
