@@ -103,7 +103,7 @@ def main() -> None:
                 str(out / "benchmark.vllm"),
                 server=ServerSpec.from_config(server, verifier),
                 cfg=bench,
-                chat_template_kwargs=config["synth"]["chat_template_kwargs"],
+                chat_template_kwargs=config["generate"]["chat_template_kwargs"],
                 baseline=str(run / "baseline/report.json"),
                 streams_out=str(streams),
             )
@@ -126,8 +126,8 @@ def main() -> None:
                 metrics_path=str(run / "drafts/default/train/metrics.jsonl"),
                 prompts_path=str(run / "prompts/eval.jsonl"),
                 out=str(out / "parity.json"),
-                chat_template_kwargs=config["synth"]["chat_template_kwargs"],
-                greedy_data=config["synth"]["temperature"] == 0,
+                chat_template_kwargs=config["generate"]["chat_template_kwargs"],
+                greedy_data=config["generate"]["temperature"] == 0,
                 cfg=cfg,
             )
             lines.append(row(f"{fault} broken", parity))

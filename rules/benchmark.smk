@@ -75,7 +75,7 @@ rule parity:
         server=hidden_states_server(),
         trust_remote_code=config["verifier"]["trust_remote_code"],
         chat_template_kwargs=benchmark_chat_template_kwargs(),
-        synth_temperature=config["synth"]["temperature"],
+        synth_temperature=config["generate"]["temperature"],
         parity=section("parity"),
         code=code("parity"),
     script:

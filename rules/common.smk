@@ -197,8 +197,8 @@ def baseline_workload():
 
 
 def benchmark_chat_template_kwargs():
-    """The benchmark formats its prompts as synth formatted the training prompts."""
-    return _sorted(config["synth"]["chat_template_kwargs"])
+    """The benchmark formats its prompts as generate formatted the training prompts."""
+    return _sorted(config["generate"]["chat_template_kwargs"])
 
 
 def learning_curve_variants():
@@ -283,17 +283,17 @@ def verifier_source():
 
 def generate_requests():
     """What generate asks the verifier (the settings that change a request)."""
-    synth = config["synth"]
+    generate = config["generate"]
     sampling = {
-        k: synth[k]
+        k: generate[k]
         for k in ("max_tokens", "temperature", "top_p", "seed")
-        if synth[k] is not None
+        if generate[k] is not None
     }
     return _sorted(
         {
             "model": config["server"]["served_model_name"],
-            "sampling": sampling | synth["extra_body"],
-            "chat_template_kwargs": synth["chat_template_kwargs"],
+            "sampling": sampling | generate["extra_body"],
+            "chat_template_kwargs": generate["chat_template_kwargs"],
         }
     )
 
@@ -310,8 +310,8 @@ def server_result_args():
 
 
 def response_store():
-    """The response store generate reads and fills: synth.store, else one per run."""
-    return config["synth"]["store"] or results("generate/store.sqlite")
+    """The response store generate reads and fills: generate.store, else one per run."""
+    return config["generate"]["store"] or results("generate/store.sqlite")
 
 
 def synth_parsing():
@@ -320,7 +320,7 @@ def synth_parsing():
     return {
         "expect_reasoning": synth["expect_reasoning"],
         "think_markers": synth["think_markers"],
-        "chat_template_kwargs": synth["chat_template_kwargs"],
+        "chat_template_kwargs": config["generate"]["chat_template_kwargs"],
         "verify_token_ids": synth["verify_token_ids"],
         "trust_remote_code": config["verifier"]["trust_remote_code"],
     }

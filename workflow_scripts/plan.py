@@ -8,7 +8,7 @@ settings would make a run fit that does not. `snakemake -n` prints its one-line 
 (planned_disk_line).
 
 Tokens are exact once the dataset exists (results/<run>/dataset/*.parquet); before that they
-are an upper bound from the prompts: every reply at `synth.max_tokens`, prompt text at 3
+are an upper bound from the prompts: every reply at `generate.max_tokens`, prompt text at 3
 characters per token (common.token_estimate), every sample cut at `dataset.max_seq_len`. GPU memory of the draft
 training is an estimate from the draft's shape (weights, gradients, AdamW moments, and the
 activations and logits of one `train.batch_tokens` batch); the verifier's weights are the

@@ -39,7 +39,7 @@ def planned_tokens(config: dict[str, Any], root: Path, assume_prompt_tokens: int
     dataset = [root / f"results/{config['run']}/dataset/{split}.parquet" for split in ("train", "eval")]
     if all(p.exists() for p in dataset):
         return tokens_from_dataset(dataset)
-    synth, cut = config["synth"]["max_tokens"], config["dataset"]["max_seq_len"]
+    max_tokens, cut = config["generate"]["max_tokens"], config["dataset"]["max_seq_len"]
     prompts_cfg = config["prompts"]
     source = root / prompts_cfg["source"]
     if source.exists():
@@ -47,8 +47,8 @@ def planned_tokens(config: dict[str, Any], root: Path, assume_prompt_tokens: int
 
         train, _ = split_prompts(load_prompts(source), prompts_cfg["eval_fraction"], prompts_cfg["seed"])
         train = train[: prompts_cfg["max_train"]] if prompts_cfg["max_train"] is not None else train
-        how = f"upper bound: {len(train)} train prompts of {source}, every reply at synth.max_tokens {synth}"
-        return tokens_from_prompts(train, synth, cut, how)
+        how = f"upper bound: {len(train)} train prompts of {source}, every reply at generate.max_tokens {max_tokens}"
+        return tokens_from_prompts(train, max_tokens, cut, how)
     if prompts_cfg["max_train"] is None:
         raise ValueError(
             f"prompts.source {source} is not on this machine and prompts.max_train is not set: "
@@ -58,6 +58,6 @@ def planned_tokens(config: dict[str, Any], root: Path, assume_prompt_tokens: int
     assumed = [{"turns": ["x" * assume_prompt_tokens * CHARS_PER_TOKEN]}] * n
     how = (
         f"assumed: {source} is not on this machine; prompts.max_train {n} single-turn prompts of "
-        f"{assume_prompt_tokens} tokens, every reply at synth.max_tokens {synth}"
+        f"{assume_prompt_tokens} tokens, every reply at generate.max_tokens {max_tokens}"
     )
-    return tokens_from_prompts(assumed, synth, cut, how)
+    return tokens_from_prompts(assumed, max_tokens, cut, how)

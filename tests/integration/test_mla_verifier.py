@@ -85,13 +85,8 @@ def mla_config(verifier, extra_args=()) -> dict:
             "env": small["server"]["env"],
         },
         "prompts": {"source": "prompts.jsonl", "max_train": 48, "max_eval": 6},
-        "synth": {
-            "concurrency": 8,
-            "max_tokens": 128,
-            "expect_reasoning": True,
-            "think_markers": ["<think>", "</think>"],
-            "verify_token_ids": True,
-        },
+        "generate": {"concurrency": 8, "max_tokens": 128},
+        "synth": {"expect_reasoning": True, "think_markers": ["<think>", "</think>"], "verify_token_ids": True},
         # A 4-layer verifier taught for seconds sometimes never closes its think block.
         "dataset": {"max_seq_len": 512, "eval_fraction": 0.2, "max_defect_fraction": {"empty_content": 0.2}},
         "vocab": {"draft_vocab_size": 96},

@@ -170,13 +170,12 @@ def incident_config(wf: Path, verifier: Path, url: str) -> Path:
         "verifier": {"name": "tiny-think", "source": "path", "path": str(verifier)},
         "server": {"endpoint": url, "max_model_len": 512, "reasoning_parser": "kimi_k2"},
         "prompts": {"source": "prompts.jsonl", "eval_fraction": 0.25},
-        "synth": {
+        "generate": {
             "concurrency": 4,
-            "expect_reasoning": True,
-            "think_markers": ["<think>", "</think>"],
             **{k: v for k, v in SAMPLING.items() if k != "logit_bias"},
             "extra_body": {"logit_bias": SAMPLING["logit_bias"]},
         },
+        "synth": {"expect_reasoning": True, "think_markers": ["<think>", "</think>"]},
         "dataset": {
             "max_seq_len": 256,
             "eval_fraction": 0.3,

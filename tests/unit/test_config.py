@@ -36,11 +36,11 @@ def merge(base, override):
 
 
 def test_misspelled_key_is_named(default):
-    default["synth"]["concurrancy"] = 8
+    default["generate"]["concurrancy"] = 8
     with pytest.raises(ConfigError) as exc:
         validate_config(default)
     msg = str(exc.value)
-    assert "synth.concurrancy" in msg
+    assert "generate.concurrancy" in msg
     assert "concurrency" in msg  # the allowed keys are listed
 
 
@@ -78,9 +78,21 @@ def test_load_config_reads_yaml(tmp_path, default):
 
 
 def test_concurrency_is_a_ceiling_or_auto(default):
-    default["synth"]["concurrency"] = "auto"
+    default["generate"]["concurrency"] = "auto"
     default["hidden_states"]["vllm"]["concurrency"] = 12
     validate_config(default)
-    default["synth"]["concurrency"] = "lots"
-    with pytest.raises(ConfigError, match=r"synth\.concurrency"):
+    default["generate"]["concurrency"] = "lots"
+    with pytest.raises(ConfigError, match=r"generate\.concurrency"):
         validate_config(default)
+
+
+def test_a_config_from_before_the_generate_section_is_told_where_each_setting_went(default):
+    """The request settings moved from `synth` to `generate`: an older config (or one merged
+    over the default) names each one and its new place, instead of a schema error."""
+    default["synth"] |= {"max_tokens": 40, "concurrency": 8}
+    with pytest.raises(ConfigError) as exc:
+        validate_config(default)
+    msg = str(exc.value)
+    assert "synth.max_tokens: moved to generate.max_tokens" in msg
+    assert "synth.concurrency: moved to generate.concurrency" in msg
+    assert "expect_reasoning" not in msg  # what stays in synth is not named

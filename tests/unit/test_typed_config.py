@@ -70,6 +70,7 @@ def test_nested_sections_and_tuples_are_typed():
 
 def test_synth_parsing_view_takes_think_markers_as_a_pair():
     synth = config_section("synth", think_markers=["<think>", "</think>"])
-    view = {k: synth[k] for k in ("expect_reasoning", "think_markers", "chat_template_kwargs", "verify_token_ids")}
+    view = {k: synth[k] for k in ("expect_reasoning", "think_markers", "verify_token_ids")}
+    view["chat_template_kwargs"] = config_section("generate")["chat_template_kwargs"]
     parsing = typed(Parsing, {**view, "trust_remote_code": False}, "synth")
     assert parsing.think_markers == ("<think>", "</think>")

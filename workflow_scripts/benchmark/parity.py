@@ -112,7 +112,7 @@ def check_gaps(
                 f"(gap {replay_every_anchor - train_estimate:+.3f}, tolerance {cfg.training_tolerance})",
                 "the draft learned targets other than the verifier's greedy tokens (the verifier's final "
                 "norm and lm_head in training), or the benchmark's prompts differ from the training data "
-                "(chat template, system prompt, style, benchmark.max_tokens against synth.max_tokens)",
+                "(chat template, system prompt, style, benchmark.max_tokens against generate.max_tokens)",
             )
         )
     return out
@@ -165,7 +165,7 @@ def check_prompt_format(streams: list[dict], expected: dict[str, list[int]]) -> 
             f"{len(bad)} of {len(streams)} benchmark prompts were served as other tokens than synth's chat "
             f"template gives for the same messages (first: {sid}, from token {at})",
             "the chat template and chat_template_kwargs of the benchmark server against synth's "
-            "(server.extra_args --chat-template, synth.chat_template_kwargs)",
+            "(server.extra_args --chat-template, generate.chat_template_kwargs)",
         )
     ]
 

@@ -49,7 +49,7 @@ class BenchmarkConfig:
 class Workload:
     """What is measured: the first `num_prompts` held-out prompts, greedy, `max_tokens` each,
     `concurrency` at a time, formatted by the chat template as synth formatted the training
-    prompts (`synth.chat_template_kwargs`: a thinking verifier's draft is measured thinking).
+    prompts (`generate.chat_template_kwargs`: a thinking verifier's draft is measured thinking).
     The verifier alone is measured once per workload."""
 
     num_prompts: int

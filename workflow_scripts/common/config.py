@@ -102,8 +102,42 @@ def _expected(error) -> str:
     }[v]
 
 
+# Settings that moved from `synth` to `generate` (what is asked of the verifier, and how):
+# `synth` keeps how replies are read.
+MOVED_TO_GENERATE = (
+    "concurrency",
+    "adaptive_concurrency",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "chat_template_kwargs",
+    "extra_body",
+    "request_timeout_s",
+    "max_attempts",
+    "store",
+)
+
+
+def moved_settings(config: dict[str, Any]) -> list[str]:
+    """What an older config still sets in a section it moved out of, one line each, with the
+    new place. Pure."""
+    synth = config.get("synth") or {}
+    return [
+        f"synth.{key}: moved to generate.{key} (the request settings are the generate stage's); "
+        f"move it under `generate:`"
+        for key in MOVED_TO_GENERATE
+        if isinstance(synth, dict) and key in synth
+    ]
+
+
 def validate_config(config: dict[str, Any], schema_path: Path = SCHEMA_PATH) -> None:
     """Raise ConfigError listing every problem in `config`, one line each."""
+    moved = moved_settings(config)
+    if moved:
+        raise ConfigError(
+            f"this config predates the generate section ({len(moved)} settings):\n  " + "\n  ".join(moved)
+        )
     schema = yaml.safe_load(schema_path.read_text())
     errors = sorted(Draft202012Validator(schema).iter_errors(config), key=lambda e: list(map(str, e.absolute_path)))
     if errors:

@@ -61,13 +61,13 @@ def main(smk) -> None:
     """The generate rule's job (rules/generate.smk)."""
     with stage(smk):
         server = ServerConfig.from_section(smk.config["server"])
-        synth = smk.config["synth"]
+        generate = smk.config["generate"]
         # Operational settings come from the config, not params: changing them must not rerun the rule.
         client = Client(
-            synth["concurrency"],
-            synth["adaptive_concurrency"],
-            synth["request_timeout_s"],
-            synth["max_attempts"],
+            generate["concurrency"],
+            generate["adaptive_concurrency"],
+            generate["request_timeout_s"],
+            generate["max_attempts"],
             server.api_key_env,
         )
         run_generate(

@@ -58,7 +58,7 @@ class ResponseStore:
         except sqlite3.DatabaseError as exc:
             raise StoreError(
                 f"response store {self.path} cannot be opened ({exc}). Move it aside to start an empty one "
-                f"(every reply it held will be requested again), or point synth.store at another file."
+                f"(every reply it held will be requested again), or point generate.store at another file."
             ) from exc
 
     def __enter__(self) -> ResponseStore:
