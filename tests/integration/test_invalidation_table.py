@@ -4,10 +4,15 @@ import re
 import subprocess
 import sys
 
+import yaml
+
 from tests.helpers import REPO
 from workflow_scripts.common.fingerprint import ROOT, _module_file, module_digests
+from workflow_scripts.load_plan import planned_loads
 
 DOC = REPO / "docs/invalidation.md"
+COLUMNS = ("module", "rules that run it", "also rebuilt downstream", "verifier loads", "requests", "shard tokens")
+HEADER = "| " + " | ".join((*COLUMNS, "training steps")) + " |"
 
 
 def rule_scripts() -> dict[str, str]:
@@ -49,8 +54,20 @@ def downstream() -> dict[str, set[str]]:
     return closure
 
 
-def expected_table() -> list[tuple[str, str, str]]:
-    """(module file, rules that run it, rules rebuilt downstream of those), one row per module."""
+def edit_cost(rerun: set[str], runs: set[str]) -> tuple[str, str, str, str]:
+    """What an edit that changes the outputs of the rules in `runs` costs on the default config,
+    when the rules in `rerun` run again: verifier loads (load_plan.planned_loads), requests,
+    shard tokens extracted again, training steps run again."""
+    config = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    jobs = {rule: config["hidden_states"]["num_shards"] if rule == "hidden_states" else 1 for rule in rerun}
+    loads = sum(planned_loads(jobs, config).values())
+    requests = "changed ones" if "generate" in runs else "0"
+    return str(loads), requests, "all" if "hidden_states" in rerun else "0", "all" if "train" in rerun else "0"
+
+
+def expected_table() -> list[tuple[str, ...]]:
+    """(module file, rules that run it, rules rebuilt downstream of those, and what such an
+    edit costs: loads, requests, shard tokens, training steps), one row per module."""
     scripts, after = rule_scripts(), downstream()
     runs: dict[str, set[str]] = {}
     for rule, script in scripts.items():
@@ -63,7 +80,12 @@ def expected_table() -> list[tuple[str, str, str]]:
     for module in sorted(m for m in runs if m not in ("__init__.py", "common/__init__.py")):
         rebuilt = set().union(*(after[r] for r in runs[module])) - runs[module]
         rows.append(
-            (f"`{module}`", "every rule" if runs[module] == set(scripts) else fmt(runs[module]), fmt(rebuilt) or "-")
+            (
+                f"`{module}`",
+                "every rule" if runs[module] == set(scripts) else fmt(runs[module]),
+                fmt(rebuilt) or "-",
+                *edit_cost(runs[module] | rebuilt, runs[module]),
+            )
         )
     return rows
 
@@ -81,8 +103,7 @@ def documented_table() -> list[tuple[str, str, str]]:
 def test_the_documented_module_table_is_what_the_fingerprints_do():
     expected = expected_table()
     table = "\n".join(
-        ["| module | rules that run it | also rebuilt downstream |", "| --- | --- | --- |"]
-        + [f"| {a} | {b} | {c} |" for a, b, c in expected]
+        [HEADER, "| --- | --- | --- | --- | --- | --- | --- |"] + ["| " + " | ".join(r) + " |" for r in expected]
     )
     assert documented_table() == expected, f"docs/invalidation.md is out of date; the table is now:\n{table}"
 
