@@ -26,6 +26,7 @@ SMALL = REPO / "tests/config/small.yaml"
 INDEX = "results/small/hidden_states/index.json"
 NUM_SHARDS = 4
 KILLED = 2  # the shard job killed mid-way
+LINGER_S = 45
 
 
 def vllm_backend_config(serve_path: str) -> dict:
@@ -34,7 +35,9 @@ def vllm_backend_config(serve_path: str) -> dict:
         "hidden_states": {
             "backend": "vllm",
             "num_shards": NUM_SHARDS,
-            "linger_s": 15,
+            # Long enough for the next shard job to start on a loaded 2-core machine (importing
+            # torch and transformers there took over 15 s); the index job stops it at once.
+            "linger_s": LINGER_S,
             "vllm": {"concurrency": 1, "adaptive_concurrency": False},
         },
         "server": {
@@ -87,7 +90,7 @@ def shared_runs(finished_run, tmp_path_factory):
         time.sleep(0.05)
     first_out = first.communicate(timeout=600)[0]
     # The run has ended; its server stops after the linger time (nothing reached the index).
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + LINGER_S + 45
     while any(d.live_state() for d in shared_dirs(wf)) and time.monotonic() < deadline:
         time.sleep(0.5)
     shards_after_kill = sorted(p.name for p in (wf / "results/small/hidden_states").glob("shard-*.safetensors"))
