@@ -1,7 +1,7 @@
 """Synthetic train-stage inputs (hidden-state shards, index.json, vocab map, and the dataset
 online mode reads) for a verifier dir.
 
-The shards have the layout and metadata workflow_scripts.hidden_states writes, filled with
+The shards are written by the stage's own writer (hidden_states.shard_file), filled with
 seeded random numbers: the training loop's mechanics (packing, steps, checkpoints, data
 parallel) do not depend on the hidden states being a real verifier's. The dataset holds the
 same tokens and loss masks; online mode computes its states with the real verifier.
@@ -9,7 +9,6 @@ same tokens and loss masks; online mode computes its states with the real verifi
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pyarrow as pa
@@ -18,6 +17,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig
 
+from workflow_scripts.hidden_states.shard_file import ShardMeta, write_shard
 from workflow_scripts.hidden_states.shards import write_index
 
 AUX_LAYERS = 3
@@ -51,33 +51,30 @@ def make_train_inputs(
         loss_mask = torch.ones(total, dtype=torch.int8)
         for a in offsets[:-1]:
             loss_mask[a : a + 3] = 0  # the prompt part of each sample
-        tensors = {
-            "hidden_states": torch.randn(total, AUX_LAYERS * hidden, generator=g).to(torch.bfloat16),
-            "verifier_last_hidden_states": torch.randn(total, hidden, generator=g).to(torch.bfloat16),
-            "input_ids": torch.randint(0, vocab, (total,), generator=g, dtype=torch.int32),
-            "loss_mask": loss_mask,
-            "offsets": torch.tensor(offsets, dtype=torch.int64),
-            "is_eval": torch.tensor([e for _, e in mine], dtype=torch.bool),
-        }
-        metadata = {
-            "sample_ids": json.dumps([f"s{s}-{i}" for i in range(len(mine))]),
-            "aux_layer_ids": json.dumps([2, layers // 2, layers - 3]),
-            "num_layers": str(layers),
-            "hidden_size": str(hidden),
-            "convention": "synthetic",
-        }
+        aux = torch.randn(total, AUX_LAYERS * hidden, generator=g).to(torch.bfloat16)
+        final = torch.randn(total, hidden, generator=g).to(torch.bfloat16)
+        input_ids = torch.randint(0, vocab, (total,), generator=g, dtype=torch.int32)
+        ids = [f"s{s}-{i}" for i in range(len(mine))]
+        samples_here, states = [], []
         for i, (n, is_eval) in enumerate(mine):
             a = offsets[i]
-            rows[is_eval].append(
-                {
-                    "id": f"s{s}-{i}#t0",
-                    "input_ids": tensors["input_ids"][a : a + n].tolist(),
-                    "loss_mask": tensors["loss_mask"][a : a + n].tolist(),
-                    "length": n,
-                }
-            )
+            sample = {
+                "id": ids[i],
+                "split": "eval" if is_eval else "train",
+                "input_ids": input_ids[a : a + n].tolist(),
+                "loss_mask": loss_mask[a : a + n].tolist(),
+            }
+            samples_here.append(sample)
+            states.append((aux[a : a + n], final[a : a + n]))
+            row = {
+                "id": f"{ids[i]}#t0",
+                "input_ids": sample["input_ids"],
+                "loss_mask": sample["loss_mask"],
+                "length": n,
+            }
+            rows[is_eval].append(row)
         path = out / f"shard-{s:05d}.safetensors"
-        save_file(tensors, str(path), metadata=metadata)
+        write_shard(path, samples_here, states, ShardMeta(ids, [2, layers // 2, layers - 3], layers, hidden))
         shards.append(str(path))
     index = out / "index.json"
     write_index(shards, str(verifier_dir), str(index))

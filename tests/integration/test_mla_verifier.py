@@ -155,8 +155,10 @@ def test_synth_through_vllm_keeps_the_verifiers_own_think_tokens(mla_run):
     # How many of its greedy replies the taught 4-layer verifier gets right depends on the MLA
     # kernels (bfloat16): 34 of 48 on CPU_MLA (no AMX), more on AMX_MLA.
     assert len(clean) >= 0.6 * len(rows), [r["defects"] for r in rows]
+    # The think block's text lands in `reasoning`, what follows </think> in `content` (on
+    # CPU_MLA a few words of either may go astray: "The user asks and a and anncere.").
     for r in clean:
-        assert r["reasoning"].startswith("The user asks about") and r["content"]
+        assert r["reasoning"].startswith("The user asks") and r["content"], r
 
 
 @pytest.mark.parametrize("attention", ["llama", "mla"])

@@ -239,11 +239,23 @@ def test_a_copy_elsewhere_plans_nothing_and_a_fix_that_changes_no_byte_costs_no_
     loads_before = len(read_loads(run / "logs/servers"))
     generate = moved / "workflow_scripts/generate/run.py"
     generate.write_text(generate.read_text() + "\n_EAGLEFLOW_TEST_EDIT = 1\n")
-    stale = stale_rules(moved)
+    # The draft names the verifier it is served with: in this copy that would be the copy's
+    # own (another path, so another draft); keep naming the original's, as the draft does.
+    pinned = tmp_path / "serve_path.yaml"
+    pinned.write_text(json.dumps({"verifier": {"serve_path": draft["speculators_config"]["verifier"]["name_or_path"]}}))
+    configs = [str(REPO / "tests/config/small.yaml"), str(pinned)]
+    stale = set(
+        planned_jobs(
+            subprocess.run(
+                [*SNAKEMAKE, "-n", "--configfile", *configs], cwd=moved, capture_output=True, text=True, check=True
+            ).stdout
+        )
+    )
     assert {"generate", "synth", "dataset", "hidden_states", "train", "benchmark", "parity"} <= stale
     started = time.monotonic()
-    cmd = SNAKEMAKE + ["--cores", "2", "--configfile", str(REPO / "tests/config/small.yaml")]
-    proc = subprocess.run(cmd, cwd=moved, capture_output=True, text=True)
+    proc = subprocess.run(
+        [*SNAKEMAKE, "--cores", "2", "--configfile", *configs], cwd=moved, capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     (tmp_path / "early_cutoff_wall_s.txt").write_text(f"{time.monotonic() - started:.1f}\n")
     assert len(read_loads(run / "logs/servers")) == loads_before, "a verifier was started"
@@ -253,10 +265,13 @@ def test_a_copy_elsewhere_plans_nothing_and_a_fix_that_changes_no_byte_costs_no_
     # Each message is written only by a job that links its outputs back.
     assert "made from the same inputs before; linked from" in (logs / "hidden_states.shard-00000.log").read_text()
     assert "0 training steps" in (logs / "train.default.log").read_text()
-    for rule in ("baseline", "benchmark.default", "parity.default"):
+    # The baseline reads only the verifier and the eval prompts: not downstream of generate.
+    assert "baseline" not in stale
+    for rule in ("benchmark.default", "parity.default"):
         assert "outputs linked back" in (logs / f"{rule}.log").read_text(), rule
     assert {name: (run / name).read_bytes() for name in kept} == before
-    assert stale_rules(moved) == set()
+    again = subprocess.run([*SNAKEMAKE, "-n", "--configfile", *configs], cwd=moved, capture_output=True, text=True)
+    assert "Nothing to be done" in again.stdout + again.stderr
 
 
 def test_editing_run_only_code_restales_nothing(finished_run):

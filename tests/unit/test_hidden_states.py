@@ -3,6 +3,7 @@ family, the shard format, the disk check, and the vLLM backend's request and fil
 
 import fcntl
 import json
+import os
 import threading
 import time
 
@@ -528,8 +529,11 @@ def test_finished_outputs_are_linked_back_for_the_same_key_only(tmp_path):
     out.unlink()  # what Snakemake does to every output of a failed group job
     (draft / "config.json").unlink()
     assert not cache.restore("other", outputs) and not out.exists()
+    os.utime(cache.dir / "shard-00003.k1" / "shard", (1, 1))  # kept long ago
     assert cache.restore("k1", outputs) and out.read_bytes() == b"states"
     assert out.stat().st_nlink == 2  # a link, not a copy
+    # As new as the job that restored it, or Snakemake would plan the job again (older than its inputs).
+    assert out.stat().st_mtime > 1e9 and (draft / "config.json").stat().st_mtime > 1e9
     assert (draft / "config.json").read_text() == "{}" and (draft / "sub/w.bin").read_bytes() == b"w"
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [".done"]  # no temporaries
     out.unlink()

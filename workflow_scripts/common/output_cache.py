@@ -45,6 +45,9 @@ class OutputCache:
             return False
         for name, out in outputs.items():
             _link_into_place(entry / name, Path(out))
+            # Snakemake plans a job again whose output is older than an input: a linked-back
+            # output is as new as the job that restored it (every link of the file with it).
+            _touch(Path(out))
         return True
 
     def keep(self, key: str, outputs: Mapping[str, str | os.PathLike]) -> None:
@@ -82,6 +85,11 @@ def _link_into_place(src: Path, out: Path) -> None:
     if out.is_dir() and not out.is_symlink():
         shutil.rmtree(out)  # a directory cannot be renamed over one that has files
     os.replace(tmp, out)
+
+
+def _touch(path: Path) -> None:
+    for p in [path, *(sorted(path.rglob("*")) if path.is_dir() else [])]:
+        os.utime(p)
 
 
 def _remove(path: Path) -> None:

@@ -134,7 +134,8 @@ def run_shard(
     if topk:  # the compact target: the verifier's top-k logits replace the final state
         head = TopkHead(verifier_dir, topk, head_device(settings.device))
         targets = [head(final) for _, final in states]
-    meta = ShardMeta([s["id"] for s in samples], layer_ids, geometry.num_layers, geometry.hidden_size, backend_name)
+    ids = [s["id"] for s in samples]
+    meta = ShardMeta(ids, layer_ids, geometry.num_layers, geometry.hidden_size, backend_name, made_from=key)
     write_shard(out, samples, states, meta, settings.dtype, targets)
     cache.keep(key, {"shard": out})
     log.info(

@@ -44,9 +44,11 @@ class ShardMeta:
     num_layers: int
     hidden_size: int
     backend: str = "hf"
+    made_from: str = ""  # the shard cache's key: what the shard was made from (hidden_states.run)
 
     def as_metadata(self) -> dict[str, str]:
         return {
+            "made_from": self.made_from,
             "sample_ids": json.dumps(self.sample_ids),
             "aux_layer_ids": json.dumps(self.aux_layer_ids),
             "final_layer_id": str(self.num_layers),  # the final state's layer (docs/data-contracts.md)
@@ -64,6 +66,7 @@ class ShardMeta:
             int(metadata["num_layers"]),
             int(metadata["hidden_size"]),
             metadata.get("backend", "hf"),
+            metadata.get("made_from", ""),
         )
 
 
@@ -96,6 +99,14 @@ def write_shard(
     if meta.sample_ids != [s["id"] for s in samples]:
         raise ValueError(f"{path}: the metadata names other samples than the shard holds")
     write_safetensors(path, shard_tensors(samples, states, storage, targets), meta.as_metadata())
+
+
+def shard_made_from(path: str | os.PathLike) -> str:
+    """The key of what a shard was made from, read from its header alone ("" if it has none)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return (f.metadata() or {}).get("made_from", "")
 
 
 def read_shard(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> tuple[ShardMeta, list[ShardSample]]:

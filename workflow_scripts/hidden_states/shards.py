@@ -13,6 +13,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from workflow_scripts.common.atomic import write_json
+from workflow_scripts.common.identity import verifier_fingerprint
 from workflow_scripts.hidden_states.layers import CONVENTION, vllm_layer_ids
 from workflow_scripts.hidden_states.shard_file import read_shard_header
 from workflow_scripts.hidden_states.storage import FP8, shard_bytes
@@ -54,17 +55,11 @@ def check_disk_space(
 
 def shard_key(samples: list[dict[str, Any]], verifier_dir: str, settings: dict[str, Any]) -> str:
     """What a shard is made from: its samples (ids, tokens, loss masks), the verifier's files
-    (name, size, mtime) and the settings that change its bytes (`settings`). Pure but for
-    the verifier directory's listing."""
+    by content (common.identity: the same files at another path are the same verifier) and the
+    settings that change its bytes (`settings`). Pure but for reading the verifier's files."""
     digest = hashlib.sha256()
     digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
-    verifier = Path(verifier_dir).resolve()
-    files = sorted(p for p in verifier.rglob("*") if p.is_file())
-    digest.update(
-        json.dumps(
-            [str(verifier)] + [[str(p.relative_to(verifier)), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
-        ).encode()
-    )
+    digest.update(verifier_fingerprint(verifier_dir).encode())
     for s in samples:
         digest.update(json.dumps([s["id"], s["split"], list(s["input_ids"]), list(s["loss_mask"])]).encode())
     return digest.hexdigest()[:16]

@@ -34,6 +34,8 @@ from safetensors.torch import load_file, save_file
 
 from workflow_scripts.common.atomic import atomic_path
 from workflow_scripts.common.fingerprint import value_fingerprint
+from workflow_scripts.common.identity import content_digest
+from workflow_scripts.hidden_states.shard_file import shard_made_from
 
 log = logging.getLogger(__name__)
 
@@ -52,25 +54,31 @@ def training_fingerprint(
 ) -> str:
     """What a checkpoint is valid for: train config, input identity and code fingerprint.
 
-    index.json and the vocab map are hashed by content (small files). Shards (online: the
-    dataset's parquet files) are identified by name, size and mtime: hashing hundreds of GB
-    on every start is too slow, and a shard rebuilt with identical bytes restarting training
-    is the safe direction to err in. Online, the settings the states are computed with count.
+    index.json and the vocab map are hashed by content (small files). A shard is identified
+    by its name, size and the key of what it was made from, which its job writes into its
+    header (hidden_states.shard_file): hashing hundreds of GB on every start is too slow, and
+    a shard linked back from the shard cache (with a fresh mtime, so that Snakemake takes it as
+    new) is the same shard. A shard without a key (an older run's) counts by name, size and
+    mtime; online, the dataset's parquet files count by content. Online, the settings the
+    states are computed with count.
     """
 
     def file_sha(path: str) -> str:
         return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
-    def stat(path: str) -> list:
+    def identity(path: str) -> list:
         st = Path(path).stat()
-        return [Path(path).name, st.st_size, st.st_mtime_ns]
+        if path.endswith(".safetensors"):
+            key = shard_made_from(path)
+            return [Path(path).name, st.st_size, key or st.st_mtime_ns]
+        return [Path(path).name, st.st_size, content_digest(path)]
 
     return value_fingerprint(
         {
             "train": {k: v for k, v in sorted(cfg.items()) if k not in NON_DETERMINING_KEYS},
             "index": file_sha(index) if index else None,
             "vocab_map": file_sha(vocab_map),
-            "shards": [stat(s) for s in shards],
+            "shards": [identity(s) for s in shards],
             "code": code,
             **({"online": online} if online is not None else {}),
         }
