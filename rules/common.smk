@@ -40,6 +40,11 @@ SCRIPTS_DIR = Path(workflow.basedir) / "workflow_scripts"
 VERIFIER_DIR = f"resources/verifier/{config['verifier']['name']}"
 # Before any job: a draft vLLM could not serve would otherwise fail at the benchmark.
 check_drafts_servable(config, VERIFIER_DIR)
+# The argv the launcher starts the verifier's vLLM with (port 0: no port counts); the rules'
+# server params are read from it.
+VERIFIER_ARGV = ServerSpec.from_config(
+    ServerConfig.from_section(config["server"]), VERIFIER_DIR
+).command(0)
 
 
 wildcard_constraints:
@@ -257,12 +262,9 @@ def measured_server():
     """What a benchmark measures the verifier's server as: every flag it is launched with
     (speed counts here, so tensor parallelism and eager mode do) but its port and the
     verifier's path, and its environment."""
-    spec = ServerSpec.from_config(
-        ServerConfig.from_section(config["server"]), VERIFIER_DIR
-    )
     argv = [
         a
-        for flag in server_args(spec.command(0))
+        for flag in server_args(VERIFIER_ARGV)
         if flag[0] not in ("--port", "--model")
         for a in flag
     ]
@@ -303,10 +305,7 @@ def server_result_args():
     from the argv the launcher builds (common/server_args.py): what generate's store keys and
     the vllm backend's shard keys hold. Run-only settings (timeouts, restarts, host, GPUs)
     are not among them, and the launcher's code is in no fingerprint."""
-    spec = ServerSpec.from_config(
-        ServerConfig.from_section(config["server"]), VERIFIER_DIR
-    )
-    return result_args(spec.command(0))
+    return result_args(VERIFIER_ARGV)
 
 
 def response_store():

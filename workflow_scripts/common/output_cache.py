@@ -58,11 +58,11 @@ class OutputCache:
             if old != entry:
                 _remove(old)
         tmp = entry.with_name(f".{entry.name}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove(tmp)
         tmp.mkdir()
         for name, out in outputs.items():
             _link_tree(Path(out), tmp / name)
-        shutil.rmtree(entry, ignore_errors=True)
+        _remove(entry)
         os.replace(tmp, entry)
 
 
