@@ -11,6 +11,11 @@
 2. Extraction: a randomly initialised 1B-class Llama verifier (hidden 2048, 16 layers,
    vocab 128256) in bf16; tokens/s of the hf backend's capture path (`hidden_states.extract`)
    against a plain forward of the same batches (capture overhead as a ratio).
+3. The two hidden-state backends as the shard job runs them (`hidden_states.run.run_shard`):
+   the same 1B-class verifier (with a character tokenizer, so vLLM can serve it) saved to disk,
+   one shard of random-token samples through the `hf` backend and through the `vllm` backend
+   (vLLM's extract_hidden_states with eagleflow's connector); wall time, start-up, tokens/s and
+   the states' relative L2 distance. `--no-vllm` leaves it out (CI runs the rest in --tiny).
 
 Only the embedding, lm_head and final-norm tensors of the 8B verifier are written (the draft reads
 nothing else); nothing is downloaded. Results go to --out as JSON and to stdout.
@@ -23,6 +28,7 @@ import importlib.util
 import json
 import platform
 import random
+import re
 import sys
 import tempfile
 import time
@@ -264,11 +270,90 @@ def check_extraction(geometry: dict, batch_tokens: int, num_samples: int, rounds
     return row
 
 
+def check_backends(geometry: dict, num_samples: int, max_len: int, tmp: Path, device: torch.device) -> dict:
+    """One shard through each hidden-state backend; the states compared."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from transformers import LlamaForCausalLM
+
+    from tests.helpers import TINY_VOCAB, char_tokenizer, hidden_states_config, lean_server_config
+    from workflow_scripts.hidden_states.run import run_shard
+    from workflow_scripts.hidden_states.shard_file import read_shard
+
+    cuda = device.type == "cuda"
+    dtype = "bfloat16" if cuda else "float32"
+    torch.manual_seed(0)
+    verifier = tmp / "verifier"
+    config = llama_config({**geometry, "vocab_size": TINY_VOCAB})
+    config.architectures = ["LlamaForCausalLM"]
+    LlamaForCausalLM(config).to(getattr(torch, dtype)).save_pretrained(verifier)
+    char_tokenizer().save_pretrained(verifier)
+    rng = random.Random(0)
+    rows = []
+    for i in range(num_samples):
+        n = rng.randint(max_len // 4, max_len)
+        ids = [rng.randrange(3, TINY_VOCAB) for _ in range(n)]
+        rows.append({"id": f"s{i}", "input_ids": ids, "loss_mask": [1] * n, "length": n, "num_loss_tokens": n})
+    pq.write_table(pa.Table.from_pylist(rows[: num_samples - 1]), tmp / "train.parquet")
+    pq.write_table(pa.Table.from_pylist(rows[num_samples - 1 :]), tmp / "eval.parquet")
+    tokens = sum(r["length"] for r in rows)
+    server = lean_server_config(dtype=dtype, max_model_len=max_len + 8, startup_timeout_s=1800)
+    if cuda:  # the GPU's own defaults: a worker process, vLLM's KV cache sizing
+        server = lean_server_config(
+            dtype=dtype, max_model_len=max_len + 8, startup_timeout_s=1800, extra_args=[], env={}, gpus=1
+        )
+    row: dict = {"tokens": tokens, "samples": num_samples, "dtype": dtype}
+    shards = {}
+    for backend in ("hf", "vllm"):
+        settings = hidden_states_config(
+            backend=backend,
+            num_shards=1,
+            dtype="float32",
+            device="cuda" if cuda else "cpu",
+            compute_dtype=dtype,
+            linger_s=0,
+            vllm={"storage_dir": str(tmp / "hs"), "concurrency": 16},
+        )
+        log = tmp / f"logs/{backend}/hidden_states.shard-00000.log"
+        shards[backend] = tmp / f"{backend}.safetensors"
+        started = time.perf_counter()
+        run_shard(
+            str(tmp / "train.parquet"),
+            str(tmp / "eval.parquet"),
+            str(verifier),
+            0,
+            str(shards[backend]),
+            settings=settings,
+            server=server,
+            threads=1 if cuda else 2,
+            gpus=1 if cuda else 0,
+            trust_remote_code=False,
+            log_path=str(log),
+        )
+        wall = time.perf_counter() - started
+        waited = [float(w) for w in re.findall(r"healthy \(waited (\d+) s\)", log.read_text())]
+        startup = waited[0] if waited else 0.0
+        row[backend] = {
+            "wall_s": wall,
+            "startup_s": startup,
+            "tokens_per_s_after_startup": tokens / max(wall - startup, 1e-9),
+        }
+    _, hf = read_shard(shards["hf"])
+    _, vl = read_shard(shards["vllm"])
+    for name in ("aux", "final"):
+        got = torch.cat([getattr(s, name) for s in vl])
+        want = torch.cat([getattr(s, name) for s in hf])
+        row[f"{name}_rel_l2"] = ((got - want).norm() / want.norm()).item()
+    print(f"backends: {row}", flush=True)
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--tiny", action="store_true", help="small sizes, for a CPU smoke run of the same code")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--no-vllm", action="store_true", help="leave out the backend comparison (it starts vLLM)")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -284,9 +369,13 @@ def main() -> None:
         if args.tiny:
             report["training"] = check_training(TINY, 1024, [1024], 3, Path(tmp))
             report["extraction"] = check_extraction(TINY, 1024, 4, 1, device)
+            if not args.no_vllm:
+                report["backends"] = check_backends(TINY, 8, 256, Path(tmp), device)
         else:
             report["training"] = check_training(LLAMA_8B, 32000, [8192, 16384, 32768], args.steps, Path(tmp))
             report["extraction"] = check_extraction(LLAMA_1B, 32768, 48, 2, device)
+            if not args.no_vllm:
+                report["backends"] = check_backends(LLAMA_1B, 256, 4096, Path(tmp), device)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")

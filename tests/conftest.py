@@ -9,7 +9,7 @@ from tests.helpers import REPO, VERIFIER_BUILDERS, save_tiny_llama
 
 # The modules whose tests share the finished run (a session fixture; test_pipeline edits
 # files inside it): under pytest-xdist they must all run on one worker.
-SHARED_RUN_MODULES = frozenset({"test_pipeline.py", "test_parity.py", "test_slurm.py", "test_shared_server.py"})
+SHARED_RUN_MODULES = frozenset({"test_pipeline.py", "test_parity.py", "test_slurm.py", "test_vllm_extraction.py"})
 
 
 def xdist_scope(nodeid: str) -> str:

@@ -48,6 +48,14 @@ def finished_run(tmp_path_factory):
     during that rerun, generate's vLLM is SIGKILLed once (`server_kill.json`)."""
     if not vllm_available():
         pytest.skip("vLLM is not installed")
+    if reuse := os.environ.get("EAGLEFLOW_FINISHED_RUN"):
+        # While working on a module that builds on the run: a copy of an earlier one (its
+        # `wf` directory), with this checkout's code; what the code changed reruns.
+        wf = tmp_path_factory.mktemp("wf") / "wf"
+        shutil.copytree(reuse, wf, symlinks=True)
+        for name in ("Snakefile", "rules", "config", "envs", "profiles", "workflow_scripts"):
+            (shutil.rmtree if (wf / name).is_dir() else os.unlink)(wf / name)
+        return copy_workflow(wf)
     wf = copy_workflow(tmp_path_factory.mktemp("wf"))
     cmd = SNAKEMAKE + ["--cores", "2", "--configfile", str(REPO / "tests/config/small.yaml")]
     (wf / "hard_kill.json").write_text(json.dumps(hard_kill_mid_generate(wf, cmd)))

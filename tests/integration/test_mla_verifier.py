@@ -25,6 +25,7 @@ import yaml
 from tests.helpers import REPO, SNAKEMAKE, char_tokenizer, copy_workflow, save_tiny_kimi, vllm_available
 from workflow_scripts.common.atomic import write_jsonl
 from workflow_scripts.common.verifier_config import CPU_MLA_ROPE_ARGS, read_text_config
+from workflow_scripts.runtime.ledger import count_loads, read_loads
 from workflow_scripts.runtime.vllm_cpu import cpu_has_amx, draft_backend_problem
 
 pytestmark = [
@@ -90,7 +91,9 @@ def mla_config(verifier, extra_args=()) -> dict:
         # A 4-layer verifier taught for seconds sometimes never closes its think block.
         "dataset": {"max_seq_len": 512, "eval_fraction": 0.2, "max_defect_fraction": {"empty_content": 0.2}},
         "vocab": {"draft_vocab_size": 96},
-        "hidden_states": {"num_shards": 1},
+        # The production path: vLLM's extraction (eagleflow's connector on vllm-cpu) writes the
+        # shards and replays parity, in bfloat16 as vLLM serves this verifier.
+        "hidden_states": {"num_shards": 1, "backend": "vllm"},
         "train": {"epochs": 6, "batch_tokens": 1024, "log_every": 4, "warmup_steps": 2, "lr": 0.003},
         "benchmark": {"num_prompts": 6, "max_tokens": 64, "concurrency": 2},
         # vLLM runs verifier and draft in bfloat16, the replay in float32: later chain positions
@@ -177,6 +180,20 @@ def test_the_eagle3_benchmark_on_the_mla_verifier_accepts_and_parity_holds(mla_r
     # position accepted on one side and not the other shifts the walk (measured: 122 vs 124).
     assert abs(parity["replay"]["num_drafts"] - spec["num_drafts"]) <= 0.05 * spec["num_drafts"]
     assert abs(parity["gap"]) <= parity["tolerance"]
+
+
+def test_the_shards_and_the_parity_replays_come_from_vllms_extraction(mla_run):
+    """The vllm backend on an MLA + MoE verifier (all layers in one KV-cache group on CPU):
+    one extraction server for the shard phase and one for the parity phase, each loaded once
+    (on the real host, one verifier load each), their storage gone with them."""
+    results, variants, _ = mla_run
+    index = json.loads((results / "hidden_states/index.json").read_text())
+    assert index["backends"] == ["vllm"] and index["aux_layer_ids"] == [1, 2, 3]
+    loads = count_loads(read_loads(results / "logs/servers"))
+    assert loads["hidden_states"] == {"start": 1}, loads
+    assert loads["parity"] == {"start": 1}, loads  # both variants' replays share it
+    extraction = [r for r in read_loads(results / "logs/servers") if r["stage"] in ("hidden_states", "parity")]
+    assert all(r["shared"] for r in extraction)
 
 
 def draft_config(results, variant: str) -> dict:

@@ -33,6 +33,19 @@ def rules() -> dict[str, dict[str, str]]:
     return found
 
 
+def run_time_nodes(tree: ast.AST):
+    """Every node of `tree` but those under `if TYPE_CHECKING:`, which never runs (a module
+    vLLM's engine loads by name is imported so for the code fingerprint only)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            todo += node.orelse
+            continue
+        todo += ast.iter_child_nodes(node)
+
+
 def third_party_imports(script: Path) -> set[str]:
     """Top-level names of every non-stdlib module the script and its workflow_scripts
     modules import, at module level or inside functions."""
@@ -42,7 +55,7 @@ def third_party_imports(script: Path) -> set[str]:
         if path in seen:
             continue
         seen.add(path)
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in run_time_nodes(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 modules = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and not node.level:

@@ -260,7 +260,7 @@ def test_extraction_server_args_ask_for_aux_and_final_layers(tmp_path):
     assert spec["method"] == "extract_hidden_states" and spec["num_speculative_tokens"] == 1
     assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27, 30]
     kv = json.loads(args[args.index("--kv-transfer-config") + 1])
-    assert kv["kv_connector"] == "ExampleHiddenStatesConnector" and kv["kv_role"] == "kv_producer"
+    assert kv["kv_connector"] == "EagleflowHiddenStatesConnector" and kv["kv_role"] == "kv_producer"
     assert kv["kv_connector_extra_config"]["shared_storage_path"] == str(tmp_path)
     assert "--no-enable-prefix-caching" in args
 
@@ -273,7 +273,9 @@ def test_vllm_accepts_the_extraction_config():
 
     _, args = extraction_server_args([2, 4, 5], 8, "/tmp/x")
     kv = KVTransferConfig(**json.loads(args[args.index("--kv-transfer-config") + 1]))
-    assert kv.kv_connector in KVConnectorFactory._registry
+    connector = KVConnectorFactory.get_connector_class(kv)
+    assert connector.__name__ == "EagleflowHiddenStatesConnector"
+    assert issubclass(connector, KVConnectorFactory.get_connector_class_by_name("ExampleHiddenStatesConnector"))
 
 
 def test_completion_request_sends_exact_tokens():

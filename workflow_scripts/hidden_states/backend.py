@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -85,9 +86,10 @@ def sharing(job: ExtractionJob) -> Sharing:
 
 
 def storage_dir(parent: str | None, key: str) -> Path:
-    """Where the server writes per-sample states files: named after the server (`key`), so
-    that every job sharing it reads from the same place."""
-    path = Path(parent or tempfile.gettempdir()) / f"eagleflow-hs-{key}"
+    """Where the server writes per-sample states files: named after the server (`key`) and
+    its host (one server per host shares a phase), so that every job sharing it reads from the
+    same place and no other server's stop removes it (ServerSpec.scratch_dirs)."""
+    path = Path(parent or tempfile.gettempdir()) / f"eagleflow-hs-{key}-{socket.gethostname()}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 

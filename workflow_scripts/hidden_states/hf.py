@@ -51,6 +51,10 @@ class HfServerSpec:
     port: int | None = None
     stop_grace_s: float = 20.0
 
+    @property
+    def scratch_dirs(self) -> tuple[str, ...]:
+        return (self.storage_dir,) if self.storage_dir else ()
+
     def check(self) -> None:
         """transformers loads what the stage can read; its errors name the problem."""
 

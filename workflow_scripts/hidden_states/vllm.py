@@ -8,7 +8,7 @@ import json
 import logging
 from collections.abc import Iterator
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from workflow_scripts.hidden_states.backend import ExtractionJob, register_backend, sharing, storage_dir
 from workflow_scripts.hidden_states.client import ExtractionClient
@@ -17,14 +17,22 @@ from workflow_scripts.runtime.concurrency import Concurrency, parse_ceiling
 from workflow_scripts.runtime.serving import serve
 from workflow_scripts.runtime.spec import ServerSpec, spec_key
 
+if TYPE_CHECKING:
+    # vLLM's engine loads the connector by module path; this import (never run) puts it in
+    # the shards' code fingerprint (common.fingerprint), as its edits change what they hold.
+    from workflow_scripts.hidden_states import vllm_connector  # noqa: F401
+
 log = logging.getLogger(__name__)
 # vLLM (checked against 0.32.0) extracts hidden states as a speculative "method": the
 # ExtractHiddenStatesModel drafter writes the verifier's aux states for every scheduled
-# token into a cache-only KV layer, and ExampleHiddenStatesConnector copies a finished
+# token into a cache-only KV layer, and the hidden-states connector copies a finished
 # request's slots to a file per request (hidden_states.client describes it). Layer id L
-# (num_layers) is the last layer's output before the final norm.
+# (num_layers) is the last layer's output before the final norm. The connector is vLLM's
+# ExampleHiddenStatesConnector with a write that also runs on a CPU KV cache
+# (hidden_states.vllm_connector).
 
-CONNECTOR = "ExampleHiddenStatesConnector"
+CONNECTOR = "EagleflowHiddenStatesConnector"
+CONNECTOR_MODULE = "workflow_scripts.hidden_states.vllm_connector"
 
 
 def extraction_server_args(
@@ -40,6 +48,7 @@ def extraction_server_args(
     }
     kv_transfer_config = {
         "kv_connector": CONNECTOR,
+        "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": "kv_producer",
         "kv_connector_extra_config": {"shared_storage_path": storage_dir},
     }
@@ -65,7 +74,12 @@ def vllm_backend(job: ExtractionJob) -> Iterator[ExtractionClient]:
     # sharing the server (same spec, same key) names the same one.
     storage = storage_dir(opts.storage_dir, spec_key(spec))
     speculative_config, extra = extraction_server_args(job.aux_layer_ids, job.geometry.num_layers, str(storage))
-    spec = replace(spec, speculative_config=speculative_config, extra_args=(*spec.extra_args, *extra))
+    spec = replace(
+        spec,
+        speculative_config=speculative_config,
+        extra_args=(*spec.extra_args, *extra),
+        scratch_dirs=(str(storage),),
+    )
     with serve(spec, job.log_path, job.server, opts.endpoint, sharing(job)) as served:
         yield ExtractionClient(
             base_url=served.url if isinstance(served.url, str) else served.url[0],

@@ -90,6 +90,7 @@ class VllmServer:
             *owner,
             "--grace",
             str(self.spec.stop_grace_s),
+            *(arg for path in self.spec.scratch_dirs for arg in ("--scratch", path)),
             "--",
             *cmd,
         ]

@@ -115,7 +115,8 @@ class SharedServer:
             "stop_grace_s": self.spec.stop_grace_s,
         }
         self.dir.write_state(state)
-        log.info("this job started the phase's shared %s; later jobs attach to it", self.spec.name)
+        did = "started" if kind == "start" else "restarted"
+        log.info("this job %s the phase's shared %s; later jobs attach to it", did, self.spec.name)
         return state
 
     def alive(self) -> bool:

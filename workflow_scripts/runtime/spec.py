@@ -78,6 +78,9 @@ class ServerSpec:
     port: int | None = None  # None: pick a free port
     speculative_config: dict | None = None  # set by the benchmark
     stop_grace_s: float = 20.0  # SIGTERM first; SIGKILL whatever is left after this long
+    # Directories only this server writes (the extraction's per-request files): removed when
+    # it is stopped, so that what a killed client never read does not outlive the server.
+    scratch_dirs: tuple[str, ...] = ()
 
     @classmethod
     def from_config(cls, server: ServerConfig, model: str, **overrides: Any) -> ServerSpec:
@@ -162,6 +165,7 @@ class Launchable(Protocol):
     startup_timeout_s: float
     port: int | None
     stop_grace_s: float
+    scratch_dirs: tuple[str, ...]
 
     def command(self, port: int) -> list[str]: ...
 

@@ -18,6 +18,12 @@ once none has been alive for `--linger` seconds it takes DIR's lock (so that no 
 meanwhile), forgets the server and stops the group. Jobs that die without unregistering count
 as gone, so a hard-killed run leaves such a server behind for at most the linger time.
 
+Directories named with `--scratch` are CMD's alone (files a server writes for its clients to
+read and delete): the supervisor removes them once it has stopped CMD because it was asked to
+(SIGTERM, the linger time), so that files no client will read (a killed client's) do not
+outlive the server. After a crash they stay: the clients that restart the server still read
+what it wrote before it died.
+
 The supervisor exits with CMD's exit status (negative signal numbers as 128 + n), so its
 launcher sees vLLM's status as if it had started vLLM itself.
 """
@@ -28,6 +34,7 @@ import argparse
 import contextlib
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -67,6 +74,11 @@ def _others(pgid: int) -> list[int]:
     return [pid for pid in group_members(pgid) if pid != os.getpid()]
 
 
+def remove_scratch(paths: list[str]) -> None:
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     owner = ap.add_mutually_exclusive_group(required=True)
@@ -74,6 +86,7 @@ def main(argv: list[str]) -> int:
     owner.add_argument("--shared", help="the shared server's directory (runtime.shared)")
     ap.add_argument("--linger", type=float, default=60.0, help="with --shared: seconds without consumers")
     ap.add_argument("--grace", type=float, required=True, help="seconds between SIGTERM and SIGKILL")
+    ap.add_argument("--scratch", action="append", default=[], help="a directory to remove once CMD is stopped")
     ap.add_argument("cmd", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
@@ -106,11 +119,14 @@ def main(argv: list[str]) -> int:
                     if not shared.live_consumers():
                         shared.clear_state(os.getpid())
                         stop_others(args.grace)
+                        remove_scratch(args.scratch)
                         shared.write_exit(os.getpid(), 0)
                         return 0
                 idle_since = None
     # Whether CMD ended or we were told to stop: nothing of the group outlives the supervisor.
     stop_others(args.grace)
+    if code is None:  # stopped on request, not crashed
+        remove_scratch(args.scratch)
     status = 128 + signal.SIGTERM if code is None else (code if code >= 0 else 128 - code)
     if shared is not None:
         shared.write_exit(os.getpid(), status)
