@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import logging
 import platform
 import random
 import re
@@ -316,6 +317,10 @@ def check_backends(geometry: dict, num_samples: int, max_len: int, tmp: Path, de
         )
         log = tmp / f"logs/{backend}/hidden_states.shard-00000.log"
         shards[backend] = tmp / f"{backend}.safetensors"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(log)  # what the stage's job log would hold
+        logging.getLogger().addHandler(handler)
+        logging.getLogger().setLevel(logging.INFO)
         started = time.perf_counter()
         run_shard(
             str(tmp / "train.parquet"),
@@ -331,6 +336,8 @@ def check_backends(geometry: dict, num_samples: int, max_len: int, tmp: Path, de
             log_path=str(log),
         )
         wall = time.perf_counter() - started
+        logging.getLogger().removeHandler(handler)
+        handler.close()
         waited = [float(w) for w in re.findall(r"healthy \(waited (\d+) s\)", log.read_text())]
         startup = waited[0] if waited else 0.0
         row[backend] = {
