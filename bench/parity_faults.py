@@ -96,7 +96,7 @@ def main() -> None:
             FAULTS[fault](draft)
             report, streams = out / "report.json", out / "streams.jsonl"
             run_benchmark(
-                str(run / "prompts/eval.jsonl"),
+                str(run / "benchmark_sets.json"),
                 verifier,
                 str(draft),
                 str(report),

@@ -1,7 +1,28 @@
-rule baseline:
+rule benchmark_sets:
     input:
         verifier=VERIFIER_DIR,
         prompts=results("prompts/eval.jsonl"),
+    output:
+        sets=results("benchmark_sets.json"),
+    log:
+        logs("benchmark_sets"),
+    conda:
+        "../envs/serve.yaml"
+    params:
+        sets=benchmark_sets_param(),
+        eval_size=config["benchmark"]["num_prompts"],
+        max_tokens=config["benchmark"]["max_tokens"],
+        max_model_len=config["server"]["max_model_len"],
+        chat_template_kwargs=benchmark_chat_template_kwargs(),
+        code=code("benchmark_sets"),
+    script:
+        "../workflow_scripts/entry/benchmark_sets.py"
+
+
+rule baseline:
+    input:
+        verifier=VERIFIER_DIR,
+        sets=results("benchmark_sets.json"),
     output:
         report=results("baseline/report.json"),
     log:
@@ -25,7 +46,7 @@ rule benchmark:
     input:
         verifier=VERIFIER_DIR,
         draft=variant_draft("draft"),
-        prompts=results("prompts/eval.jsonl"),
+        sets=results("benchmark_sets.json"),
         baseline=baseline_report,
     output:
         report=variant_results("benchmark/report.json"),

@@ -197,8 +197,13 @@ def baseline_workload():
     """
     return {
         key: config["benchmark"][key]
-        for key in ("num_prompts", "max_tokens", "concurrency")
+        for key in ("max_tokens", "concurrency", "temperatures", "seed")
     } | {"chat_template_kwargs": benchmark_chat_template_kwargs()}
+
+
+def benchmark_sets_param():
+    """`benchmark.sets` as a param, each entry's keys sorted."""
+    return [_sorted(entry) for entry in config["benchmark"]["sets"]]
 
 
 def benchmark_chat_template_kwargs():

@@ -23,6 +23,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from workflow_scripts.benchmark.cells import HEADLINE
 from workflow_scripts.common.atomic import read_jsonl, write_text
 from workflow_scripts.common.train_metrics import exported_eval
 from workflow_scripts.compare_plots import plot_acceptance_by_variant, plot_concurrency, plot_k, plot_learning_curve
@@ -97,6 +98,12 @@ def variant_row(
         "baseline_measurement": report["baseline_measurement"],
         "train_s": train_s,
         "draft_mb": size / 1e6,
+        # Every other set and temperature the benchmark measured (benchmark.sets, .temperatures).
+        "set_lengths": {
+            key: cell["speculative"]["mean_acceptance_length"]
+            for key, cell in report["cells"].items()
+            if key != HEADLINE
+        },
     }
 
 
@@ -225,12 +232,17 @@ TABLE = [
 ]
 
 
-def cells(row: dict[str, Any]) -> list[str]:
+def cells(row: dict[str, Any], set_keys: list[str]) -> list[str]:
     out = []
     for _, key, fmt in TABLE:
         value = row[key]
         out.append(" / ".join(f"{x:.3f}" for x in value) if fmt is None else fmt.format(value))
-    return out
+    return out + [f"{row['set_lengths'][k]:.3f}" if k in row["set_lengths"] else "" for k in set_keys]
+
+
+def set_columns(rows: list[dict[str, Any]]) -> list[str]:
+    """The other sets' cells (`mt_bench@T0`, ...) any variant measured, in measurement order. Pure."""
+    return list(dict.fromkeys(k for r in rows for k in r["set_lengths"]))
 
 
 def render_comparison(
@@ -243,6 +255,7 @@ def render_comparison(
     plots: dict[str, str],
 ) -> str:
     """report.md of the run. Pure."""
+    set_keys = set_columns(rows)
     lines = [
         "# eagleflow run report",
         "",
@@ -251,9 +264,9 @@ def render_comparison(
         + "; ".join(sorted({f"{r['baseline_measurement']}" for r in rows}))
         + ".",
         "",
-        "| " + " | ".join(h for h, _, _ in TABLE) + " |",
-        "|" + " --- |" * len(TABLE),
-        *("| " + " | ".join(cells(r)) + " |" for r in rows),
+        "| " + " | ".join([h for h, _, _ in TABLE] + [f"mean acceptance length, {k}" for k in set_keys]) + " |",
+        "|" + " --- |" * (len(TABLE) + len(set_keys)),
+        *("| " + " | ".join(cells(r, set_keys)) + " |" for r in rows),
         "",
         f"![per-position acceptance per variant]({plots['acceptance_png']})",
         "",
@@ -349,8 +362,10 @@ def render_loads(loads: dict[str, dict[str, int]]) -> str:
 
 
 def render_html(rows: list[dict[str, Any]]) -> str:
-    head = "".join(f"<th>{html.escape(h)}</th>" for h, _, _ in TABLE)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells(r)) + "</tr>" for r in rows)
+    set_keys = set_columns(rows)
+    headers = [h for h, _, _ in TABLE] + [f"mean acceptance length, {k}" for k in set_keys]
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells(r, set_keys)) + "</tr>" for r in rows)
     return (
         "<!DOCTYPE html><html><head><meta charset='utf-8'><title>eagleflow variants</title>"
         "<style>body{font-family:sans-serif;margin:1em}td,th{padding:.2em .8em;border-bottom:1px solid #ddd}"

@@ -169,11 +169,50 @@ def summary_rows(
 def describe_measurement(report: dict) -> str:
     return (
         f"Verifier `{report['verifier']}`, draft `{report['draft']}`, "
-        f"{report['prompts']['count']} held-out prompts, temperature 0, "
+        f"{report['prompts']['count']} held-out prompts (first turns), temperature 0, "
         f"max {report['sampling']['max_tokens']} tokens, concurrency {report['sampling']['concurrency']}, "
         f"{report['num_speculative_tokens']} speculative tokens. Measured by vLLM's own counters; "
         f"the verifier alone: {report['baseline_measurement']}."
     )
+
+
+def set_tables(report: dict) -> list[str]:
+    """A table per benchmark set (the eval split first): each temperature's mean acceptance
+    length, per-position acceptance and speedup, as markdown lines. Pure."""
+    lines = [
+        "## Benchmark sets",
+        "",
+        "Each set measured with the same server flags, at each temperature (above 0 sampled with the "
+        "seed shown); parity replays the eval split at temperature 0 only.",
+        "",
+    ]
+    by_set: dict[str, list[dict]] = {}
+    for cell in report["cells"].values():
+        by_set.setdefault(cell["set"], []).append(cell)
+    for name, cells in by_set.items():
+        source = report["set_sources"][name]
+        skipped = source["skipped_too_long"]
+        lines += [
+            f"### {name}",
+            "",
+            f"{source['source']}; {cells[0]['requests']} requests per temperature"
+            + (f"; {len(skipped)} conversations skipped: too long for server.max_model_len" if skipped else "")
+            + ".",
+            "",
+            "| temperature (seed) | mean acceptance length | per-position acceptance | speedup | identical outputs |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for c in sorted(cells, key=lambda c: c["temperature"]):
+            spec = c["speculative"]
+            seed = "" if c["seed"] is None else f" (seed {c['seed']})"
+            same = "" if c["outputs_identical_fraction"] is None else f"{c['outputs_identical_fraction']:.0%}"
+            lines.append(
+                f"| {c['temperature']:g}{seed} | {spec['mean_acceptance_length']:.3f} | "
+                + " / ".join(f"{x:.3f}" for x in spec["per_position_acceptance"])
+                + f" | {c['speedup']:.2f}x | {same} |"
+            )
+        lines.append("")
+    return lines
 
 
 def parity_findings(parity: dict | None) -> list[str]:
@@ -212,6 +251,7 @@ def render_markdown(
         "",
         f"![per-position acceptance]({plots['acceptance']})",
         "",
+        *set_tables(report),
         *parity_findings(parity),
         "## Training",
         "",

@@ -99,7 +99,22 @@ def test_every_stage_output_meets_its_contract(finished_run):
     assert 0.0 <= spec["acceptance_rate"] <= 1.0
     assert report["speedup"] == pytest.approx(spec["output_tokens_per_s"] / report["baseline"]["output_tokens_per_s"])
     assert 0.0 <= report["outputs_identical_fraction"] <= 1.0
+    # Every set at every temperature (tests/config/small.yaml: 2 MT-Bench questions of 2 turns, 2
+    # HumanEval stubs; 0 and 0.7), the eval split at 0 the headline; later turns carry the
+    # baseline's replies, which the baseline job kept.
+    cells = report["cells"]
+    assert list(cells) == [f"{s}@T{t}" for t in ("0", "0.7") for s in ("eval", "mt_bench", "humaneval")]
+    assert cells["eval@T0"]["speculative"] == spec and cells["eval@T0"]["speedup"] == report["speedup"]
+    assert [cells[f"{s}@T0"]["requests"] for s in ("eval", "mt_bench", "humaneval")] == [4, 4, 2]
+    assert cells["mt_bench@T0.7"]["seed"] == 0 and cells["mt_bench@T0"]["seed"] is None
+    assert cells["mt_bench@T0.7"]["outputs_identical_fraction"] is None
+    assert all(c["speculative"]["num_drafts"] > 0 for c in cells.values())
+    baseline = json.loads((r / "baseline/report.json").read_text())
+    assert [len(replies) for replies in baseline["cells"]["mt_bench@T0"]["replies"].values()] == [2, 2]
+    sets = {s["name"]: s for s in json.loads((r / "benchmark_sets.json").read_text())["sets"]}
+    assert [p["id"] for p in sets["mt_bench"]["prompts"]] == ["mt_bench-81", "mt_bench-82"]
     md = (r / "variants/default/report/report.md").read_text()
+    assert "## Benchmark sets" in md and "### mt_bench" in md and "| 0.7 (seed 0) |" in md
     assert "mean acceptance length" in md and "speedup" in md
     assert f"{generated['sent']} sent / {generated['reused']} reused from the store" in md
     for plot in ("acceptance_per_position", "training_curves", "data_quality", "vocab_coverage"):
@@ -177,6 +192,7 @@ DOWNSTREAM_OF_SYNTH = {
     "compare",
 }
 PER_DRAFT = {"train", "benchmark", "parity", "report", "compare"}
+BENCHMARKS = {"baseline", "benchmark", "parity", "report", "compare"}
 
 
 # One module per stage boundary, through Snakemake itself; every module's row of the table in
@@ -191,7 +207,7 @@ PER_DRAFT = {"train", "benchmark", "parity", "report", "compare"}
         ("vocab.py", PER_DRAFT | {"vocab"}),
         ("hidden_states/hf.py", PER_DRAFT | {"hidden_states", "hidden_states_index"}),
         ("train/loop.py", PER_DRAFT),
-        ("benchmark/run.py", {"baseline", "benchmark", "parity", "report", "compare"}),
+        ("benchmark/run.py", BENCHMARKS),
         ("benchmark/replay.py", {"parity", "report", "compare"}),
         ("compare.py", {"compare"}),
     ],
@@ -301,6 +317,7 @@ def test_editing_run_only_code_restales_nothing(finished_run):
         ({"generate": {"max_tokens": 40}}, DOWNSTREAM_OF_SYNTH | {"generate"}),
         ({"hidden_states": {"dtype": "float8_e4m3fn"}}, PER_DRAFT | {"hidden_states", "hidden_states_index"}),
         ({"hidden_states": {"mode": "online"}}, PER_DRAFT),
+        ({"benchmark": {"sets": [{"name": "mt_bench", "size": 3}]}}, BENCHMARKS | {"benchmark_sets"}),
     ],
     ids=[
         "train.lr",
@@ -310,6 +327,7 @@ def test_editing_run_only_code_restales_nothing(finished_run):
         "generate.max_tokens",
         "hidden_states.dtype",
         "hidden_states.mode",
+        "benchmark.sets",
     ],
 )
 def test_a_parameter_change_restales_exactly_its_stage_and_downstream(finished_run, tmp_path, override, expected):
@@ -381,6 +399,7 @@ def test_the_run_report_has_the_comparison_of_its_one_variant(finished_run):
     md = (r / "report.md").read_text()
     assert "| default | 3 |" in md and "No learning curve in this run" in md
     assert "No run at another k to check the prediction against" in md
+    assert "| mean acceptance length, mt_bench@T0 |" in md and "| mean acceptance length, humaneval@T0.7 |" in md
     baseline = json.loads((r / "baseline/report.json").read_text())
     report = json.loads((r / "variants/default/benchmark/report.json").read_text())
     assert report["baseline"]["output_tokens_per_s"] == baseline["output_tokens_per_s"]

@@ -285,3 +285,26 @@ def test_a_parser_fix_costs_no_inference_and_gives_the_data_of_a_fresh_run(serve
         assert [r["id"] for r in fixed] == [r["id"] for r in scratch]
         differ = [a["id"] for a, b in zip(fixed, scratch, strict=True) if a != b]
         assert not differ, f"{name}: samples differ between the fixed run and a fresh one: {differ}"
+
+
+def test_a_benchmark_row_above_temperature_zero_samples_the_same_again_with_its_seed(server):
+    """The benchmark's rows above temperature 0 name their seed (benchmark.seed, per request):
+    measured again with it, every output is the same; with another seed they are not. One
+    request at a time, so the batches are the same too (this module's server, no draft)."""
+    import asyncio
+
+    from workflow_scripts.benchmark.run import Workload, run_workload
+
+    questions = [{"id": f"q{i}", "system": None, "turns": [f"question number {i}?"]} for i in range(4)]
+    sets = [{"name": "eval", "prompts": questions}]
+
+    def outputs(seed: int) -> dict:
+        workload = Workload(24, 1, (0.0, 1.0), seed, 120.0, {})
+        cells = asyncio.run(run_workload(server, sets, workload, SERVER.served_model_name, "seed"))
+        assert cells["eval@T1"]["seed"] == seed and cells["eval@T0"]["seed"] is None
+        return cells["eval@T1"]["outputs"]
+
+    first = outputs(7)
+    assert all(out[0] for out in first.values()), first
+    assert outputs(7) == first
+    assert outputs(8) != first

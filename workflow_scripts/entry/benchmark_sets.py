@@ -1,0 +1,3 @@
+from workflow_scripts.benchmark.sets import main
+
+main(snakemake)
