@@ -293,18 +293,22 @@ def test_a_benchmark_row_above_temperature_zero_samples_the_same_again_with_its_
     request at a time, so the batches are the same too (this module's server, no draft)."""
     import asyncio
 
-    from workflow_scripts.benchmark.run import Workload, run_workload
+    from workflow_scripts.benchmark.run import Workload, measure_cell
+    from workflow_scripts.runtime.client import ChatClient
 
-    questions = [{"id": f"q{i}", "system": None, "turns": [f"question number {i}?"]} for i in range(4)]
-    sets = [{"name": "eval", "prompts": questions}]
+    questions = {
+        "name": "eval",
+        "prompts": [{"id": f"q{i}", "system": None, "turns": [f"question {i}?"]} for i in range(3)],
+    }
 
-    def outputs(seed: int) -> dict:
-        workload = Workload(24, 1, (0.0, 1.0), seed, 120.0, {})
-        cells = asyncio.run(run_workload(server, sets, workload, SERVER.served_model_name, "seed"))
-        assert cells["eval@T1"]["seed"] == seed and cells["eval@T0"]["seed"] is None
-        return cells["eval@T1"]["outputs"]
+    async def sampled(seed: int) -> dict:
+        workload = Workload(16, 1, (0.0, 1.0), seed, 120.0, {})
+        async with ChatClient(server, concurrency=1, request_timeout_s=120.0) as client:
+            cell = await measure_cell(client, questions, 1.0, workload, SERVER.served_model_name, "seed", None)
+        assert cell["seed"] == seed
+        return cell["outputs"]
 
-    first = outputs(7)
+    first = asyncio.run(sampled(7))
     assert all(out[0] for out in first.values()), first
-    assert outputs(7) == first
-    assert outputs(8) != first
+    assert asyncio.run(sampled(7)) == first
+    assert asyncio.run(sampled(8)) != first
