@@ -463,3 +463,26 @@ def ordinal(t: torch.Tensor, magnitude_bits: int) -> torch.Tensor:
     bits = t.view(torch.int16 if t.element_size() == 2 else torch.uint8).to(torch.int32)
     magnitude = bits & magnitude_bits
     return torch.where(bits & (magnitude_bits + 1) != 0, -magnitude, magnitude)
+
+
+def shards_beside_transformers(paths, verifier_dir, store_dtype: torch.dtype):
+    """For each shard at `paths`: (its metadata, [(sample, transformers' (aux, final))]): the
+    verifier's float32 forward in transformers (the hf backend's hooks) on the shard's own
+    tokens, handed over in `store_dtype`."""
+    import torch
+
+    from workflow_scripts.hidden_states.forward import extract, load_verifier
+    from workflow_scripts.hidden_states.shard_file import read_shard
+
+    verifier = load_verifier(str(verifier_dir), "cpu", torch.float32)
+    for path in paths:
+        meta, samples = read_shard(path)
+        expected = extract(
+            verifier,
+            [{"id": s.id, "input_ids": s.input_ids.tolist()} for s in samples],
+            meta.aux_layer_ids,
+            batch_tokens=1 << 16,
+            store_dtype=store_dtype,
+            progress=False,
+        )
+        yield meta, list(zip(samples, expected, strict=True))

@@ -1,8 +1,8 @@
 """prompts: load a prompt set, normalise it, and split it into train and held-out eval prompts.
 
 A prompt is a conversation skeleton: an optional system message and one or more user turns.
-The verifier writes every assistant turn itself (synth). Accepted input rows (JSONL or
-Parquet) carry `id` (optional), and either `turns` (list of user messages), `prompt`
+The verifier writes every assistant turn itself (synth). Accepted input rows (JSONL, gzipped
+or not, or Parquet) carry `id` (optional), and either `turns` (list of user messages), `prompt`
 (one user message) or `messages` (OpenAI format; assistant messages are dropped because
 the verifier regenerates them). The split is a pure function of the conversation text, so
 it is stable across runs and machines, and train and eval never share a conversation.
@@ -10,10 +10,12 @@ it is stable across runs and machines, and train and eval never share a conversa
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,19 +63,28 @@ def load_prompts(path: str | os.PathLike) -> list[dict[str, Any]]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"prompts.source {path} does not exist")
+    return [normalise(row, f"{path} row {i}") for i, (_, row) in enumerate(numbered_rows(path), 1)]
+
+
+def numbered_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, row) of a JSONL file (gzipped by suffix) or (row number, row) of a Parquet file."""
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        rows = pq.read_table(path).to_pylist()
-    else:
-        rows = []
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
-    return [normalise(r, f"{path} row {i}") for i, r in enumerate(rows, 1)]
+        yield from enumerate(pq.read_table(path).to_pylist(), 1)
+        return
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{n}: a row must be a JSON object, got {type(row).__name__}")
+            yield n, row
 
 
 def split_prompts(prompts: list[dict[str, Any]], eval_fraction: float, seed: int = 0) -> tuple[list[dict], list[dict]]:

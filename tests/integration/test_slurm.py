@@ -31,6 +31,7 @@ from tests.helpers import (
     START_CLUSTER,
     merged,
     run_start_cluster,
+    shards_beside_transformers,
     storage_steps,
     vllm_processes,
 )
@@ -388,34 +389,21 @@ def test_the_clusters_fp8_shards_and_topk_targets_are_those_of_transformers_stat
     transformers' float32 forward on the same tokens, taken through the same storage: bfloat16
     then fp8 for the aux states (at most one e4m3 step apart, on few values: the two float32
     forwards differ by ~3e-7), and the top-k head on the bfloat16 final state for the target."""
-    from workflow_scripts.hidden_states.forward import extract, load_verifier
-    from workflow_scripts.hidden_states.shard_file import read_shard
     from workflow_scripts.hidden_states.storage import FP8
     from workflow_scripts.hidden_states.targets import TopkHead
 
     wf, _, _ = slurm_shards
-    verifier_dir = str(wf / "resources/verifier" / load_small()["verifier"]["name"])
-    verifier = load_verifier(verifier_dir, "cpu", torch.float32)
-    head = TopkHead(verifier_dir, load_small()["hidden_states"]["topk"])
+    verifier_dir = wf / "resources/verifier" / load_small()["verifier"]["name"]
+    head = TopkHead(str(verifier_dir), load_small()["hidden_states"]["topk"])
     steps, logit_errors, top_equal, tokens = [], [], 0, 0
-    for path in sorted((wf / "results/small/hidden_states").glob("shard-*.safetensors")):
-        meta, samples = read_shard(path)
+    shards = sorted((wf / "results/small/hidden_states").glob("shard-*.safetensors"))
+    for meta, pairs in shards_beside_transformers(shards, verifier_dir, torch.bfloat16):
         assert meta.backend == "vllm"
-        expected = extract(
-            verifier,
-            [{"id": s.id, "input_ids": s.input_ids.tolist()} for s in samples],
-            meta.aux_layer_ids,
-            batch_tokens=1 << 16,
-            store_dtype=torch.bfloat16,
-            progress=False,
-        )
-        for s, (aux, final) in zip(samples, expected, strict=True):
+        for s, (aux, final) in pairs:
             assert s.final is None and s.target_ids.shape == (len(s.input_ids), head.k)
             steps.append(storage_steps(s.aux, aux.float(), FP8, len(meta.aux_layer_ids)))
             # Stored: ids of the k largest logits and those logits less the largest, in float16.
-            x = final.float()
-            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + head.eps) * head.norm
-            logits = x @ head.lm_head.T
+            logits = head.logits(final)
             logits -= logits.max(-1, keepdim=True).values
             at_ids = logits.gather(-1, s.target_ids)
             logit_errors.append((s.target_logits - at_ids).abs().flatten())

@@ -22,7 +22,7 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers import REPO, SNAKEMAKE
+from tests.helpers import REPO, SNAKEMAKE, shards_beside_transformers
 from workflow_scripts.runtime.ledger import read_loads
 from workflow_scripts.runtime.process import group_members, parent_pid
 from workflow_scripts.runtime.shared import SharedDir
@@ -207,25 +207,13 @@ def test_the_rerun_redoes_only_the_killed_shard_on_the_lingering_server_and_leav
 def test_the_shards_hold_transformers_states_for_their_samples(vllm_runs):
     """vLLM's states, through the connector, against transformers' on the same tokens, both in
     float32: every sample within STATES_RTOL (relative L2), every sample of the run once."""
-    from workflow_scripts.hidden_states.forward import extract, load_verifier
-    from workflow_scripts.hidden_states.shard_file import read_shard
-
     wf = vllm_runs["wf"]
     index = json.loads((wf / INDEX).read_text())
     assert index["backends"] == ["vllm"]
-    verifier = load_verifier(str(wf / "resources/verifier" / verifier_name()), "cpu", torch.float32)
+    shards = [wf / f"results/small/hidden_states/shard-{k:05d}.safetensors" for k in range(NUM_SHARDS)]
     seen = []
-    for k in range(NUM_SHARDS):
-        meta, samples = read_shard(wf / f"results/small/hidden_states/shard-{k:05d}.safetensors")
-        expected = extract(
-            verifier,
-            [{"id": s.id, "input_ids": s.input_ids.tolist()} for s in samples],
-            meta.aux_layer_ids,
-            batch_tokens=1 << 16,
-            store_dtype=torch.float32,
-            progress=False,
-        )
-        for s, (aux, final) in zip(samples, expected, strict=True):
+    for meta, pairs in shards_beside_transformers(shards, wf / "resources/verifier" / verifier_name(), torch.float32):
+        for s, (aux, final) in pairs:
             for got, want in ((s.aux, aux), (s.final, final)):
                 err = ((got - want).norm() / want.norm()).item()
                 assert err < STATES_RTOL, (s.id, err)

@@ -214,7 +214,8 @@ async def measure_cell(
     bar = tqdm(total=total, desc=f"benchmark {label}", unit="req", mininterval=2.0)
     replies: dict[str, list[str]] = {p["id"]: [] for p in prompts}
     outputs: dict[str, list[list[int]]] = {p["id"]: [] for p in prompts}
-    streams = []
+    order = {p["id"]: i for i, p in enumerate(prompts)}
+    streams = []  # (turn, the prompt's place in the set, stream), in the order replies come
 
     async def one(prompt: dict[str, Any], turn: int) -> None:
         earlier = (context or replies)[prompt["id"]][:turn]
@@ -227,7 +228,8 @@ async def measure_cell(
         replies[prompt["id"]].append(choice["message"].get("content") or "")
         outputs[prompt["id"]].append(output)
         stream_id = prompt["id"] if turn == 0 else f"{prompt['id']}#t{turn}"
-        streams.append({"id": stream_id, "prompt_token_ids": body.get("prompt_token_ids") or [], "token_ids": output})
+        stream = {"id": stream_id, "prompt_token_ids": body.get("prompt_token_ids") or [], "token_ids": output}
+        streams.append((turn, order[prompt["id"]], stream))
 
     before = spec_decode_counters(await client.get_text("/metrics"))
     started = time.perf_counter()
@@ -236,8 +238,6 @@ async def measure_cell(
     wall = time.perf_counter() - started
     bar.close()
     after = spec_decode_counters(await client.get_text("/metrics"))
-    order = {p["id"]: i for i, p in enumerate(prompts)}
-    streams.sort(key=lambda s: (s["id"].count("#t"), order[s["id"].split("#t")[0]]))
     tokens = sum(len(o) for outs in outputs.values() for o in outs)
     return {
         "set": benchmark_set["name"],
@@ -247,7 +247,7 @@ async def measure_cell(
         "requests": total,
         "outputs": outputs,
         "replies": replies,
-        "streams": streams,
+        "streams": [stream for *_, stream in sorted(streams, key=lambda s: s[:2])],
         "wall_s": wall,
         "output_tokens": tokens,
         "output_tokens_per_s": tokens / wall,

@@ -18,17 +18,15 @@ replies is skipped and counted (the report prints the count), never dropped sile
 
 from __future__ import annotations
 
-import gzip
 import importlib.util
-import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from workflow_scripts.benchmark.cells import EVAL
 from workflow_scripts.common.atomic import read_jsonl, write_json
-from workflow_scripts.prompts import normalise
+from workflow_scripts.prompts import normalise, numbered_rows
 from workflow_scripts.runtime.smk import stage
 
 HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the code only.\n\n"
@@ -102,27 +100,6 @@ def packaged_file(name: str) -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"benchmark set {name!r}: {packaged.distribution} has no {packaged.data} ({path})")
     return path
-
-
-def numbered_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(line number, row) of a JSONL file (gzipped by suffix) or (row number, row) of a Parquet file."""
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        yield from enumerate(pq.read_table(path).to_pylist(), 1)
-        return
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{n}: a row must be a JSON object, got {type(row).__name__}")
-            yield n, row
 
 
 def read_set(spec: SetSpec) -> tuple[str, list[dict[str, Any]]]:

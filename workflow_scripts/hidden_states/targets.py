@@ -48,14 +48,18 @@ class TopkHead:
         self.norm = load_verifier_final_norm(verifier_dir).to(self.device, torch.float32)
         self.eps = float(read_text_config(verifier_dir).get("rms_norm_eps", 1e-6))
 
+    def logits(self, final: torch.Tensor) -> torch.Tensor:
+        """The verifier's float32 logits [n, vocab] of final states [n, hidden]: lm_head(norm(state))."""
+        x = final.to(self.device, torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm
+        return x @ self.lm_head.T
+
     @torch.inference_mode()
     def __call__(self, final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids int32 [n, k], logits less each row's largest, float16 [n, k]) of final states [n, hidden]."""
         ids, values = [], []
         for chunk in final.split(CHUNK_TOKENS):
-            x = chunk.to(self.device, torch.float32)
-            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm
-            top = (x @ self.lm_head.T).topk(self.k, dim=-1)  # sorted: column 0 is the largest
+            top = self.logits(chunk).topk(self.k, dim=-1)  # sorted: column 0 is the largest
             ids.append(top.indices.to(torch.int32).cpu())
             values.append((top.values - top.values[:, :1]).to(torch.float16).cpu())
         if not ids:
