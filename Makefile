@@ -36,10 +36,11 @@ demo: setup
 plan: setup
 	$(BIN)/python -m workflow_scripts.plan $(if $(CONFIG),--configfile $(CONFIG))
 
-# Two workers: the shared finished run and the SLURM runs built on it on one, the other
-# integration modules and the unit tests on the other (tests/conftest.py schedules them).
+# Three workers on two cores (much of a test's time is a process starting or a job polled
+# for): the shared finished run and the tests reading it in place on one, the other modules
+# on the others, those copying the run once it is built (tests/conftest.py schedules them).
 test: setup
-	$(BIN)/python -m pytest -v -rs --durations=40 -n 2
+	$(BIN)/python -m pytest -v -rs --durations=40 -n 3
 
 # Unit tests: no server, no Snakemake; every stage's pure code in about a minute.
 test-fast: setup

@@ -7,25 +7,49 @@ import pytest
 
 from tests.helpers import REPO, VERIFIER_BUILDERS, save_tiny_llama
 
-# The modules whose tests share the finished run (a session fixture; test_pipeline edits
-# files inside it): under pytest-xdist they must all run on one worker.
-SHARED_RUN_MODULES = frozenset({"test_pipeline.py", "test_parity.py", "test_slurm.py", "test_vllm_extraction.py"})
+# The finished run (tests/integration/conftest.py) is built once per session. The modules
+# that use it in place (test_pipeline edits files inside it and restores them) run on one
+# worker; the modules that take a copy of it go to any worker.
+IN_PLACE_MODULES = frozenset({"test_pipeline.py", "test_parity.py"})
+COPYING_MODULES = frozenset({"test_slurm.py", "test_vllm_extraction.py"})
+# Integration modules that run a whole DAG of their own: started first, beside the run.
+LONGEST_FIRST = ("test_mla_verifier.py",)
+
+
+def module_name(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
 
 
 def xdist_scope(nodeid: str) -> str:
-    """The unit of work a test goes to a worker with (`make test` runs two): the shared run's
-    modules together, each other integration module whole (module fixtures: a server, a
-    run), unit tests one by one."""
-    module = nodeid.split("::", 1)[0]
-    if module.rsplit("/", 1)[-1] in SHARED_RUN_MODULES:
+    """The unit of work a test goes to a worker with: the in-place modules together, each
+    other integration module whole (module fixtures: a server, a run), unit tests one by one."""
+    if module_name(nodeid) in IN_PLACE_MODULES:
         return "finished_run"
+    module = nodeid.split("::", 1)[0]
     return module if "/integration/" in module else nodeid
 
 
+def schedule_tier(item) -> tuple[int, int]:
+    """Workers take work in this order: the finished run and its in-place tests, the
+    integration modules with runs of their own, the other integration modules, the modules
+    that copy the finished run (by then it is built: no worker waits for it), unit tests."""
+    name = module_name(item.nodeid)
+    if name in IN_PLACE_MODULES:
+        return 0, 0
+    if "unit" in item.path.parts:
+        return 4, 0
+    if name in COPYING_MODULES:
+        return 3, 0
+    return (1, LONGEST_FIRST.index(name)) if name in LONGEST_FIRST else (2, 0)
+
+
 def pytest_xdist_make_scheduler(config, log):
-    """Scope scheduling with xdist_scope (xdist's own `loadgroup` marks are not applied
-    under pytest 9: the group suffix it writes into node ids does not stick)."""
+    """Scope scheduling with xdist_scope, in collection order (xdist's own `loadgroup` marks
+    are not applied under pytest 9: the group suffix it writes into node ids does not stick;
+    its default reorder, by tests per scope, would undo schedule_tier)."""
     from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False
 
     class Scheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
@@ -35,14 +59,17 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Every test of the shared run is in SHARED_RUN_MODULES (or xdist would run the run
-    again on the other worker, and a test there would read a run another worker edits), and
-    workers take work in collection order: the shared run's group first, so the rest fills
-    the other worker meanwhile; unit tests last."""
-    stray = [i.nodeid for i in items if "finished_run" in i.fixturenames and xdist_scope(i.nodeid) != "finished_run"]
+    """A module that reads the finished run is in IN_PLACE_MODULES or COPYING_MODULES (a
+    test reading it in place on another worker would read files test_pipeline edits), and
+    the items go in schedule_tier's order."""
+    stray = [
+        i.nodeid
+        for i in items
+        if "finished_run" in i.fixturenames and module_name(i.nodeid) not in IN_PLACE_MODULES | COPYING_MODULES
+    ]
     if stray:
-        raise pytest.UsageError(f"tests use finished_run outside tests/conftest.py's SHARED_RUN_MODULES: {stray}")
-    items.sort(key=lambda i: 0 if xdist_scope(i.nodeid) == "finished_run" else 2 if "unit" in i.path.parts else 1)
+        raise pytest.UsageError(f"tests read finished_run outside IN_PLACE_MODULES and COPYING_MODULES: {stray}")
+    items.sort(key=schedule_tier)
 
 
 @pytest.fixture(scope="session")

@@ -193,16 +193,31 @@ def planned_jobs(dry_run_stdout: str) -> dict[str, str]:
     return plan
 
 
+# What a run directory holds of the repository.
+WORKFLOW_FILES = ("Snakefile", "rules", "config", "envs", "profiles", "workflow_scripts")
+
+
 def copy_workflow(dst: Path) -> Path:
     """A copy of the workflow (Snakefile, rules, config, package) to run in isolation."""
     dst.mkdir(parents=True, exist_ok=True)
-    for name in ("Snakefile", "rules", "config", "envs", "profiles", "workflow_scripts"):
+    for name in WORKFLOW_FILES:
         src = REPO / name
         if src.is_dir():
             shutil.copytree(src, dst / name, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copy2(src, dst / name)
     return dst
+
+
+def copy_finished_run(src: Path, dst: Path) -> Path:
+    """A copy of a finished run (tests/integration/conftest.py: finished_run) at `dst`, mtimes
+    kept, with this checkout's code: an edit a test of another worker has in flight in the
+    shared run (tests/integration/test_pipeline.py edits modules and restores them) never
+    travels."""
+    shutil.copytree(src, dst, symlinks=True)
+    for name in WORKFLOW_FILES:
+        (shutil.rmtree if (dst / name).is_dir() else os.unlink)(dst / name)
+    return copy_workflow(dst)
 
 
 @contextlib.contextmanager

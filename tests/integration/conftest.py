@@ -1,5 +1,6 @@
 """The finished run that the slow integration tests share (one DAG run with a real vLLM)."""
 
+import fcntl
 import json
 import os
 import shutil
@@ -11,7 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, SNAKEMAKE, copy_workflow, run_start_cluster, stored_replies, vllm_available
+from tests.helpers import (
+    REPO,
+    SNAKEMAKE,
+    copy_finished_run,
+    copy_workflow,
+    run_start_cluster,
+    stored_replies,
+    vllm_available,
+)
 from workflow_scripts.runtime.process import group_members, parent_pid
 from workflow_scripts.runtime.spec import ServerSpec
 
@@ -41,22 +50,41 @@ def slurm_controller_up_or_no_slurm():
 
 
 @pytest.fixture(scope="session")
-def finished_run(tmp_path_factory):
+def finished_run(tmp_path_factory, worker_id):
     """The run every test here reads. It starts with a hard kill: `kill -9` of Snakemake's
     whole process group mid-generate (an OOM kill, a crashed terminal); what the kill left is
     in `hard_kill.json`. Then `--unlock` and the same command, as docs/operations.md says;
-    during that rerun, generate's vLLM is SIGKILLed once (`server_kill.json`)."""
+    during that rerun, generate's vLLM is SIGKILLed once (`server_kill.json`).
+
+    Built once per pytest session: under pytest-xdist the first worker to ask builds it in the
+    session's shared temporary directory while the others wait on a lock, and a failed build
+    fails every worker's tests with its message. Tests use it in place only in
+    tests/conftest.py's IN_PLACE_MODULES (one worker); elsewhere they take a copy
+    (tests.helpers.copy_finished_run)."""
     if not vllm_available():
         pytest.skip("vLLM is not installed")
+    base = tmp_path_factory.getbasetemp()
+    home = (base if worker_id == "master" else base.parent) / "finished-run"
+    home.mkdir(exist_ok=True)
+    wf, done, failed = home / "wf", home / "done", home / "failed.txt"
+    with open(home / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists() and not failed.exists():
+            error = build_finished_run(wf)
+            (failed if error else done).write_text(error or "")
+    if failed.exists():
+        pytest.fail(failed.read_text())
+    return wf
+
+
+def build_finished_run(wf: Path) -> str | None:
+    """Run the small DAG into `wf` as finished_run says; the failure's message, or None."""
     if reuse := os.environ.get("EAGLEFLOW_FINISHED_RUN"):
         # While working on a module that builds on the run: a copy of an earlier one (its
         # `wf` directory), with this checkout's code; what the code changed reruns.
-        wf = tmp_path_factory.mktemp("wf") / "wf"
-        shutil.copytree(reuse, wf, symlinks=True)
-        for name in ("Snakefile", "rules", "config", "envs", "profiles", "workflow_scripts"):
-            (shutil.rmtree if (wf / name).is_dir() else os.unlink)(wf / name)
-        return copy_workflow(wf)
-    wf = copy_workflow(tmp_path_factory.mktemp("wf"))
+        copy_finished_run(Path(reuse), wf)
+        return None
+    copy_workflow(wf)
     cmd = SNAKEMAKE + ["--cores", "2", "--configfile", str(REPO / "tests/config/small.yaml")]
     (wf / "hard_kill.json").write_text(json.dumps(hard_kill_mid_generate(wf, cmd)))
     subprocess.run([*cmd, "--unlock"], cwd=wf, capture_output=True, check=True)
@@ -64,11 +92,11 @@ def finished_run(tmp_path_factory):
         rerun = subprocess.Popen(cmd, cwd=wf, stdout=out, stderr=err, text=True)
         (wf / "server_kill.json").write_text(json.dumps(sigkill_vllm_mid_generate(wf, rerun)))
         rerun.wait(timeout=1800)
-    if rerun.returncode != 0:
-        logs = "\n".join(f"--- {p}\n{p.read_text()[-2500:]}" for p in sorted((wf / "results/small/logs").glob("*.log")))
-        stderr = (wf / "rerun.err").read_text()
-        pytest.fail(f"snakemake failed ({rerun.returncode}):\n{stderr[-4000:]}\n{logs}")
-    return wf
+    if rerun.returncode == 0:
+        return None
+    logs = "\n".join(f"--- {p}\n{p.read_text()[-2500:]}" for p in sorted((wf / "results/small/logs").glob("*.log")))
+    stderr = (wf / "rerun.err").read_text()
+    return f"snakemake failed ({rerun.returncode}):\n{stderr[-4000:]}\n{logs}"
 
 
 def sigkill_vllm_mid_generate(wf: Path, run: subprocess.Popen) -> dict:

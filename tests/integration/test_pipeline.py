@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from tests.helpers import REPO, SNAKEMAKE, planned_jobs, vllm_available, vllm_processes
+from tests.helpers import REPO, SNAKEMAKE, copy_finished_run, planned_jobs, vllm_available, vllm_processes
 from workflow_scripts.runtime.ledger import count_loads, read_loads
 
 pytestmark = [
@@ -243,7 +243,7 @@ def test_a_copy_elsewhere_plans_nothing_and_a_fix_that_changes_no_byte_costs_no_
     and each finds its key unchanged: no verifier start, no request, no shard extracted, no
     training step; dataset, shards and draft byte-identical."""
     moved = tmp_path / "moved"
-    shutil.copytree(finished_run, moved, symlinks=True)  # copy2 keeps the mtimes
+    copy_finished_run(finished_run, moved)  # mtimes kept
     assert stale_rules(moved) == set()
     run = moved / "results/small"
     draft = json.loads((run / "drafts/default/draft/config.json").read_text())
@@ -422,7 +422,7 @@ def test_online_mode_trains_without_shards(finished_run, tmp_path):
     import yaml
 
     wf = tmp_path / "wf"
-    shutil.copytree(finished_run, wf, symlinks=True)
+    copy_finished_run(finished_run, wf)
     shutil.rmtree(wf / "results/small/hidden_states")  # online needs none of it
     serve_path = str((finished_run / "resources/verifier/smollm2-135m-instruct").resolve())
     (wf / "online.yaml").write_text(

@@ -29,6 +29,7 @@ from tests.helpers import (
     REPO,
     SNAKEMAKE,
     START_CLUSTER,
+    copy_finished_run,
     merged,
     run_start_cluster,
     shards_beside_transformers,
@@ -200,7 +201,7 @@ EXPECTED_JOBS = {
 def slurm_run(finished_run, tmp_path_factory):
     partition = start_cluster()
     wf = tmp_path_factory.mktemp("slurm") / "wf"
-    shutil.copytree(finished_run, wf, symlinks=True)
+    copy_finished_run(finished_run, wf)
     profile_dir = wf / "profiles/slurm-test"
     profile_dir.mkdir(parents=True)
     profile = profile_for_test_cluster(real_profile(), partition, node_cpus())
@@ -341,7 +342,7 @@ def slurm_shards(finished_run, tmp_path_factory):
     fp8 storage and the compact top-k target (new content: no shard comes from the cache)."""
     partition = start_cluster()
     wf = tmp_path_factory.mktemp("slurm-shards") / "wf"
-    shutil.copytree(finished_run, wf, symlinks=True)
+    copy_finished_run(finished_run, wf)
     profile_dir = wf / "profiles/slurm-test"
     profile_dir.mkdir(parents=True)
     (profile_dir / "config.yaml").write_text(

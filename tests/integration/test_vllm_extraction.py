@@ -10,7 +10,6 @@ which takes its storage directory with it."""
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import threading
@@ -22,7 +21,7 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers import REPO, SNAKEMAKE, shards_beside_transformers
+from tests.helpers import REPO, SNAKEMAKE, copy_finished_run, shards_beside_transformers
 from workflow_scripts.runtime.ledger import read_loads
 from workflow_scripts.runtime.process import group_members, parent_pid
 from workflow_scripts.runtime.shared import SharedDir
@@ -113,7 +112,7 @@ class StorageWatch(threading.Thread):
 @pytest.fixture(scope="module")
 def vllm_runs(finished_run, tmp_path_factory):
     wf = tmp_path_factory.mktemp("vllm-extraction") / "wf"
-    shutil.copytree(finished_run, wf, symlinks=True)
+    copy_finished_run(finished_run, wf)
     # The drafts name the verifier by path: keep the original run's (as test_slurm does).
     serve_path = str((finished_run / "resources/verifier" / verifier_name()).resolve())
     storage = wf / "hs-storage"
