@@ -81,12 +81,13 @@ rule parity:
         report=variant_results("benchmark/report.json"),
         metrics=variant_draft("train/metrics.jsonl"),
         prompts=results("prompts/eval.jsonl"),
+        train=results("dataset/train.parquet"),
     output:
         report=variant_results("parity/report.json"),
     log:
         logs("parity.{variant}"),
     conda:
-        "../envs/train.yaml"
+        EXTRACTION_ENVS[config["hidden_states"]["backend"]]
     threads: all_cores()
     resources:
         gpu=gpus("hidden_states"),
@@ -98,6 +99,8 @@ rule parity:
         chat_template_kwargs=benchmark_chat_template_kwargs(),
         synth_temperature=config["generate"]["temperature"],
         parity=section("parity"),
+        max_model_len=config["server"]["max_model_len"],
+        max_seq_len=config["dataset"]["max_seq_len"],
         code=code("parity"),
     script:
         "../workflow_scripts/entry/parity.py"

@@ -257,6 +257,11 @@ def shard_paths():
     return [results(f"hidden_states/shard-{i:05d}.safetensors") for i in range(n)]
 
 
+# The conda environment of the jobs that extract the verifier's states (shards, parity), by
+# backend: vLLM's extraction server starts with the job's own interpreter.
+EXTRACTION_ENVS = {"hf": "../envs/train.yaml", "vllm": "../envs/extract.yaml"}
+
+
 def hidden_states_server():
     """The verifier server's result flags, for the vllm backend only: a server setting must
     not restale shards that transformers extracted."""

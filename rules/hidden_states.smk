@@ -17,7 +17,7 @@ rule hidden_states:
     # server would otherwise hold the GPUs another job was given.
     priority: 10
     conda:
-        "../envs/train.yaml"
+        EXTRACTION_ENVS[config["hidden_states"]["backend"]]
     threads: all_cores()
     resources:
         gpu=gpus("hidden_states"),

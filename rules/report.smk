@@ -22,6 +22,13 @@ rule report:
             subcategory="{variant}",
             labels={"variant": "{variant}", "figure": "acceptance per position"},
         ),
+        context_png=report(
+            variant_results("report/acceptance_by_context.png"),
+            caption="report/context.rst",
+            category="1. Benchmark",
+            subcategory="{variant}",
+            labels={"variant": "{variant}", "figure": "acceptance by context length"},
+        ),
         training_png=report(
             variant_results("report/training_curves.png"),
             caption="report/training.rst",

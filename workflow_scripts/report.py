@@ -54,6 +54,41 @@ def plot_acceptance(report: dict[str, Any], out: str, parity: dict[str, Any] | N
     save_figure(fig, out)
 
 
+def bucket_label(lo: int, hi: int, last: bool) -> str:
+    """`512-1024` (`2048+` for the last bucket, which also takes longer contexts). Pure."""
+    return f"{lo}+" if last else f"{lo}-{hi}"
+
+
+def plot_context(parity: dict[str, Any] | None, out: str) -> None:
+    """Mean acceptance length by the context length a draft was proposed at, per set and over
+    all (the parity replay's buckets), with the longest context the draft was trained on."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 3.4))
+    if parity is None or "context" not in parity:
+        ax.text(0.5, 0.5, "no parity job: acceptance by context length\ncomes from its replay", ha="center")
+        ax.set_axis_off()
+        save_figure(fig, out)
+        return
+    context = parity["context"]
+    edges = context["edges"]
+    mids = [(hi / 2 if lo == 0 else (lo * hi) ** 0.5) for lo, hi in zip(edges, edges[1:], strict=False)]
+    series = {**context["sets"], "all sets": context["all"]}
+    for name, rows in series.items():
+        points = [(x, r["mean_acceptance_length"]) for x, r in zip(mids, rows, strict=True) if r["num_drafts"]]
+        if points:
+            bold = {"linewidth": 2.5, "color": "black"} if name == "all sets" else {"linewidth": 1}
+            ax.plot(*zip(*points, strict=True), "o-", markersize=4, label=name, **bold)
+    trained = context["trained"]
+    if trained.get("longest_sample"):
+        ax.axvline(trained["longest_sample"], linestyle="--", color="#b04040", label="longest training sample")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context length at the draft (tokens)")
+    ax.set_ylabel("mean acceptance length")
+    ax.set_title("Acceptance by context length (parity replay, T = 0)")
+    ax.legend(fontsize=7)
+    save_figure(fig, out)
+
+
 def plot_training(metrics: list[dict[str, Any]], out: str) -> None:
     plt = pyplot()
     train = [m for m in metrics if m["split"] == "train"]
@@ -183,7 +218,7 @@ def set_tables(report: dict) -> list[str]:
         "## Benchmark sets",
         "",
         "Each set measured with the same server flags, at each temperature (above 0 sampled with the "
-        "seed shown); parity replays the eval split at temperature 0 only.",
+        "seed shown); parity replays every set at temperature 0 (its checks on the eval split).",
         "",
     ]
     by_set: dict[str, list[dict]] = {}
@@ -212,6 +247,48 @@ def set_tables(report: dict) -> list[str]:
                 + f" | {c['speedup']:.2f}x | {same} |"
             )
         lines.append("")
+    return lines
+
+
+def context_table(parity: dict | None, plot: str) -> list[str]:
+    """Acceptance by context length (parity's replay of every set's greedy streams): mean
+    acceptance length and drafts per bucket, over all sets and per set, the longest context
+    the draft was trained on beside it, and each set's replay next to vLLM's, as markdown
+    lines. Pure."""
+    if not parity or "context" not in parity:
+        return []
+    context, names = parity["context"], list(parity["context"]["sets"])
+    trained = context["trained"]
+    lines = [
+        "## Acceptance by context length",
+        "",
+        "Where each draft was proposed: the tokens the verifier had seen (prompt and output), from "
+        "parity's replay of every set's greedy streams (the anchors vLLM visits). The draft was "
+        f"trained on samples of up to {trained['longest_sample']} tokens (dataset.max_seq_len "
+        f"{trained['max_seq_len']}).",
+        "",
+        "| context (tokens) | drafts | all sets | " + " | ".join(names) + " |",
+        "| --- | --- | --- | " + " | ".join("---" for _ in names) + " |",
+    ]
+    edges = context["edges"]
+
+    def al(row: dict) -> str:
+        return "" if row["mean_acceptance_length"] is None else f"{row['mean_acceptance_length']:.3f}"
+
+    for i, row in enumerate(context["all"]):
+        label = bucket_label(edges[i], edges[i + 1], i == len(context["all"]) - 1)
+        per_set = " | ".join(al(context["sets"][n][i]) for n in names)
+        lines.append(f"| {label} | {row['num_drafts']} | {al(row)} | {per_set} |")
+    lines += ["", f"![acceptance by context length]({plot})", ""]
+    lines += [
+        "Each set's replay next to vLLM's acceptance at T = 0: "
+        + "; ".join(
+            f"{name} {r['replay']:.3f} / vLLM {r['vllm']:.3f} ({r['streams']} streams)"
+            for name, r in parity["sets"].items()
+        )
+        + ".",
+        "",
+    ]
     return lines
 
 
@@ -252,6 +329,7 @@ def render_markdown(
         f"![per-position acceptance]({plots['acceptance']})",
         "",
         *set_tables(report),
+        *context_table(parity, plots["context"]),
         *parity_findings(parity),
         "## Training",
         "",
@@ -298,7 +376,7 @@ def render_html(
     )
 
 
-REPORT_OUTPUTS = ("md", "html", "acceptance_png", "training_png", "quality_png", "vocab_png")
+REPORT_OUTPUTS = ("md", "html", "acceptance_png", "context_png", "training_png", "quality_png", "vocab_png")
 
 
 def main(smk) -> None:
@@ -319,8 +397,9 @@ def run_report(
     out: dict[str, str],
     parity_json: str | None = None,
 ) -> None:
-    """Write out['md'], out['html'] and the four plots out['acceptance_png'], ['training_png'],
-    ['quality_png'], ['vocab_png']; with `parity_json`, the replay next to vLLM's figures."""
+    """Write out['md'], out['html'] and the plots out['acceptance_png'], ['context_png'],
+    ['training_png'], ['quality_png'], ['vocab_png']; with `parity_json`, the replay next to
+    vLLM's figures and acceptance by context length."""
     report = json.loads(Path(report_json).read_text())
     parity = json.loads(Path(parity_json).read_text()) if parity_json else None
     rows = read_jsonl(metrics)
@@ -328,11 +407,15 @@ def run_report(
     vocab = json.loads(Path(vocab_stats).read_text())
     generate = json.loads(Path(generate_stats).read_text())
     plot_acceptance(report, out["acceptance_png"], parity)
+    plot_context(parity, out["context_png"])
     plot_training(rows, out["training_png"])
     plot_quality(quality_report, out["quality_png"])
     plot_vocab_coverage(vocab, out["vocab_png"])
     md_dir = Path(out["md"]).parent
-    plots = {k: str(Path(out[f"{k}_png"]).relative_to(md_dir)) for k in ("acceptance", "training", "quality", "vocab")}
+    plots = {
+        k: str(Path(out[f"{k}_png"]).relative_to(md_dir))
+        for k in ("acceptance", "context", "training", "quality", "vocab")
+    }
     write_text(out["md"], render_markdown(report, rows, quality_report, vocab, generate, plots, parity))
     write_text(out["html"], render_html(report, rows, quality_report, vocab, generate, parity))
     log.info("wrote %s and %s", out["md"], out["html"])

@@ -43,6 +43,7 @@ class Run:
         self.report = r / "variants/default/benchmark/report.json"
         self.metrics = str(r / "drafts/default/train/metrics.jsonl")
         self.prompts = str(r / "prompts/eval.jsonl")
+        self.train = str(r / "dataset/train.parquet")
 
     def parity(self, tmp: Path, *, draft=None, streams=None, report=None, cfg=WARN, metrics=None) -> dict:
         extraction = extraction_job(
@@ -62,6 +63,9 @@ class Run:
             benchmark_report=str(report or self.report),
             metrics_path=metrics or self.metrics,
             prompts_path=self.prompts,
+            train_path=self.train,
+            max_model_len=config_section("server")["max_model_len"],
+            max_seq_len=config_section("dataset")["max_seq_len"],
             out=str(tmp / "parity.json"),
             chat_template_kwargs={},
             greedy_data=True,
@@ -127,6 +131,8 @@ def test_prompts_served_with_another_chat_template_are_caught(run, tmp_path):
     )
     streams = []
     for s in map(json.loads, run.streams.read_text().splitlines()):
+        if s["set"] != "eval":  # the check is on the eval split's prompts
+            continue
         messages = [{"role": "user", "content": prompts[s["id"]]["turns"][0]}]
         ids = tokenizer.apply_chat_template(messages, chat_template=other, tokenize=True, add_generation_prompt=False)
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)

@@ -100,12 +100,13 @@ def test_every_stage_output_meets_its_contract(finished_run):
     assert report["speedup"] == pytest.approx(spec["output_tokens_per_s"] / report["baseline"]["output_tokens_per_s"])
     assert 0.0 <= report["outputs_identical_fraction"] <= 1.0
     # Every set at every temperature (tests/config/small.yaml: an MT-Bench question of 2 turns, a
-    # HumanEval stub; 0 and 0.7), the eval split at 0 the headline; later turns carry the
-    # baseline's replies, which the baseline job kept.
+    # HumanEval stub, a long prompt; 0 and 0.7), the eval split at 0 the headline; later turns
+    # carry the baseline's replies, which the baseline job kept.
     cells = report["cells"]
-    assert list(cells) == [f"{s}@T{t}" for t in ("0", "0.7") for s in ("eval", "mt_bench", "humaneval")]
+    names = ("eval", "mt_bench", "humaneval", "long_context")
+    assert list(cells) == [f"{s}@T{t}" for t in ("0", "0.7") for s in names]
     assert cells["eval@T0"]["speculative"] == spec and cells["eval@T0"]["speedup"] == report["speedup"]
-    assert [cells[f"{s}@T0"]["requests"] for s in ("eval", "mt_bench", "humaneval")] == [4, 2, 1]
+    assert [cells[f"{s}@T0"]["requests"] for s in names] == [4, 2, 1, 1]
     assert cells["mt_bench@T0.7"]["seed"] == 0 and cells["mt_bench@T0"]["seed"] is None
     assert cells["mt_bench@T0.7"]["outputs_identical_fraction"] is None
     assert all(c["speculative"]["num_drafts"] > 0 for c in cells.values())
@@ -113,11 +114,35 @@ def test_every_stage_output_meets_its_contract(finished_run):
     assert [len(replies) for replies in baseline["cells"]["mt_bench@T0"]["replies"].values()] == [2]
     sets = {s["name"]: s for s in json.loads((r / "benchmark_sets.json").read_text())["sets"]}
     assert [p["id"] for p in sets["mt_bench"]["prompts"]] == ["mt_bench-81"]
+    # Parity replays every set's greedy streams; by context length, they sum to each set's replay.
+    parity = json.loads((r / "variants/default/parity/report.json").read_text())
+    streams = [json.loads(line) for line in (r / "variants/default/benchmark/streams.jsonl").read_text().splitlines()]
+    assert [s["set"] for s in streams] == ["eval"] * 4 + ["mt_bench"] * 2 + ["humaneval", "long_context"]
+    long_prompt = len(streams[-1]["prompt_token_ids"])
+    assert 0.25 * 2048 < long_prompt <= 0.5 * 2048 - 32  # within fill less the reply, by whole problems
+    context = parity["context"]
+    for name, rows in context["sets"].items():
+        assert sum(r["num_drafts"] for r in rows) > 0, name
+        assert sum(r["accepted_per_pos"][0] for r in rows) > 0 or parity["sets"][name]["replay"] == 1.0, name
+    eval_rows = context["sets"]["eval"]
+    assert sum(r["num_drafts"] for r in eval_rows) == parity["replay"]["num_drafts"]
+    assert [sum(r["accepted_per_pos"][i] for r in eval_rows) for i in range(3)] == [
+        round(a * parity["replay"]["num_drafts"]) for a in parity["replay"]["per_position_acceptance"]
+    ]
+    assert any(r["num_drafts"] for r in context["sets"]["long_context"] if r["context_from"] >= 512)
+    assert context["trained"]["longest_sample"] == max(len(x["input_ids"]) for x in train)
     md = (r / "variants/default/report/report.md").read_text()
     assert "## Benchmark sets" in md and "### mt_bench" in md and "| 0.7 (seed 0) |" in md
     assert "mean acceptance length" in md and "speedup" in md
     assert f"{generated['sent']} sent / {generated['reused']} reused from the store" in md
-    for plot in ("acceptance_per_position", "training_curves", "data_quality", "vocab_coverage"):
+    assert "## Acceptance by context length" in md
+    for plot in (
+        "acceptance_per_position",
+        "acceptance_by_context",
+        "training_curves",
+        "data_quality",
+        "vocab_coverage",
+    ):
         assert (r / f"variants/default/report/{plot}.png").read_bytes()[:4] == b"\x89PNG", plot
         assert f"({plot}.png)" in md
     assert "mean acceptance length" in (r / "variants/default/report/summary.html").read_text()
@@ -134,13 +159,14 @@ def test_snakemake_report_embeds_every_plot(finished_run, tmp_path):
     for name in (
         "summary.html",
         "acceptance_per_position.png",
+        "acceptance_by_context.png",
         "training_curves.png",
         "data_quality.png",
         "vocab_coverage.png",
     ):
         assert name in text, f"{name} missing from the Snakemake report"
     assert "Per-position acceptance" in text  # a caption, rendered
-    assert text.count("data:image/png;base64") >= 4 or text.count("iVBORw0KGgo") >= 4  # the PNGs themselves
+    assert text.count("data:image/png;base64") >= 5 or text.count("iVBORw0KGgo") >= 5  # the PNGs themselves
 
 
 def test_no_vllm_process_outlives_the_run(finished_run):

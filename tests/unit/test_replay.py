@@ -15,7 +15,15 @@ from workflow_scripts.benchmark.parity import (
     check_targets,
     first_difference,
 )
-from workflow_scripts.common.acceptance import AcceptanceCounts, every_anchor, generated_spans, walk
+from workflow_scripts.common.acceptance import (
+    AcceptanceCounts,
+    ContextBuckets,
+    context_edges,
+    every_anchor,
+    generated_spans,
+    visited_anchors,
+    walk,
+)
 from workflow_scripts.common.train_metrics import exported_eval
 
 VOCAB = 5
@@ -80,6 +88,35 @@ def test_every_anchor_counts_each_output_anchor_and_the_walk_only_the_visited():
     visited = walk(tokens, 2, proposals)
     assert (visited.drafts, visited.accepted_per_pos) == (2, [2, 1])
     assert visited.summary()["mean_acceptance_length"] == 2.5
+
+
+def test_context_buckets_sum_to_the_walks_totals_and_hold_each_draft_where_it_was_proposed():
+    rng = random.Random(1)
+    edges = context_edges(40, first=8)
+    assert edges == [0, 8, 16, 32, 64]
+    every_stream, totals = ContextBuckets(3, edges), AcceptanceCounts(3)
+    for _ in range(30):
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))]
+        tokens, _ = speculative_decode(prompt, rng.randint(3, 60), 3)
+        proposals = teacher_forced_proposals(tokens, 3)
+        buckets = ContextBuckets(3, edges)
+        buckets.add_walk(tokens, len(prompt), proposals)
+        counts = walk(tokens, len(prompt), proposals)
+        assert (buckets.total().drafts, buckets.total().accepted_per_pos) == (counts.drafts, counts.accepted_per_pos)
+        # A draft proposed at anchor i has seen i + 2 tokens: it is counted in that length's
+        # bucket (the last one also for longer contexts).
+        expected = [0] * (len(edges) - 1)
+        for anchor, _ in visited_anchors(tokens, len(prompt), proposals):
+            expected[next((b for b in range(len(expected)) if anchor + 2 < edges[b + 1]), len(expected) - 1)] += 1
+        assert [r["num_drafts"] for r in buckets.rows()] == expected
+        every_stream.add(buckets)
+        totals.add(counts)
+    assert every_stream.total().accepted_per_pos == totals.accepted_per_pos
+    rows = every_stream.rows()
+    assert [(r["context_from"], r["context_to"]) for r in rows] == [(0, 8), (8, 16), (16, 32), (32, 64)]
+    assert sum(r["num_drafts"] for r in rows) == totals.drafts
+    # Contexts past the last edge land in the last bucket (a stream longer than max_model_len's edge).
+    assert ContextBuckets(3, edges).bucket_of(500) == 3
 
 
 def test_a_draft_that_is_always_wrong_accepts_nothing():

