@@ -169,6 +169,27 @@ def workload(*temperatures):
     return Workload(16, 2, temperatures, 5, 60.0, {})
 
 
+def test_a_set_measured_at_its_own_temperatures():
+    """A set entry's temperatures replace benchmark.temperatures for it: the cells are each
+    temperature (0 first) over the sets measured at it, in set order."""
+    spec = SetSpec.of({"name": "mt_bench", "size": 1, "temperatures": [0.7, 0]})
+    assert spec.temperatures == (0.7, 0.0)
+    with pytest.raises(ValueError, match="must be distinct, at least 0, and include 0"):
+        SetSpec.of({"name": "mt_bench", "temperatures": [0.7]})
+    evals = [{"id": "e0", "category": "x", "system": None, "turns": ["q"]}]
+    sets = build_sets(evals, 1, [spec, SetSpec("humaneval", size=1)], words, max_tokens=8, max_model_len=4096)
+    assert [s["temperatures"] for s in sets] == [None, [0.7, 0.0], None]
+    cells = [(t, s["name"]) for t, s in workload(0.0, 1.0).cells(sets)]
+    assert cells == [
+        (0.0, "eval"),
+        (0.0, "mt_bench"),
+        (0.0, "humaneval"),
+        (1.0, "eval"),
+        (1.0, "humaneval"),
+        (0.7, "mt_bench"),
+    ]
+
+
 def test_a_later_turn_carries_the_baselines_reply_or_the_runs_own():
     mt = {"name": "mt_bench", "prompts": [{"id": "m1", "system": "be brief", "turns": ["first?", "second?"]}]}
     client = RecordingClient()

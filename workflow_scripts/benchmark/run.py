@@ -86,6 +86,18 @@ class Workload:
     def ordered_temperatures(self) -> list[float]:
         return [0.0] + [t for t in self.temperatures if t != 0.0]
 
+    def set_temperatures(self, benchmark_set: dict[str, Any]) -> list[float]:
+        """The temperatures `benchmark_set` is measured at, 0 first: its own, else the workload's."""
+        own = benchmark_set.get("temperatures")
+        return self.ordered_temperatures if own is None else [0.0] + [float(t) for t in own if t != 0]
+
+    def cells(self, sets: list[dict[str, Any]]) -> list[tuple[float, dict[str, Any]]]:
+        """(temperature, set) of every cell, in the order they are measured: each temperature
+        (0 first, then as configured) over the sets measured at it, in set order."""
+        per_set = [(s, self.set_temperatures(s)) for s in sets]
+        order = list(dict.fromkeys(t for _, ts in per_set for t in ts))
+        return [(t, s) for t in order for s, ts in per_set if t in ts]
+
     @classmethod
     def of(cls, cfg: BenchmarkConfig, chat_template_kwargs: dict[str, Any]) -> Workload:
         return cls(
@@ -189,11 +201,10 @@ async def run_workload(
         await client.chat(
             {"model": model, "messages": first_turn_messages(first), **sampling(workload, 0.0), "max_tokens": 8}
         )
-        for temperature in workload.ordered_temperatures:
-            for s in sets:
-                key = cell_key(s["name"], temperature)
-                given = None if context is None else context[key]
-                cells[key] = await measure_cell(client, s, temperature, workload, model, f"{label} {key}", given)
+        for temperature, s in workload.cells(sets):
+            key = cell_key(s["name"], temperature)
+            given = None if context is None else context[key]
+            cells[key] = await measure_cell(client, s, temperature, workload, model, f"{label} {key}", given)
     return cells
 
 
@@ -376,13 +387,12 @@ def run_benchmark(
     else:
         base_cells = json.loads(Path(baseline).read_text())["cells"]
         base_source = f"the run's baseline job ({baseline})"
-    for s in sets:
-        for t in workload.ordered_temperatures:
-            key = cell_key(s["name"], t)
-            if key not in base_cells or base_cells[key]["prompts"] != [p["id"] for p in s["prompts"]]:
-                raise ValueError(
-                    f"{baseline} measured other prompts than this benchmark for {key}; rerun the baseline rule"
-                )
+    for t, s in workload.cells(sets):
+        key = cell_key(s["name"], t)
+        if key not in base_cells or base_cells[key]["prompts"] != [p["id"] for p in s["prompts"]]:
+            raise ValueError(
+                f"{baseline} measured other prompts than this benchmark for {key}; rerun the baseline rule"
+            )
     speculative_spec = dataclasses.replace(
         server,
         speculative_config={"method": "eagle3", "model": str(Path(draft_dir).resolve()), "num_speculative_tokens": k},

@@ -82,10 +82,18 @@ class SetSpec:
     size: int | None = None
     path: str | None = None
     fill: float | None = None
+    temperatures: tuple[float, ...] | None = None  # null: benchmark.temperatures
 
     @classmethod
     def of(cls, entry: dict[str, Any]) -> SetSpec:
-        spec = cls(entry["name"], entry.get("size"), entry.get("path"), entry.get("fill"))
+        temperatures = entry.get("temperatures")
+        spec = cls(
+            entry["name"],
+            entry.get("size"),
+            entry.get("path"),
+            entry.get("fill"),
+            None if temperatures is None else tuple(float(t) for t in temperatures),
+        )
         if spec.name == EVAL:
             raise ValueError("benchmark.sets: `eval` is the run's own split, always measured; name the set otherwise")
         if spec.path is None and spec.name not in (*PACKAGED, LONG_CONTEXT):
@@ -95,6 +103,12 @@ class SetSpec:
             )
         if spec.fill is not None and (not spec.packed or not 0 < spec.fill <= 1):
             raise ValueError(f"benchmark.sets: {spec.name!r}: `fill` is for {LONG_CONTEXT} only, in (0, 1]")
+        t = spec.temperatures
+        if t is not None and (0.0 not in t or min(t) < 0 or len(set(t)) != len(t)):
+            raise ValueError(
+                f"benchmark.sets: {spec.name!r}: temperatures {list(t)} must be distinct, at least 0, and include 0 "
+                "(parity replays every set's greedy streams)"
+            )
         return spec
 
     @property
@@ -199,28 +213,37 @@ def build_sets(
     max_tokens: int,
     max_model_len: int,
 ) -> list[dict[str, Any]]:
-    """Every set to measure, the eval split first: name, source, prompts, skipped ids."""
+    """Every set to measure, the eval split first: name, source, prompts, skipped ids, and
+    its own temperatures (null: benchmark.temperatures)."""
     names = [EVAL] + [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ValueError(f"benchmark.sets names a set twice: {names[1:]}")
     # The eval split is asked its first turns, as synth asked them and parity replays them.
     first_turns = [{**p, "turns": p["turns"][:1]} for p in eval_prompts[:eval_size]]
-    read = [(EVAL, "the run's eval split (prompts/eval.jsonl), first turns", first_turns)]
+    read = [(EVAL, "the run's eval split (prompts/eval.jsonl), first turns", first_turns, None)]
     for s in specs:
         if s.packed:
             budget = int((s.fill or LONG_CONTEXT_FILL) * max_model_len) - max_tokens
-            read.append((s.name, *long_context_set(s, prompt_tokens, budget)))
+            read.append((s.name, *long_context_set(s, prompt_tokens, budget), s.temperatures))
         else:
-            read.append((s.name, *read_set(s)))
+            read.append((s.name, *read_set(s), s.temperatures))
     out = []
-    for name, source, prompts in read:
+    for name, source, prompts, temperatures in read:
         keep, skipped = fitting(prompts, prompt_tokens, max_tokens, max_model_len)
         if not keep:
             raise ValueError(
                 f"benchmark set {name!r}: none of its {len(prompts)} conversations fits server.max_model_len "
                 f"{max_model_len} with benchmark.max_tokens {max_tokens} per turn"
             )
-        out.append({"name": name, "source": source, "prompts": keep, "skipped_too_long": skipped})
+        out.append(
+            {
+                "name": name,
+                "source": source,
+                "prompts": keep,
+                "skipped_too_long": skipped,
+                "temperatures": None if temperatures is None else list(temperatures),
+            }
+        )
     return out
 
 
