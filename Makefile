@@ -36,11 +36,11 @@ demo: setup
 plan: setup
 	$(BIN)/python -m workflow_scripts.plan $(if $(CONFIG),--configfile $(CONFIG))
 
-# Three workers on two cores (much of a test's time is a process starting or a job polled
-# for): the shared finished run and the tests reading it in place on one, the other modules
-# on the others, those copying the run once it is built (tests/conftest.py schedules them).
+# Two workers, each on its own core: the shared finished run and the tests reading it in
+# place on one, the other modules on both, those copying the run once it is built
+# (tests/conftest.py schedules and pins them).
 test: setup
-	$(BIN)/python -m pytest -v -rs --durations=40 -n 3
+	$(BIN)/python -m pytest -v -rs --durations=40 -n 2
 
 # Unit tests: no server, no Snakemake; every stage's pure code in about a minute.
 test-fast: setup

@@ -43,6 +43,20 @@ def schedule_tier(item) -> tuple[int, int]:
     return (1, LONGEST_FIRST.index(name)) if name in LONGEST_FIRST else (2, 0)
 
 
+def pytest_configure(config):
+    """Each xdist worker (and every process it starts: Snakemake, its jobs, vLLM) runs on its
+    own share of the CPUs. Two workers whose jobs each spin two threads on both cores of a
+    2-core machine run at a fraction of one core each (bench/thread_contention.py); jobs keep
+    to the CPUs they may run on (runtime.smk.stage), and vLLM's CPU worker binds its threads
+    within them."""
+    worker = getattr(config, "workerinput", None)
+    if worker is None:
+        return
+    cpus, count = sorted(os.sched_getaffinity(0)), int(worker["workercount"])
+    if len(cpus) >= count > 1:
+        os.sched_setaffinity(0, cpus[int(worker["workerid"].removeprefix("gw")) :: count])
+
+
 def pytest_xdist_make_scheduler(config, log):
     """Scope scheduling with xdist_scope, in collection order (xdist's own `loadgroup` marks
     are not applied under pytest 9: the group suffix it writes into node ids does not stick;

@@ -1,10 +1,11 @@
-"""What every `script:` entry point shares: logging to the rule's log, SIGTERM handling and
-the job's GPUs."""
+"""What every `script:` entry point shares: logging to the rule's log, SIGTERM handling,
+the job's GPUs and its threads."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 from collections.abc import Iterator
 
@@ -15,9 +16,11 @@ from workflow_scripts.runtime.process import terminate_on_sigterm
 
 @contextlib.contextmanager
 def stage(snakemake, claim_gpus: bool = True) -> Iterator[logging.Logger]:
-    """Run a stage body: log to snakemake.log[0] (stderr too), SIGTERM -> clean exit, and
+    """Run a stage body: log to snakemake.log[0] (stderr too), SIGTERM -> clean exit,
     disjoint CUDA_VISIBLE_DEVICES for a job that declares `resources: gpu=n` (unless the
-    stage hands its GPUs to a shared server, which claims them itself)."""
+    stage hands its GPUs to a shared server, which claims them itself), and no more threads
+    than the CPUs the job may run on (`--cores all` counts the machine's, not a cgroup's or
+    taskset's: two threads spinning on one CPU run at a fraction of one)."""
     log_path = snakemake.log[0] if len(snakemake.log) else None
     if log_path:
         # The job's stderr for the rest of its life: every library's warnings land in the rule log.
@@ -25,6 +28,10 @@ def stage(snakemake, claim_gpus: bool = True) -> Iterator[logging.Logger]:
     configure_logging(sys.stderr)
     terminate_on_sigterm()
     log = logging.getLogger(f"eagleflow.{snakemake.rule}")
+    allowed = len(os.sched_getaffinity(0))
+    if snakemake.threads > allowed:
+        log.info("threads: %d given, %d CPUs this job may run on; using %d", snakemake.threads, allowed, allowed)
+        snakemake.threads = allowed
     gpus = None
     try:
         if claim_gpus:
