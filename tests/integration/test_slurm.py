@@ -1,5 +1,5 @@
 """profiles/slurm: checked against the workflow (every job of the DAG, by dry run), and the
-tail of the small DAG run on a real SLURM cluster.
+tail of the small DAG run on a real SLURM cluster (tests/slurm_cluster.py).
 
 The cluster is one node on this machine (tests/slurm/start_cluster.sh, run as root: Debian's
 slurm-wlm and munge, accounting off). The run goes through the production profile with only
@@ -7,58 +7,32 @@ what that node cannot give changed (`profile_for_test_cluster`). It starts from 
 run the pipeline tests share and adds a variant to it, a two-point learning curve (`lc-50`):
 its train job (multi-threaded), its benchmark (a whole-node vLLM job), its report and the
 comparison of the two drafts go through sbatch, without generating and extracting the same
-data a second time. The comparison report it ends in is checked here too. A second run on
-another copy extracts the shards again as the 8-GPU example does (vLLM's extraction, fp8, the
-top-k target): one submission, one server, the values checked against transformers'.
+data a second time. The comparison report it ends in is checked here too. The shard jobs as
+the 8-GPU example runs them: test_slurm_shards.py.
 """
 
-import copy
 import json
-import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
-from tests.helpers import (
-    MAX_STEPPED,
-    REPO,
-    SNAKEMAKE,
-    START_CLUSTER,
-    copy_finished_run,
-    merged,
-    run_start_cluster,
-    shards_beside_transformers,
-    storage_steps,
-    vllm_processes,
+from tests.helpers import REPO, SNAKEMAKE, copy_finished_run, vllm_processes
+from tests.slurm_cluster import (
+    SMALL,
+    WITH_CURVE,
+    cluster_env,
+    load_small,
+    node_cpus,
+    profile_for_test_cluster,
+    real_profile,
+    start_cluster,
 )
-from workflow_scripts.runtime.ledger import read_loads
 from workflow_scripts.variants import draft_id
 
-PROFILE = REPO / "profiles/slurm/config.yaml"
-SMALL = REPO / "tests/config/small.yaml"
 KIMI = REPO / "config/kimi-k2.5-8xgpu.yaml"
-# The test node's memory is shared by concurrent jobs; SLURM does not enforce it here
-# (no cgroups), it only has to fit the node for scheduling.
-TEST_MEM_MB = 2000
-
-
-# The small config with a learning curve: one more variant, lc-50, on the shared run's data.
-WITH_CURVE = {"learning_curve": {"fractions": [0.5]}}
-
-
-def load_small() -> dict:
-    """The small config with the learning curve, as a run sees it: merged over config/config.yaml."""
-    small = merged(yaml.safe_load((REPO / "config/config.yaml").read_text()), yaml.safe_load(SMALL.read_text()))
-    return merged(small, WITH_CURVE)
-
-
-def real_profile() -> dict:
-    return yaml.safe_load(PROFILE.read_text())
 
 
 def dry_run_jobs(wf: Path, *args: str) -> list[tuple[str, dict[str, str]]]:
@@ -142,49 +116,6 @@ def test_cpu_config_requests_no_gpus(repo):
 # The small DAG on a real cluster
 
 
-def start_cluster() -> str:
-    """Start (or find) the test cluster; return the partition to submit to."""
-    if os.geteuid() == 0:
-        proc = run_start_cluster()
-        if proc.returncode != 0:
-            pytest.fail(f"{START_CLUSTER} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-        return proc.stdout.split()[-1]
-    if shutil.which("sinfo") is None:
-        pytest.skip(f"not root and no SLURM installed: {START_CLUSTER} must run as root to install and start one")
-    out = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True)
-    defaults = [p.rstrip("*") for p in out.stdout.split() if p.endswith("*")]
-    if out.returncode != 0 or not defaults:
-        pytest.skip(f"not root, and the SLURM here does not answer with a default partition: {out.stderr.strip()}")
-    return os.environ.get("EAGLEFLOW_SLURM_PARTITION", defaults[0])
-
-
-def node_cpus() -> int:
-    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%c"], capture_output=True, text=True, check=True)
-    return min(int(c) for c in out.stdout.split())
-
-
-def profile_for_test_cluster(real: dict, partition: str, cpus: int) -> dict:
-    """The production profile, changed only where a one-node CPU test cluster cannot follow
-    it: its partition, no account (accounting is off), no GPUs (the small config serves vLLM
-    on CPU), CPUs (the run's too) and memory within the node, and status polls from 1 s on
-    instead of 40 s."""
-    profile = copy.deepcopy(real)
-    defaults = profile["default-resources"]
-    defaults["slurm_partition"] = partition
-    del defaults["slurm_account"]
-    defaults["mem_mb"] = min(defaults["mem_mb"], TEST_MEM_MB)
-    profile["set-threads"] = {rule: min(n, cpus) for rule, n in profile["set-threads"].items()}
-    for resources in profile["set-resources"].values():
-        resources.pop("gpu", None)
-        if "mem_mb" in resources:
-            resources["mem_mb"] = min(resources["mem_mb"], TEST_MEM_MB)
-    # A group of jobs asks for what its jobs hold at once, within `cores`: one node's worth.
-    profile["cores"] = cpus
-    profile["slurm-init-seconds-before-status-checks"] = 1
-    profile["seconds-between-status-checks"] = 1
-    return profile
-
-
 # What forcing the lc-50 draft runs on a finished run, as SLURM job comments.
 LC_DRAFT = draft_id(load_small(), "lc-50")
 EXPECTED_JOBS = {
@@ -206,8 +137,7 @@ def slurm_run(finished_run, tmp_path_factory):
     profile_dir.mkdir(parents=True)
     profile = profile_for_test_cluster(real_profile(), partition, node_cpus())
     (profile_dir / "config.yaml").write_text(yaml.safe_dump(profile, sort_keys=False))
-    # A run started from inside a SLURM job would inherit its allocation's variables.
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SNAKEMAKE", "SLURM_", "SBATCH_", "SRUN_"))}
+    env = cluster_env()
     # The drafts name the verifier by path (verifier.serve_path, default: the prepared dir, resolved):
     # keep the original run's, or the copy's new location would restale the default draft.
     serve_path = str((finished_run / "resources/verifier" / load_small()["verifier"]["name"]).resolve())
@@ -317,105 +247,3 @@ def test_the_run_report_compares_its_variants(slurm_run):
     rows = [json.loads(line) for line in (r / f"drafts/{LC_DRAFT}/train/metrics.jsonl").read_text().splitlines()]
     full = [json.loads(line) for line in (r / "drafts/default/train/metrics.jsonl").read_text().splitlines()]
     assert 0 < rows[-1]["train_samples"] < full[-1]["train_samples"]
-
-
-# ----------------------------------------------------------------------------------------
-# The hidden-state phase on the cluster: one submission, one server for every shard job
-
-# The example's shard settings (config/kimi-k2.5-8xgpu.yaml): vLLM's extraction, fp8 states,
-# the compact top-k target.
-PRODUCTION_SHARDS = {"backend": "vllm", "dtype": "float8_e4m3fn", "target": "topk"}
-# The stored top-k logits (less the largest, float16) against the same head on transformers'
-# final state rounded to bfloat16 as the shard job rounds vLLM's: float16 rounds logits down to
-# -30 by up to 0.008, and the two float32 forwards (~2e-6 apart) put some of the final state's
-# values on the other side of a bfloat16 boundary; the state's outlier (|x| ~ 4,400 in SmolLM2)
-# then moves a whole row of logits. Measured here over 128,576 logits: p99 0.006, p99.9 0.010,
-# largest 0.076, and the top id equal on every token. A misplaced state or token moves logits by
-# whole units.
-LOGIT_TOLERANCE = {0.99: 0.0125, 1.0: 0.25}
-
-
-@pytest.fixture(scope="module")
-def slurm_shards(finished_run, tmp_path_factory):
-    """The shard jobs and the index of the shared run again through the test cluster, as the
-    8-GPU example runs them: the `vllm` backend (vLLM's extraction, eagleflow's connector),
-    fp8 storage and the compact top-k target (new content: no shard comes from the cache)."""
-    partition = start_cluster()
-    wf = tmp_path_factory.mktemp("slurm-shards") / "wf"
-    copy_finished_run(finished_run, wf)
-    profile_dir = wf / "profiles/slurm-test"
-    profile_dir.mkdir(parents=True)
-    (profile_dir / "config.yaml").write_text(
-        yaml.safe_dump(profile_for_test_cluster(real_profile(), partition, node_cpus()), sort_keys=False)
-    )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SNAKEMAKE", "SLURM_", "SBATCH_", "SRUN_"))}
-    (wf / "production.yaml").write_text(yaml.safe_dump({"hidden_states": PRODUCTION_SHARDS}))
-    servers = wf / "results/small/logs/servers"
-    loads_before = len(read_loads(servers))
-    target = "results/small/hidden_states/index.json"
-    cmd = SNAKEMAKE + [target, "--workflow-profile", str(profile_dir), "--configfile", str(SMALL), "production.yaml"]
-    proc = subprocess.run(cmd, cwd=wf, env=env, capture_output=True, text=True, timeout=1200)
-    if proc.returncode != 0:
-        logs = sorted((wf / "results/small/logs").glob("hidden_states*.log")) + sorted(
-            (wf / "logs/slurm").rglob("*.log")
-        )
-        tails = "\n".join(f"--- {p}\n{p.read_text()[-2000:]}" for p in logs)
-        pytest.fail(f"snakemake on SLURM failed ({proc.returncode}):\n{proc.stderr[-5000:]}\n{tails}")
-    return wf, proc.stderr + proc.stdout, read_loads(servers)[loads_before:]
-
-
-@pytest.mark.slurm
-@pytest.mark.vllm
-def test_the_shard_jobs_run_in_one_submission_against_one_server(slurm_shards):
-    wf, out, loads = slurm_shards
-    submissions = re.findall(r"submitted with SLURM jobid (\d+) \(log: (\S+)\)", out)
-    shard_logs = [log for _, log in submissions if "group_hidden_states" in log]
-    assert len(shard_logs) == 1, submissions  # the shard jobs: one sbatch
-    text = Path(shard_logs[0].rstrip(").")).read_text()
-    num_shards = yaml.safe_load(SMALL.read_text())["hidden_states"]["num_shards"]
-    assert num_shards > 1 and text.count("Finished jobid") >= num_shards, text[-3000:]
-    assert [(r["stage"], r["kind"]) for r in loads] == [("hidden_states", "start")]
-    logs = [(wf / f"results/small/logs/hidden_states.shard-{k:05d}.log").read_text() for k in range(num_shards)]
-    assert sum("this job started the phase's shared vLLM" in t for t in logs) == 1
-    assert sum("using the phase's shared vLLM" in t for t in logs) == num_shards - 1
-    index = json.loads((wf / "results/small/hidden_states/index.json").read_text())
-    assert index["dtype"] == "F8_E4M3" and index["backends"] == ["vllm"]
-    assert vllm_processes(str(wf)) == [] and list((wf / "results/small/logs/servers").glob("*.json")) == []
-
-
-@pytest.mark.slurm
-@pytest.mark.vllm
-def test_the_clusters_fp8_shards_and_topk_targets_are_those_of_transformers_states(slurm_shards):
-    """The production shard format through vLLM's extraction, checked value by value against
-    transformers' float32 forward on the same tokens, taken through the same storage: bfloat16
-    then fp8 for the aux states (at most one e4m3 step apart, on few values: the two float32
-    forwards differ by ~3e-7), and the top-k head on the bfloat16 final state for the target."""
-    from workflow_scripts.hidden_states.storage import FP8
-    from workflow_scripts.hidden_states.targets import TopkHead
-
-    wf, _, _ = slurm_shards
-    verifier_dir = wf / "resources/verifier" / load_small()["verifier"]["name"]
-    head = TopkHead(str(verifier_dir), load_small()["hidden_states"]["topk"])
-    steps, logit_errors, top_equal, tokens = [], [], 0, 0
-    shards = sorted((wf / "results/small/hidden_states").glob("shard-*.safetensors"))
-    for meta, pairs in shards_beside_transformers(shards, verifier_dir, torch.bfloat16):
-        assert meta.backend == "vllm"
-        for s, (aux, final) in pairs:
-            assert s.final is None and s.target_ids.shape == (len(s.input_ids), head.k)
-            steps.append(storage_steps(s.aux, aux.float(), FP8, len(meta.aux_layer_ids)))
-            # Stored: ids of the k largest logits and those logits less the largest, in float16.
-            logits = head.logits(final)
-            logits -= logits.max(-1, keepdim=True).values
-            at_ids = logits.gather(-1, s.target_ids)
-            logit_errors.append((s.target_logits - at_ids).abs().flatten())
-            kth = logits.topk(head.k, dim=-1).values[:, -1:]
-            assert (at_ids >= kth - LOGIT_TOLERANCE[1.0]).all(), "a stored id is not among transformers' k largest"
-            top_equal += int((s.target_ids[:, 0] == logits.argmax(-1)).sum())
-            tokens += len(s.input_ids)
-    errors = torch.cat(logit_errors)
-    for share, tolerance in LOGIT_TOLERANCE.items():
-        assert errors.quantile(share) <= tolerance, (share, errors.quantile(share))
-    assert top_equal >= 0.99 * tokens, (top_equal, tokens)
-    steps = torch.cat(steps)
-    assert tokens > 0 and steps.max() <= 1, f"{int((steps > 1).sum())} of {steps.numel()} values over one step"
-    assert (steps > 0).float().mean() <= MAX_STEPPED[FP8], f"{int((steps > 0).sum())} of {steps.numel()} stepped"

@@ -1,0 +1,130 @@
+"""The hidden-state phase of the shared run again on the test SLURM cluster, as the 8-GPU
+example runs it (config/kimi-k2.5-8xgpu.yaml): vLLM's extraction, fp8 states and the compact
+top-k target; one submission, one server, the values checked against transformers'. Its own
+module, so that it runs beside test_slurm.py's run on the other test worker."""
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tests.helpers import (
+    MAX_STEPPED,
+    SNAKEMAKE,
+    copy_finished_run,
+    shards_beside_transformers,
+    storage_steps,
+    vllm_processes,
+)
+from tests.slurm_cluster import (
+    SMALL,
+    cluster_env,
+    load_small,
+    node_cpus,
+    profile_for_test_cluster,
+    real_profile,
+    start_cluster,
+)
+from workflow_scripts.runtime.ledger import read_loads
+
+# The example's shard settings (config/kimi-k2.5-8xgpu.yaml): vLLM's extraction, fp8 states,
+# the compact top-k target.
+PRODUCTION_SHARDS = {"backend": "vllm", "dtype": "float8_e4m3fn", "target": "topk"}
+# The stored top-k logits (less the largest, float16) against the same head on transformers'
+# final state rounded to bfloat16 as the shard job rounds vLLM's: float16 rounds logits down to
+# -30 by up to 0.008, and the two float32 forwards (~2e-6 apart) put some of the final state's
+# values on the other side of a bfloat16 boundary; the state's outlier (|x| ~ 4,400 in SmolLM2)
+# then moves a whole row of logits. Measured here over 128,576 logits: p99 0.006, p99.9 0.010,
+# largest 0.076, and the top id equal on every token. A misplaced state or token moves logits by
+# whole units.
+LOGIT_TOLERANCE = {0.99: 0.0125, 1.0: 0.25}
+
+
+@pytest.fixture(scope="module")
+def slurm_shards(finished_run, tmp_path_factory):
+    """The shard jobs and the index of the shared run again through the test cluster, as the
+    8-GPU example runs them: the `vllm` backend (vLLM's extraction, eagleflow's connector),
+    fp8 storage and the compact top-k target (new content: no shard comes from the cache)."""
+    partition = start_cluster()
+    wf = tmp_path_factory.mktemp("slurm-shards") / "wf"
+    copy_finished_run(finished_run, wf)
+    profile_dir = wf / "profiles/slurm-test"
+    profile_dir.mkdir(parents=True)
+    (profile_dir / "config.yaml").write_text(
+        yaml.safe_dump(profile_for_test_cluster(real_profile(), partition, node_cpus()), sort_keys=False)
+    )
+    env = cluster_env()
+    (wf / "production.yaml").write_text(yaml.safe_dump({"hidden_states": PRODUCTION_SHARDS}))
+    servers = wf / "results/small/logs/servers"
+    loads_before = len(read_loads(servers))
+    target = "results/small/hidden_states/index.json"
+    cmd = SNAKEMAKE + [target, "--workflow-profile", str(profile_dir), "--configfile", str(SMALL), "production.yaml"]
+    proc = subprocess.run(cmd, cwd=wf, env=env, capture_output=True, text=True, timeout=1200)
+    if proc.returncode != 0:
+        logs = sorted((wf / "results/small/logs").glob("hidden_states*.log")) + sorted(
+            (wf / "logs/slurm").rglob("*.log")
+        )
+        tails = "\n".join(f"--- {p}\n{p.read_text()[-2000:]}" for p in logs)
+        pytest.fail(f"snakemake on SLURM failed ({proc.returncode}):\n{proc.stderr[-5000:]}\n{tails}")
+    return wf, proc.stderr + proc.stdout, read_loads(servers)[loads_before:]
+
+
+@pytest.mark.slurm
+@pytest.mark.vllm
+def test_the_shard_jobs_run_in_one_submission_against_one_server(slurm_shards):
+    wf, out, loads = slurm_shards
+    submissions = re.findall(r"submitted with SLURM jobid (\d+) \(log: (\S+)\)", out)
+    shard_logs = [log for _, log in submissions if "group_hidden_states" in log]
+    assert len(shard_logs) == 1, submissions  # the shard jobs: one sbatch
+    text = Path(shard_logs[0].rstrip(").")).read_text()
+    num_shards = yaml.safe_load(SMALL.read_text())["hidden_states"]["num_shards"]
+    assert num_shards > 1 and text.count("Finished jobid") >= num_shards, text[-3000:]
+    assert [(r["stage"], r["kind"]) for r in loads] == [("hidden_states", "start")]
+    logs = [(wf / f"results/small/logs/hidden_states.shard-{k:05d}.log").read_text() for k in range(num_shards)]
+    assert sum("this job started the phase's shared vLLM" in t for t in logs) == 1
+    assert sum("using the phase's shared vLLM" in t for t in logs) == num_shards - 1
+    index = json.loads((wf / "results/small/hidden_states/index.json").read_text())
+    assert index["dtype"] == "F8_E4M3" and index["backends"] == ["vllm"]
+    assert vllm_processes(str(wf)) == [] and list((wf / "results/small/logs/servers").glob("*.json")) == []
+
+
+@pytest.mark.slurm
+@pytest.mark.vllm
+def test_the_clusters_fp8_shards_and_topk_targets_are_those_of_transformers_states(slurm_shards):
+    """The production shard format through vLLM's extraction, checked value by value against
+    transformers' float32 forward on the same tokens, taken through the same storage: bfloat16
+    then fp8 for the aux states (at most one e4m3 step apart, on few values: the two float32
+    forwards differ by ~3e-7), and the top-k head on the bfloat16 final state for the target."""
+    from workflow_scripts.hidden_states.storage import FP8
+    from workflow_scripts.hidden_states.targets import TopkHead
+
+    wf, _, _ = slurm_shards
+    verifier_dir = wf / "resources/verifier" / load_small()["verifier"]["name"]
+    head = TopkHead(str(verifier_dir), load_small()["hidden_states"]["topk"])
+    steps, logit_errors, top_equal, tokens = [], [], 0, 0
+    shards = sorted((wf / "results/small/hidden_states").glob("shard-*.safetensors"))
+    for meta, pairs in shards_beside_transformers(shards, verifier_dir, torch.bfloat16):
+        assert meta.backend == "vllm"
+        for s, (aux, final) in pairs:
+            assert s.final is None and s.target_ids.shape == (len(s.input_ids), head.k)
+            steps.append(storage_steps(s.aux, aux.float(), FP8, len(meta.aux_layer_ids)))
+            # Stored: ids of the k largest logits and those logits less the largest, in float16.
+            logits = head.logits(final)
+            logits -= logits.max(-1, keepdim=True).values
+            at_ids = logits.gather(-1, s.target_ids)
+            logit_errors.append((s.target_logits - at_ids).abs().flatten())
+            kth = logits.topk(head.k, dim=-1).values[:, -1:]
+            assert (at_ids >= kth - LOGIT_TOLERANCE[1.0]).all(), "a stored id is not among transformers' k largest"
+            top_equal += int((s.target_ids[:, 0] == logits.argmax(-1)).sum())
+            tokens += len(s.input_ids)
+    errors = torch.cat(logit_errors)
+    for share, tolerance in LOGIT_TOLERANCE.items():
+        assert errors.quantile(share) <= tolerance, (share, errors.quantile(share))
+    assert top_equal >= 0.99 * tokens, (top_equal, tokens)
+    steps = torch.cat(steps)
+    assert tokens > 0 and steps.max() <= 1, f"{int((steps > 1).sum())} of {steps.numel()} values over one step"
+    assert (steps > 0).float().mean() <= MAX_STEPPED[FP8], f"{int((steps > 0).sum())} of {steps.numel()} stepped"

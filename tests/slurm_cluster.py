@@ -1,0 +1,78 @@
+"""The one-node SLURM cluster the SLURM tests submit to (tests/slurm/start_cluster.sh), and
+the production profile changed only where that node cannot follow it."""
+
+import copy
+import os
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from tests.helpers import REPO, START_CLUSTER, merged, run_start_cluster
+
+PROFILE = REPO / "profiles/slurm/config.yaml"
+SMALL = REPO / "tests/config/small.yaml"
+# The test node's memory is shared by concurrent jobs; SLURM does not enforce it here
+# (no cgroups), it only has to fit the node for scheduling.
+TEST_MEM_MB = 2000
+# The small config with a learning curve: one more variant, lc-50, on the shared run's data.
+WITH_CURVE = {"learning_curve": {"fractions": [0.5]}}
+
+
+def load_small() -> dict:
+    """The small config with the learning curve, as a run sees it: merged over config/config.yaml."""
+    small = merged(yaml.safe_load((REPO / "config/config.yaml").read_text()), yaml.safe_load(SMALL.read_text()))
+    return merged(small, WITH_CURVE)
+
+
+def real_profile() -> dict:
+    return yaml.safe_load(PROFILE.read_text())
+
+
+def cluster_env() -> dict[str, str]:
+    """This environment without what a run started from inside a SLURM job would inherit."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("SNAKEMAKE", "SLURM_", "SBATCH_", "SRUN_"))}
+
+
+def start_cluster() -> str:
+    """Start (or find) the test cluster; return the partition to submit to."""
+    if os.geteuid() == 0:
+        proc = run_start_cluster()
+        if proc.returncode != 0:
+            pytest.fail(f"{START_CLUSTER} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        return proc.stdout.split()[-1]
+    if shutil.which("sinfo") is None:
+        pytest.skip(f"not root and no SLURM installed: {START_CLUSTER} must run as root to install and start one")
+    out = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True)
+    defaults = [p.rstrip("*") for p in out.stdout.split() if p.endswith("*")]
+    if out.returncode != 0 or not defaults:
+        pytest.skip(f"not root, and the SLURM here does not answer with a default partition: {out.stderr.strip()}")
+    return os.environ.get("EAGLEFLOW_SLURM_PARTITION", defaults[0])
+
+
+def node_cpus() -> int:
+    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%c"], capture_output=True, text=True, check=True)
+    return min(int(c) for c in out.stdout.split())
+
+
+def profile_for_test_cluster(real: dict, partition: str, cpus: int) -> dict:
+    """The production profile, changed only where a one-node CPU test cluster cannot follow
+    it: its partition, no account (accounting is off), no GPUs (the small config serves vLLM
+    on CPU), CPUs (the run's too) and memory within the node, and status polls from 1 s on
+    instead of 40 s."""
+    profile = copy.deepcopy(real)
+    defaults = profile["default-resources"]
+    defaults["slurm_partition"] = partition
+    del defaults["slurm_account"]
+    defaults["mem_mb"] = min(defaults["mem_mb"], TEST_MEM_MB)
+    profile["set-threads"] = {rule: min(n, cpus) for rule, n in profile["set-threads"].items()}
+    for resources in profile["set-resources"].values():
+        resources.pop("gpu", None)
+        if "mem_mb" in resources:
+            resources["mem_mb"] = min(resources["mem_mb"], TEST_MEM_MB)
+    # A group of jobs asks for what its jobs hold at once, within `cores`: one node's worth.
+    profile["cores"] = cpus
+    profile["slurm-init-seconds-before-status-checks"] = 1
+    profile["seconds-between-status-checks"] = 1
+    return profile
