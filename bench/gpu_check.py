@@ -16,6 +16,10 @@
    one shard of random-token samples through the `hf` backend and through the `vllm` backend
    (vLLM's extract_hidden_states with eagleflow's connector); wall time, start-up, tokens/s and
    the states' relative L2 distance. `--no-vllm` leaves it out (CI runs the rest in --tiny).
+4. With `--peer-workdir DIR` (a copy of the workflow with a finished run, e.g. the demo's): the
+   peer's draft, speculators' own `speculators train` with its defaults on that run's data
+   (bench/peer_draft.py; it cannot run on a CPU), then both drafts on the standard sets
+   (bench/standard_sets.py --draft speculators, --draft default), their reports under `peer`.
 
 Only the embedding, lm_head and final-norm tensors of the 8B verifier are written (the draft reads
 nothing else); nothing is downloaded. Results go to --out as JSON and to stdout.
@@ -30,6 +34,7 @@ import logging
 import platform
 import random
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -355,12 +360,43 @@ def check_backends(geometry: dict, num_samples: int, max_len: int, tmp: Path, de
     return row
 
 
+def check_peer(workdir: Path, out: Path) -> dict:
+    """speculators' trainer on the run in `workdir` (bench/peer_draft.py), then its draft and
+    the run's own on the standard sets; each step's exit status, wall time and report."""
+    bench = Path(__file__).resolve().parent
+    steps = {
+        "train": [str(bench / "peer_draft.py"), "--workdir", str(workdir)],
+        "speculators": [str(bench / "standard_sets.py"), "--workdir", str(workdir), "--draft", "speculators"],
+        "eagleflow": [str(bench / "standard_sets.py"), "--workdir", str(workdir), "--draft", "default"],
+    }
+    result = {}
+    for name, cmd in steps.items():
+        report = out / f"peer-{name}.json"
+        if name != "train":
+            cmd += ["--out", str(report)]
+        started = time.perf_counter()
+        proc = subprocess.run([sys.executable, *cmd], capture_output=True, text=True)
+        result[name] = {"returncode": proc.returncode, "wall_s": time.perf_counter() - started}
+        if proc.returncode != 0:
+            result[name]["stderr_tail"] = proc.stderr[-3000:]
+            break
+        if report.exists():
+            result[name]["cells"] = {
+                key: cell["speculative"]["mean_acceptance_length"]
+                for key, cell in json.loads(report.read_text())["cells"].items()
+            }
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--tiny", action="store_true", help="small sizes, for a CPU smoke run of the same code")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--no-vllm", action="store_true", help="leave out the backend comparison (it starts vLLM)")
+    ap.add_argument(
+        "--peer-workdir", type=Path, help="a finished run's workflow copy: train and measure the peer draft"
+    )
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -383,6 +419,8 @@ def main() -> None:
             report["extraction"] = check_extraction(LLAMA_1B, 32768, 48, 2, device)
             if not args.no_vllm:
                 report["backends"] = check_backends(LLAMA_1B, 256, 4096, Path(tmp), device)
+    if args.peer_workdir:
+        report["peer"] = check_peer(args.peer_workdir.resolve(), Path(args.out).resolve().parent)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -1,0 +1,187 @@
+"""A peer's draft on the same data: speculators' own trainer, with its defaults, on a finished run.
+
+    .venv/bin/python bench/peer_draft.py --workdir DIR [--configfile my.yaml ...] [--out OUT]
+
+Reads a finished run of the config in DIR (its prepared verifier, the dataset's train split,
+the hidden-state shards and the default draft's vocabulary) and trains an EAGLE-3 draft the
+way a user of speculators 0.9.0 would, through its console entry points:
+
+1. `speculators prepare-data` on the run's train rows as they are (`input_ids`, `loss_mask`:
+   speculators passes such rows through without rendering; it shuffles them and counts the
+   loss tokens' frequencies into `token_freq.pt`). `--seq-length` is the longest row, so no
+   row is cut.
+2. The shards rewritten as the files its trainer reads (the `file` hidden-state backend):
+   `data/hidden_states/hs_<i>.safetensors` for row i of the prepared dataset, `hidden_states`
+   [tokens, aux + 1, hidden] (the aux states in layer order, then the final pre-norm state:
+   the convention both sides share) and `token_ids`. Rows are matched to shard samples by
+   their tokens. The eval split is not given to it: it stays held out for the benchmark.
+3. `speculators train` with only what points it at that: the data, the verifier, the save
+   path, the shards' aux layer ids, and the run's draft shape (`train.num_layers` decoder
+   layers, Llama-style, and the draft vocabulary's size, which speculators picks itself from
+   `token_freq.pt`). The rest is speculators' default: 20 epochs, packed 8192-token batches,
+   90% of the rows for training and 10% for validation, Muon + AdamW at lr 1e-3 with linear
+   decay, 3 TTT steps, KL loss, a 2048-token sliding window, flex attention, the fused
+   (Triton) loss, bf16 autocast.
+4. The checkpoint with the lowest validation loss (`checkpoints/checkpoint_best`), without
+   its optimizer state, copied to OUT/draft: a speculators-format directory that vLLM serves
+   with `--speculative-config '{"method": "eagle3", "model": "OUT/draft", ...}'`, like the
+   run's own draft. With the default OUT, `bench/standard_sets.py --draft speculators`
+   measures it on the standard sets.
+
+A rerun resumes: prepare-data skips a dataset it already wrote, only missing state files are
+written, and speculators resumes from its last checkpoint. speculators' trainer has no device
+flag and moves the draft to device 0: on a machine without an accelerator it stops there with
+torch's error, after the data is prepared (docs/facts.md, "speculators 0.9.0"). Nothing under
+DIR is written except OUT (default: results/<run>/drafts/speculators/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+from safetensors import safe_open
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from workflow_scripts.common.atomic import atomic_path, write_jsonl, write_safetensors
+from workflow_scripts.hidden_states.shard_file import read_shard
+from workflow_scripts.plan import load_merged_config
+
+log = logging.getLogger("peer_draft")
+
+
+def tokens_key(input_ids: np.ndarray) -> bytes:
+    """A row's identity for matching prepared rows to shard samples: a digest of its tokens."""
+    return hashlib.blake2b(np.asarray(input_ids, dtype=np.int64).tobytes(), digest_size=16).digest()
+
+
+def speculators(*args: str, cwd: Path) -> None:
+    """Run a `speculators` command with this interpreter; its output goes to ours, a failure
+    stops the script with its exit status."""
+    cmd = [sys.executable, "-m", "speculators", *args]
+    log.info("running: %s", " ".join(cmd))
+    rc = subprocess.run(cmd, cwd=cwd).returncode
+    if rc:
+        raise SystemExit(f"speculators {args[0]} failed with exit status {rc} (its output is above)")
+
+
+def write_train_rows(train_parquet: Path, out: Path) -> int:
+    """The run's train rows as prepare-data reads pre-tokenized rows (JSONL of `input_ids`,
+    `loss_mask`); returns the longest row's length."""
+    table = pq.read_table(train_parquet, columns=["input_ids", "loss_mask"]).to_pylist()
+    write_jsonl(out, table)
+    return max(len(row["input_ids"]) for row in table)
+
+
+def shard_index(run: Path) -> dict:
+    """The hidden-state index, refused when its shards lack what speculators trains on."""
+    index_path = run / "hidden_states/index.json"
+    if not index_path.exists():
+        raise SystemExit(
+            f"{index_path} is missing: the run has no hidden-state shards (hidden_states.mode: online?). "
+            "speculators' trainer would compute the states through a vLLM server with its hidden-state "
+            "connector (--vllm-endpoint), which this script does not start."
+        )
+    index = json.loads(index_path.read_text())
+    if index["target_topk"]:
+        raise SystemExit(
+            f"{index_path}: the shards keep the verifier's top-{index['target_topk']} logits instead of its "
+            "final state (hidden_states.target: topk); speculators trains on the final state"
+        )
+    return index
+
+
+def write_state_files(data: Path, run: Path, index: dict) -> None:
+    """hs_<i>.safetensors for every row i of the prepared dataset that lacks one, from the
+    shard sample with the same tokens."""
+    from datasets import load_from_disk
+
+    rows: dict[bytes, list[int]] = {}
+    for i, row in enumerate(load_from_disk(str(data)).with_format("numpy", columns=["input_ids"])):
+        rows.setdefault(tokens_key(row["input_ids"]), []).append(i)
+    out = data / "hidden_states"
+    missing = {i for indices in rows.values() for i in indices if not (out / f"hs_{i}.safetensors").exists()}
+    log.info("%d prepared rows, %d state files to write", sum(map(len, rows.values())), len(missing))
+    hidden = index["hidden_size"]
+    for shard in index["shards"]:
+        if not missing:
+            break
+        _, samples = read_shard(run / "hidden_states" / shard["path"], torch.bfloat16)
+        for s in samples:
+            todo = [i for i in rows.get(tokens_key(s.input_ids.numpy()), []) if i in missing]
+            if not todo:
+                continue
+            n = len(s.input_ids)
+            states = torch.cat([s.aux.view(n, -1, hidden), s.final.view(n, 1, hidden)], dim=1)
+            for i in todo:
+                write_safetensors(out / f"hs_{i}.safetensors", {"hidden_states": states, "token_ids": s.input_ids})
+                missing.discard(i)
+    if missing:
+        raise SystemExit(f"{len(missing)} prepared rows have no sample with the same tokens in the shards of {run}")
+
+
+def draft_vocab_size(vocab_map: Path) -> int:
+    """The size of the run's draft vocabulary (the length of its d2t)."""
+    with safe_open(str(vocab_map), framework="pt") as f:
+        return f.get_slice("d2t").get_shape()[0]
+
+
+def export_draft(checkpoints: Path, draft: Path) -> None:
+    """The best-validation checkpoint's weights and config, without optimizer state, as `draft`."""
+    best = checkpoints / "checkpoint_best"
+    if not best.exists():
+        raise SystemExit(f"{best} is missing: speculators train wrote no checkpoint with a validation loss")
+    with atomic_path(draft) as tmp:
+        shutil.copytree(best.resolve(), tmp, ignore=shutil.ignore_patterns("*.pt"))
+    log.info("draft: %s (from %s)", draft, best.resolve().name)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", type=Path, default=Path("."))
+    parser.add_argument("--configfile", nargs="*", default=[])
+    parser.add_argument("--out", type=Path, help="default: results/<run>/drafts/speculators under the workdir")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    workdir = args.workdir.resolve()
+    config = load_merged_config(args.configfile, workdir)
+    run = workdir / "results" / config["run"]
+    out = (args.out or run / "drafts/speculators").resolve()
+    verifier = str(workdir / "resources/verifier" / config["verifier"]["name"])
+    remote_code = ["--trust-remote-code"] if config["verifier"]["trust_remote_code"] else []
+    index = shard_index(run)
+    data = out / "data"
+
+    max_len = write_train_rows(run / "dataset/train.parquet", out / "train.jsonl")
+    speculators(
+        "prepare-data",
+        *("--model", verifier, "--data", str(out / "train.jsonl"), "--output", str(data)),
+        *("--seq-length", str(max_len), "--no-skip-token-freq", *remote_code),
+        cwd=out,
+    )
+    write_state_files(data, run, index)
+    if torch.accelerator.current_accelerator() is None:
+        log.warning("no accelerator: speculators train moves the draft to device 0 and will stop there")
+    speculators(
+        "train",
+        *("--verifier-name-or-path", verifier, *remote_code, "--data-path", str(data)),
+        *("--save-path", str(out / "checkpoints"), "--target-layer-ids", *map(str, index["aux_layer_ids"])),
+        *("--num-layers", str(config["train"]["num_layers"])),
+        *("--draft-vocab-size", str(draft_vocab_size(run / "vocab/default/vocab_map.safetensors"))),
+        cwd=out,
+    )
+    export_draft(out / "checkpoints", out / "draft")
+
+
+if __name__ == "__main__":
+    main()
