@@ -59,9 +59,15 @@ def bucket_label(lo: int, hi: int, last: bool) -> str:
     return f"{lo}+" if last else f"{lo}-{hi}"
 
 
+# A bucket's mean from fewer drafts is noise on a plot (one draft of 4 accepted tokens is a
+# point at 4.0); the table still shows it, with the count over all sets.
+MIN_PLOTTED_DRAFTS = 20
+
+
 def plot_context(parity: dict[str, Any] | None, out: str) -> None:
     """Mean acceptance length by the context length a draft was proposed at, per set and over
-    all (the parity replay's buckets), with the longest context the draft was trained on."""
+    all (the parity replay's buckets, those of MIN_PLOTTED_DRAFTS drafts or more), with the
+    longest context the draft was trained on."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 3.4))
     if parity is None or "context" not in parity:
@@ -74,15 +80,23 @@ def plot_context(parity: dict[str, Any] | None, out: str) -> None:
     mids = [(hi / 2 if lo == 0 else (lo * hi) ** 0.5) for lo, hi in zip(edges, edges[1:], strict=False)]
     series = {**context["sets"], "all sets": context["all"]}
     for name, rows in series.items():
-        points = [(x, r["mean_acceptance_length"]) for x, r in zip(mids, rows, strict=True) if r["num_drafts"]]
+        points = [
+            (x, r["mean_acceptance_length"])
+            for x, r in zip(mids, rows, strict=True)
+            if r["num_drafts"] >= MIN_PLOTTED_DRAFTS
+        ]
         if points:
-            bold = {"linewidth": 2.5, "color": "black"} if name == "all sets" else {"linewidth": 1}
+            bold = (
+                {"linewidth": 2.5, "color": "black", "zorder": 1}
+                if name == "all sets"
+                else {"linewidth": 1, "zorder": 2}
+            )
             ax.plot(*zip(*points, strict=True), "o-", markersize=4, label=name, **bold)
     trained = context["trained"]
     if trained.get("longest_sample"):
         ax.axvline(trained["longest_sample"], linestyle="--", color="#b04040", label="longest training sample")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("context length at the draft (tokens)")
+    ax.set_xlabel(f"context length at the draft (tokens; buckets of {MIN_PLOTTED_DRAFTS}+ drafts)")
     ax.set_ylabel("mean acceptance length")
     ax.set_title("Acceptance by context length (parity replay, T = 0)")
     ax.legend(fontsize=7)
