@@ -1,7 +1,7 @@
 """The hidden-state phase of the shared run again on the test SLURM cluster, as the 8-GPU
 example runs it (config/kimi-k2.5-8xgpu.yaml): vLLM's extraction, fp8 states and the compact
-top-k target; one submission, one server, the values checked against transformers'. Its own
-module, so that it runs beside test_slurm.py's run on the other test worker."""
+top-k target; one submission, one server, the values checked against transformers'. The same
+xdist scope as test_slurm.py (tests/conftest.py): the one-node cluster runs one run at a time."""
 
 import json
 import re
