@@ -140,8 +140,7 @@ def parity_with_context() -> dict:
         for bucket, (drafts, accepted) in zip(context.buckets, per_bucket, strict=True):
             for d in range(drafts):
                 bucket.count(1 if d < accepted else 0)
-        total = context.total()
-        replays[name] = SetReplay(total, total, context, streams=2)
+        replays[name] = SetReplay(context, context.total(), streams=2)
     return {
         "replay": {"mean_acceptance_length": 1.4, "per_position_acceptance": [0.4, 0.0, 0.0]},
         "replay_every_anchor": {"mean_acceptance_length": 1.4},

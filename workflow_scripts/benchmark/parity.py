@@ -30,7 +30,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from workflow_scripts.benchmark.cells import EVAL, cell_key
-from workflow_scripts.common.acceptance import AcceptanceCounts, ContextBuckets, context_edges, every_anchor, walk
+from workflow_scripts.common.acceptance import AcceptanceCounts, ContextBuckets, context_edges, every_anchor
 from workflow_scripts.common.atomic import read_jsonl, write_json
 from workflow_scripts.common.config import typed
 from workflow_scripts.common.output_cache import reuse_or_make
@@ -277,13 +277,16 @@ def stream_tokens(stream: dict) -> list[int]:
 
 @dataclass
 class SetReplay:
-    """A set's streams replayed: the anchors vLLM visits, every anchor, and the visited
-    anchors by context length."""
+    """A set's streams replayed: the anchors vLLM visits by context length (their sum is the
+    walk's counts), and every anchor."""
 
-    visited: AcceptanceCounts
-    every: AcceptanceCounts
     context: ContextBuckets
+    every: AcceptanceCounts
     streams: int = 0
+
+    @property
+    def visited(self) -> AcceptanceCounts:
+        return self.context.total()
 
 
 def replay_streams(draft, samples: list[Sample], streams: list[dict], k: int, edges: list[int]) -> dict[str, SetReplay]:
@@ -295,8 +298,7 @@ def replay_streams(draft, samples: list[Sample], streams: list[dict], k: int, ed
         proposals = draft_proposals(draft, sample, k)
         tokens, prompt_len = stream_tokens(stream), len(stream["prompt_token_ids"])
         name = stream.get("set", EVAL)
-        r = out.setdefault(name, SetReplay(AcceptanceCounts(k), AcceptanceCounts(k), ContextBuckets(k, edges)))
-        r.visited.add(walk(tokens, prompt_len, proposals))
+        r = out.setdefault(name, SetReplay(ContextBuckets(k, edges), AcceptanceCounts(k)))
         r.every.add(every_anchor(tokens, prompt_len, proposals))
         r.context.add_walk(tokens, prompt_len, proposals)
         r.streams += 1
@@ -305,7 +307,7 @@ def replay_streams(draft, samples: list[Sample], streams: list[dict], k: int, ed
 
 def context_report(replays: dict[str, SetReplay], edges: list[int], trained: dict[str, int | None]) -> dict[str, Any]:
     """Acceptance by context length, per set and over all, with the lengths training saw. Pure."""
-    every_set = ContextBuckets(len(next(iter(replays.values())).visited.accepted_per_pos), edges)
+    every_set = ContextBuckets(next(iter(replays.values())).context.k, edges)
     for r in replays.values():
         every_set.add(r.context)
     return {
