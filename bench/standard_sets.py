@@ -25,7 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workflow_scripts.benchmark.run import BenchmarkConfig, Workload, run_baseline, run_benchmark
-from workflow_scripts.benchmark.sets import SetSpec, build_sets, conversation_tokens
+from workflow_scripts.benchmark.set_job import conversation_tokens
+from workflow_scripts.benchmark.sets import SetSpec, build_sets
 from workflow_scripts.common.atomic import read_jsonl, write_json
 from workflow_scripts.common.config import typed
 from workflow_scripts.plan import load_merged_config

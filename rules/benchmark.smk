@@ -13,7 +13,7 @@ rule benchmark_sets:
         eval_size=config["benchmark"]["num_prompts"],
         max_tokens=config["benchmark"]["max_tokens"],
         max_model_len=config["server"]["max_model_len"],
-        chat_template_kwargs=benchmark_chat_template_kwargs(),
+        chat_template_kwargs=chat_template_kwargs(),
         code=code("benchmark_sets"),
     script:
         "../workflow_scripts/entry/benchmark_sets.py"
@@ -66,7 +66,7 @@ rule benchmark:
     params:
         server=measured_server(),
         benchmark=variant_section("benchmark"),
-        chat_template_kwargs=benchmark_chat_template_kwargs(),
+        chat_template_kwargs=chat_template_kwargs(),
         code=code("benchmark"),
     script:
         "../workflow_scripts/entry/benchmark.py"
@@ -96,7 +96,7 @@ rule parity:
         hidden_states=section("hidden_states"),
         server=hidden_states_server(),
         trust_remote_code=config["verifier"]["trust_remote_code"],
-        chat_template_kwargs=benchmark_chat_template_kwargs(),
+        chat_template_kwargs=chat_template_kwargs(),
         synth_temperature=config["generate"]["temperature"],
         parity=section("parity"),
         max_model_len=config["server"]["max_model_len"],

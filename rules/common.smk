@@ -198,7 +198,7 @@ def baseline_workload():
     return {
         key: config["benchmark"][key]
         for key in ("max_tokens", "concurrency", "temperatures", "seed")
-    } | {"chat_template_kwargs": benchmark_chat_template_kwargs()}
+    } | {"chat_template_kwargs": chat_template_kwargs()}
 
 
 def benchmark_sets_param():
@@ -206,8 +206,9 @@ def benchmark_sets_param():
     return [_sorted(entry) for entry in config["benchmark"]["sets"]]
 
 
-def benchmark_chat_template_kwargs():
-    """The benchmark formats its prompts as generate formatted the training prompts."""
+def chat_template_kwargs():
+    """generate.chat_template_kwargs as a param: the benchmark and write_prompts format their
+    prompts as generate formats the training prompts."""
     return _sorted(config["generate"]["chat_template_kwargs"])
 
 
@@ -318,8 +319,45 @@ def server_result_args():
     return result_args(VERIFIER_ARGV)
 
 
+def prompt_sources(wildcards):
+    """The prompts rule's inputs: the prompt file and the verifier's written conversations,
+    whichever the config asks for."""
+    prompts = config["prompts"]
+    sources = {"source": prompts["source"]} if prompts["source"] else {}
+    if prompts["written"]["count"]:
+        sources["written"] = results("prompts/written.jsonl")
+    return sources
+
+
+def written_section():
+    """`prompts.written` as write_prompts' param: the filters, weights and split are not in
+    it, so changing them sends no request."""
+    return _sorted(config["prompts"]["written"])
+
+
+def written_replies():
+    """generate's requests, for the replies between written turns; none for one turn."""
+    return generate_requests() if config["prompts"]["written"]["turns"] > 1 else None
+
+
+def overlap_sets():
+    """The benchmark sets whose items a training prompt must not resemble: MT-Bench and
+    HumanEval always (bench/standard_sets.py measures any run's draft on them, whatever
+    benchmark.sets holds), and benchmark.sets' prompt files; none with the filter off.
+    """
+    if config["prompts"]["filters"]["benchmark_overlap"] is None:
+        return []
+    files = [
+        {"name": entry["name"], "path": entry["path"]}
+        for entry in config["benchmark"]["sets"]
+        if entry.get("path")
+    ]
+    return [{"name": "mt_bench"}, {"name": "humaneval"}, *files]
+
+
 def response_store():
-    """The response store generate reads and fills: generate.store, else one per run."""
+    """The response store generate and write_prompts read and fill: generate.store, else
+    one per run."""
     return config["generate"]["store"] or results("generate/store.sqlite")
 
 

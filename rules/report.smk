@@ -6,6 +6,7 @@ rule report:
         vocab_stats=variant_vocab("stats.json"),
         generate=results("generate/stats.json"),
         parity=parity_report,
+        prompts=results("prompts/stats.json"),
     output:
         md=variant_results("report/report.md"),
         html=report(
@@ -49,6 +50,13 @@ rule report:
             category="3. Data",
             subcategory="{variant}",
             labels={"variant": "{variant}", "figure": "vocabulary coverage"},
+        ),
+        prompts_png=report(
+            variant_results("report/training_prompts.png"),
+            caption="report/prompts.rst",
+            category="3. Data",
+            subcategory="{variant}",
+            labels={"variant": "{variant}", "figure": "training prompts"},
         ),
     log:
         logs("report.{variant}"),

@@ -25,8 +25,12 @@ def planned_loads(jobs: dict[str, int], config: dict[str, Any]) -> dict[str, int
     nothing. Online (`hidden_states.mode: online`) every train job loads the verifier itself."""
     hs = config["hidden_states"]
     extraction_endpoint = hs["backend"] == "vllm" and hs["vllm"]["endpoint"]
+    own_server = not config["server"]["endpoint"]
     loads = {
-        "generate": 0 if config["server"]["endpoint"] else jobs.get("generate", 0),
+        # write_prompts launches the verifier as generate does; a rerun the store answers launches
+        # nothing, which the plan cannot know: this is the upper bound.
+        "write_prompts": jobs.get("write_prompts", 0) if own_server else 0,
+        "generate": jobs.get("generate", 0) if own_server else 0,
         "hidden_states": 0 if extraction_endpoint else min(jobs.get("hidden_states", 0), 1),
         "train": jobs.get("train", 0) if hs["mode"] == "online" else 0,
         "baseline": jobs.get("baseline", 0),

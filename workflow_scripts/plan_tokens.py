@@ -41,23 +41,39 @@ def planned_tokens(config: dict[str, Any], root: Path, assume_prompt_tokens: int
         return tokens_from_dataset(dataset)
     max_tokens, cut = config["generate"]["max_tokens"], config["dataset"]["max_seq_len"]
     prompts_cfg = config["prompts"]
-    source = root / prompts_cfg["source"]
-    if source.exists():
-        from workflow_scripts.prompts import load_prompts, split_prompts
+    split = root / f"results/{config['run']}/prompts/train.jsonl"
+    if split.exists():
+        from workflow_scripts.common.atomic import read_jsonl
 
-        train, _ = split_prompts(load_prompts(source), prompts_cfg["eval_fraction"], prompts_cfg["seed"])
-        train = train[: prompts_cfg["max_train"]] if prompts_cfg["max_train"] is not None else train
-        how = f"upper bound: {len(train)} train prompts of {source}, every reply at generate.max_tokens {max_tokens}"
+        train = read_jsonl(split)
+        how = f"upper bound: the {len(train)} train prompts of {split}, every reply at generate.max_tokens {max_tokens}"
         return tokens_from_prompts(train, max_tokens, cut, how)
-    if prompts_cfg["max_train"] is None:
-        raise ValueError(
-            f"prompts.source {source} is not on this machine and prompts.max_train is not set: "
-            "the plan cannot count the samples"
-        )
-    n = prompts_cfg["max_train"]
-    assumed = [{"turns": ["x" * assume_prompt_tokens * CHARS_PER_TOKEN]}] * n
-    how = (
-        f"assumed: {source} is not on this machine; prompts.max_train {n} single-turn prompts of "
-        f"{assume_prompt_tokens} tokens, every reply at generate.max_tokens {max_tokens}"
-    )
-    return tokens_from_prompts(assumed, max_tokens, cut, how)
+    train, hows = [], []
+    if prompts_cfg["source"]:
+        source = root / prompts_cfg["source"]
+        if source.exists():
+            from workflow_scripts.prompts.load import load_prompts, split_prompts
+
+            train, _ = split_prompts(load_prompts(source), prompts_cfg["eval_fraction"], prompts_cfg["seed"])
+            hows.append(f"{len(train)} train prompts of {source}")
+        elif prompts_cfg["max_train"] is None:
+            raise ValueError(
+                f"prompts.source {source} is not on this machine and prompts.max_train is not set: "
+                "the plan cannot count the samples"
+            )
+        else:
+            train = [{"turns": ["x" * assume_prompt_tokens * CHARS_PER_TOKEN]}] * prompts_cfg["max_train"]
+            hows.append(
+                f"assumed: {source} is not on this machine; prompts.max_train single-turn prompts of "
+                f"{assume_prompt_tokens} tokens"
+            )
+    written = prompts_cfg["written"]
+    if written["count"]:
+        # Every written conversation kept, each turn at its max_tokens.
+        n = round(written["count"] * (1 - prompts_cfg["eval_fraction"]))
+        train += [{"turns": ["x" * written["max_tokens"] * CHARS_PER_TOKEN] * written["turns"]}] * n
+        hows.append(f"{n} written conversations of {written['turns']} turns at {written['max_tokens']} tokens")
+    if prompts_cfg["max_train"] is not None:
+        train = train[: prompts_cfg["max_train"]]
+    how = f"upper bound: {' + '.join(hows)}, every reply at generate.max_tokens {max_tokens}"
+    return tokens_from_prompts(train, max_tokens, cut, how)

@@ -158,6 +158,65 @@ def plot_vocab_coverage(vocab: dict[str, Any], out: str) -> None:
     save_figure(fig, out)
 
 
+def plot_prompts(prompts: dict[str, Any], out: str) -> None:
+    """Words per conversation (its user turns) in the training prompts, per source."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    sources = list(prompts["train"])
+    width = 0.8 / max(len(sources), 1)
+    for j, source in enumerate(sources):
+        hist = prompts["train"][source]["words"]["histogram"]
+        edges, counts = hist["edges"], hist["counts"]
+        total = sum(counts) or 1
+        x = [i + (j - (len(sources) - 1) / 2) * width for i in range(len(counts))]
+        ax.bar(x, [c / total for c in counts], width, label=f"{source} ({total})")
+    tops = [*edges[1:], 0]
+    labels = [bucket_label(edges[i], tops[i], i == len(edges) - 1) for i in range(len(edges))]
+    ax.set_xticks(range(len(labels)), labels, rotation=30)
+    ax.set_xlabel("words in a conversation's user turns")
+    ax.set_ylabel("share of training prompts")
+    ax.set_title("Training prompts by source")
+    ax.legend()
+    save_figure(fig, out)
+
+
+def prompt_section(prompts: dict[str, Any] | None, plot: str | None) -> list[str]:
+    """The prompt set: its sources, what each filter removed (with examples), its lengths and
+    variety."""
+    if prompts is None:
+        return []
+    lines = [
+        "## Prompts",
+        "",
+        "| source | loaded | kept | weight | train | eval | words (mean, max) | distinct 1-/2-grams |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, src in prompts["sources"].items():
+        d = prompts["train"].get(name) or {}
+        w = d.get("words") or {}
+        lines.append(
+            f"| {name} | {src['loaded']} | {src['kept']} | {src['weight']:g} | {src['train']} | {src['eval']} | "
+            f"{w.get('mean')}, {w.get('max')} | {d.get('distinct_1')} / {d.get('distinct_2')} |"
+        )
+    removed = prompts["filters"]["removed"]
+    lines += ["", "| filter | removed | by source | example |", "| --- | --- | --- | --- |"]
+    for reason, r in removed.items():
+        example = r["examples"][0] if r["examples"] else None
+        shown = f"{_cell(example['text'][:80])} ({_cell(example['detail'])})" if example else ""
+        by_source = ", ".join(f"{k} {v}" for k, v in r["by_source"].items())
+        lines.append(f"| {reason} | {r['count']} | {by_source} | {shown} |")
+    lines.append("")
+    if plot:
+        lines += [f"![training prompts by source]({plot})", ""]
+    for name, d in prompts["train"].items():
+        lines += [f"Examples ({name}):", "", *(f"- {_cell(e[:160])}" for e in d["examples"]), ""]
+    return lines
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
 def describe_requests(generate: dict) -> str:
     """What the data cost in inference: requests sent to the verifier vs answered by the store."""
     total = max(generate["requests"], 1)
@@ -323,6 +382,7 @@ def render_markdown(
     generate: dict,
     plots: dict[str, str],
     parity: dict | None = None,
+    prompts: dict | None = None,
 ) -> str:
     last_eval = [m for m in metrics if m["split"] == "eval"][-1]
     best_eval = exported_eval(metrics)
@@ -370,6 +430,7 @@ def render_markdown(
         "",
         f"![vocabulary coverage]({plots['vocab']})",
         "",
+        *prompt_section(prompts, plots.get("prompts")),
     ]
     return "\n".join(lines)
 
@@ -390,7 +451,16 @@ def render_html(
     )
 
 
-REPORT_OUTPUTS = ("md", "html", "acceptance_png", "context_png", "training_png", "quality_png", "vocab_png")
+REPORT_OUTPUTS = (
+    "md",
+    "html",
+    "acceptance_png",
+    "context_png",
+    "training_png",
+    "quality_png",
+    "vocab_png",
+    "prompts_png",
+)
 
 
 def main(smk) -> None:
@@ -399,7 +469,7 @@ def main(smk) -> None:
         i = smk.input
         outputs = {name: smk.output[name] for name in REPORT_OUTPUTS}
         parity = i.get("parity") or None
-        run_report(i.report, i.metrics, i.quality, i.vocab_stats, i.generate, outputs, parity)
+        run_report(i.report, i.metrics, i.quality, i.vocab_stats, i.generate, outputs, parity, i.prompts)
 
 
 def run_report(
@@ -410,10 +480,12 @@ def run_report(
     generate_stats: str,
     out: dict[str, str],
     parity_json: str | None = None,
+    prompts_json: str | None = None,
 ) -> None:
     """Write out['md'], out['html'] and the plots out['acceptance_png'], ['context_png'],
     ['training_png'], ['quality_png'], ['vocab_png']; with `parity_json`, the replay next to
-    vLLM's figures and acceptance by context length."""
+    vLLM's figures and acceptance by context length; with `prompts_json` (prompts/stats.json),
+    the prompt set and out['prompts_png']."""
     report = json.loads(Path(report_json).read_text())
     parity = json.loads(Path(parity_json).read_text()) if parity_json else None
     rows = read_jsonl(metrics)
@@ -425,11 +497,15 @@ def run_report(
     plot_training(rows, out["training_png"])
     plot_quality(quality_report, out["quality_png"])
     plot_vocab_coverage(vocab, out["vocab_png"])
+    prompts = json.loads(Path(prompts_json).read_text()) if prompts_json else None
+    if prompts is not None:
+        plot_prompts(prompts, out["prompts_png"])
     md_dir = Path(out["md"]).parent
     plots = {
         k: str(Path(out[f"{k}_png"]).relative_to(md_dir))
-        for k in ("acceptance", "context", "training", "quality", "vocab")
+        for k in ("acceptance", "context", "training", "quality", "vocab", "prompts")
+        if k != "prompts" or prompts is not None
     }
-    write_text(out["md"], render_markdown(report, rows, quality_report, vocab, generate, plots, parity))
+    write_text(out["md"], render_markdown(report, rows, quality_report, vocab, generate, plots, parity, prompts))
     write_text(out["html"], render_html(report, rows, quality_report, vocab, generate, parity))
     log.info("wrote %s and %s", out["md"], out["html"])

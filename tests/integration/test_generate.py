@@ -18,8 +18,8 @@ import pytest
 from tests.helpers import REPO, fake_openai, server_config, stored_replies
 from workflow_scripts.common.atomic import write_jsonl
 from workflow_scripts.common.replies import read_replies
+from workflow_scripts.common.store import ResponseStore, StoreError
 from workflow_scripts.generate.run import Client, Requests, run_generate
-from workflow_scripts.generate.store import ResponseStore, StoreError
 from workflow_scripts.runtime.client import RetryPolicy
 from workflow_scripts.runtime.launch import free_port
 from workflow_scripts.runtime.spec import ServerError

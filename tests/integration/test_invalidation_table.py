@@ -3,6 +3,7 @@
 import re
 import subprocess
 import sys
+import tempfile
 
 import yaml
 
@@ -32,14 +33,18 @@ def rule_scripts() -> dict[str, str]:
 
 
 def downstream() -> dict[str, set[str]]:
-    """{rule: itself and every rule downstream of it}, from Snakemake's own rule graph."""
-    dot = subprocess.run(
-        [sys.executable, "-m", "snakemake", "--rulegraph", "--quiet", "all"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    """{rule: itself and every rule downstream of it}, from Snakemake's own rule graph of the
+    default config with the verifier writing prompts (write_prompts is in the DAG only then)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as written:
+        written.write("prompts: {written: {count: 1}}\n")
+        written.flush()
+        dot = subprocess.run(
+            [sys.executable, "-m", "snakemake", "--rulegraph", "--quiet", "all", "--configfile", written.name],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
     names = dict(re.findall(r'^\s*(\d+)\[label = "(\w+)"', dot, re.M))
     edges = [(names[a], names[b]) for a, b in re.findall(r"^\s*(\d+) -> (\d+)", dot, re.M)]
     closure = {}

@@ -12,7 +12,16 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from tests.helpers import REPO, SNAKEMAKE, copy_finished_run, planned_jobs, vllm_available, vllm_processes
+from tests.helpers import (
+    REPO,
+    SNAKEMAKE,
+    copy_finished_run,
+    merged,
+    planned_jobs,
+    vllm_available,
+    vllm_processes,
+)
+from workflow_scripts.common.atomic import read_jsonl
 from workflow_scripts.runtime.ledger import count_loads, read_loads
 
 pytestmark = [
@@ -21,14 +30,21 @@ pytestmark = [
 ]
 
 
+def written_entries(wf: Path) -> int:
+    """The store entries write_prompts made before generate ran (its completions: one per
+    written one-turn conversation), which no request of generate uses."""
+    return json.loads((wf / "results/small/prompts/written_stats.json").read_text())["sent"]
+
+
 def test_a_hard_kill_mid_generate_leaves_no_vllm_and_the_rerun_sends_each_request_once(finished_run):
     killed = json.loads((finished_run / "hard_kill.json").read_text())
     assert killed["leases"] == 1, "the killed generate job had one server"
     assert killed["vllm_processes_left"] == [], "vLLM processes outlived kill -9 of Snakemake's process group"
     stats = json.loads((finished_run / "results/small/generate/stats.json").read_text())
-    assert stats["reused"] == killed["stored_at_kill"]
-    assert stats["sent"] + stats["reused"] == stats["requests"] == stats["store_entries"]
-    assert stats["store_entries_unused"] == 0
+    written = written_entries(finished_run)
+    assert stats["reused"] == killed["stored_at_kill"] - written
+    assert stats["sent"] + stats["reused"] == stats["requests"] == stats["store_entries"] - written
+    assert stats["store_entries_unused"] == written
 
 
 def test_a_vllm_killed_mid_generate_is_restarted_and_every_sample_is_generated_once(finished_run):
@@ -37,8 +53,9 @@ def test_a_vllm_killed_mid_generate_is_restarted_and_every_sample_is_generated_o
     stats = json.loads((finished_run / "results/small/generate/stats.json").read_text())
     assert stats["server_restarts"] == 1 and stats["failed_conversations"] == 0
     # Every request answered and stored once: the in-flight ones were sent again, nothing twice.
-    assert stats["sent"] + stats["reused"] == stats["requests"] == stats["store_entries"]
-    assert stats["reused"] == killed["stored_before_rerun"]
+    written = written_entries(finished_run)
+    assert stats["sent"] + stats["reused"] == stats["requests"] == stats["store_entries"] - written
+    assert stats["reused"] == killed["stored_before_rerun"] - written
     log = (finished_run / "results/small/logs/generate.log").read_text()
     assert "died while serving (killed by SIGKILL)" in log and "Restart 1 of 3" in log, log[-3000:]
 
@@ -150,6 +167,59 @@ def test_every_stage_output_meets_its_contract(finished_run):
     assert curve[-1]["train"] == pytest.approx(1.0) and any(p["size"] == 1024 for p in curve)
 
 
+def test_the_verifier_writes_prompts_that_reach_training_and_the_report(finished_run):
+    r = finished_run / "results/small"
+    written = json.loads((r / "prompts/written_stats.json").read_text())
+    assert written["conversations"] == 24 and written["sent"] == 24 and written["failed"] == 0
+    assert written["end_of_turn_token"] == "<|im_end|>" and written["ended"] >= 12
+    rows = read_jsonl(r / "prompts/written.jsonl")
+    assert all(len(row["keys"]) == 1 and row["turns"][0] == row["turns"][0].strip() for row in rows)
+    stats = json.loads((r / "prompts/stats.json").read_text())
+    assert stats["filters"]["removed"]["not_ended"]["count"] == 24 - written["ended"]
+    train = read_jsonl(r / "prompts/train.jsonl")
+    used = stats["sources"]["written"]["train"]
+    assert 1 <= used == sum(p["source"] == "written" for p in train) < len(train)
+    responses = {s["id"].split("#")[0] for s in pq.read_table(r / "synth/responses.parquet").to_pylist()}
+    assert {p["id"] for p in train if p["source"] == "written"} <= responses
+    report = (r / "variants/default/report/report.md").read_text()
+    assert "## Prompts" in report and "| written | 24 |" in report
+    assert (r / "variants/default/report/training_prompts.png").stat().st_size > 10_000
+
+
+def test_a_rerun_of_write_prompts_and_a_filter_change_send_no_request(finished_run, tmp_path):
+    """The store answers every written request: a server that cannot answer (a dead endpoint)
+    is never asked; a filter change does not rerun write_prompts at all."""
+    from tests.slurm_cluster import load_small
+    from workflow_scripts.common.config import typed
+    from workflow_scripts.prompts.config import WrittenConfig
+    from workflow_scripts.prompts.written import run_write_prompts
+    from workflow_scripts.runtime.answering import Client
+    from workflow_scripts.runtime.spec import ServerConfig
+
+    r = finished_run / "results/small"
+    config = load_small()
+    store = tmp_path / "store.sqlite"
+    shutil.copy(r / "generate/store.sqlite", store)
+    out = tmp_path / "written.jsonl"
+    run_write_prompts(
+        str(finished_run / "resources/verifier/smollm2-135m-instruct"),
+        str(store),
+        str(out),
+        str(tmp_path / "stats.json"),
+        cfg=typed(WrittenConfig, config["prompts"]["written"], "prompts.written"),
+        model="verifier",
+        replies=None,
+        chat_template_kwargs={},
+        trust_remote_code=False,
+        client=Client(4, False, 5.0, 1, None),
+        server=ServerConfig.from_section({**config["server"], "endpoint": "http://127.0.0.1:9"}),
+        server_log=str(tmp_path / "vllm.log"),
+    )
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    assert (stats["sent"], stats["reused"], stats["server_started"]) == (0, 24, False)
+    assert out.read_text() == (r / "prompts/written.jsonl").read_text()
+
+
 def test_snakemake_report_embeds_every_plot(finished_run, tmp_path):
     html = tmp_path / "report.html"
     cmd = SNAKEMAKE + ["--report", str(html), "--configfile", str(REPO / "tests/config/small.yaml")]
@@ -186,8 +256,9 @@ def test_the_hf_shard_jobs_load_the_verifier_once_and_the_report_counts_every_lo
     assert len(started) == 1, started
     # generate: the hard-killed run's start, the rerun's, and the restart after its SIGKILL.
     assert loads["generate"] == {"start": 2, "restart": 1} and loads["baseline"] == loads["benchmark"] == {"start": 1}
+    assert loads["write_prompts"] == {"start": 1}  # before the hard kill; the rerun found its outputs
     report = (run / "report.md").read_text()
-    assert "## Verifier loads" in report and "| hidden_states | 1 | 0 |" in report and "| total | 7 | |" in report
+    assert "## Verifier loads" in report and "| hidden_states | 1 | 0 |" in report and "| total | 8 | |" in report
     assert loads["parity"] == {"start": 1}, loads
 
 
@@ -344,6 +415,11 @@ def test_editing_run_only_code_restales_nothing(finished_run):
         ({"hidden_states": {"dtype": "float8_e4m3fn"}}, PER_DRAFT | {"hidden_states", "hidden_states_index"}),
         ({"hidden_states": {"mode": "online"}}, PER_DRAFT),
         ({"benchmark": {"sets": [{"name": "mt_bench", "size": 3}]}}, BENCHMARKS | {"benchmark_sets"}),
+        # A filter decides which written prompts are used, never what is asked: no write_prompts.
+        (
+            {"prompts": {"filters": {"near_duplicate": 0.8}}},
+            DOWNSTREAM_OF_SYNTH | {"prompts", "generate", "benchmark_sets", "baseline"},
+        ),
     ],
     ids=[
         "train.lr",
@@ -354,6 +430,7 @@ def test_editing_run_only_code_restales_nothing(finished_run):
         "hidden_states.dtype",
         "hidden_states.mode",
         "benchmark.sets",
+        "prompts.filters",
     ],
 )
 def test_a_parameter_change_restales_exactly_its_stage_and_downstream(finished_run, tmp_path, override, expected):
@@ -361,7 +438,7 @@ def test_a_parameter_change_restales_exactly_its_stage_and_downstream(finished_r
 
     cfg = yaml.safe_load((REPO / "tests/config/small.yaml").read_text())
     for section, values in override.items():
-        cfg.setdefault(section, {}).update(values)
+        cfg[section] = merged(cfg.get(section) or {}, values)
     changed = tmp_path / "changed.yaml"
     changed.write_text(yaml.safe_dump(cfg))
     assert stale_rules(finished_run, changed) == expected

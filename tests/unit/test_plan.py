@@ -15,7 +15,7 @@ from workflow_scripts.common.atomic import write_jsonl
 from workflow_scripts.load_plan import RunInfoLine
 from workflow_scripts.plan import load_merged_config, make_plan, planned_disk_line, render, summary_line
 from workflow_scripts.plan_sizes import Geometry, draft_export_bytes, draft_params, estimated_weight_bytes
-from workflow_scripts.plan_tokens import tokens_from_prompts
+from workflow_scripts.plan_tokens import planned_tokens, tokens_from_prompts
 from workflow_scripts.train.draft import build_draft, export_draft
 from workflow_scripts.variants import merged
 
@@ -83,6 +83,17 @@ def plan_config(tmp_path, tiny_llama_dir, **hidden_states):
         {"run": "t", "verifier": {"name": "tiny"}, "prompts": {"source": "prompts.jsonl"}},
     )
     return merged(config, {"hidden_states": hidden_states})
+
+
+def test_the_plan_counts_written_prompts_before_they_are_written_and_exactly_after(tmp_path):
+    config = merged(REPO_CONFIG, {"run": "w", "prompts": {"source": None, "written": {"count": 100, "turns": 2}}})
+    before = planned_tokens(config, tmp_path, assume_prompt_tokens=50)
+    assert before.samples == 2 * 90 and "90 written conversations of 2 turns at 128 tokens" in before.source
+    mixed = planned_tokens(merged(config, {"prompts": {"source": "config/prompts/demo.jsonl"}}), REPO, 50)
+    assert mixed.samples > before.samples and "train prompts of" in mixed.source
+    write_jsonl(tmp_path / "results/w/prompts/train.jsonl", [{"turns": ["a" * 30]}] * 7)
+    after = planned_tokens(config, tmp_path, assume_prompt_tokens=50)
+    assert after.samples == 7 and "the 7 train prompts of" in after.source
 
 
 def test_the_plan_counts_exact_tokens_once_the_dataset_exists(tmp_path, tiny_llama_dir):

@@ -66,7 +66,7 @@ def test_one_list_of_run_only_flags_decides_both_keys(tmp_path):
     """generate's store key and the shard cache's key take the launcher's argv through
     result_args: a result flag changes both, a run-only setting neither."""
     from tests.helpers import hidden_states_config
-    from workflow_scripts.generate.requests import server_identity
+    from workflow_scripts.common.requests import server_identity
     from workflow_scripts.hidden_states.run import content_settings
 
     verifier = tmp_path / "verifier"

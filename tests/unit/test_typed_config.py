@@ -11,7 +11,7 @@ from workflow_scripts.benchmark.run import BenchmarkConfig
 from workflow_scripts.common.config import ConfigError, typed
 from workflow_scripts.dataset import DatasetConfig
 from workflow_scripts.hidden_states.backend import HiddenStatesConfig, VllmExtractionConfig
-from workflow_scripts.prompts import PromptsConfig
+from workflow_scripts.prompts.config import PromptsConfig
 from workflow_scripts.runtime.spec import ServerConfig
 from workflow_scripts.synth.run import Parsing
 from workflow_scripts.train.config import TrainConfig

@@ -145,6 +145,11 @@ def validate_config(config: dict[str, Any], schema_path: Path = SCHEMA_PATH) -> 
         raise ConfigError(
             f"invalid eagleflow config ({len(errors)} problem{'s' if len(errors) > 1 else ''}):\n  {lines}"
         )
+    prompts = config["prompts"]
+    if not prompts["source"] and not prompts["written"]["count"]:
+        raise ConfigError("prompts: no source (prompts.source is null and prompts.written.count is 0)")
+    if prompts["source"] and prompts["written"]["count"] and not any(prompts["weights"].values()):
+        raise ConfigError("prompts.weights: every weight is 0; give the sources a share")
     if config["verifier"]["source"] == "path" and not config["verifier"].get("path"):
         raise ConfigError("verifier.path: required when verifier.source is 'path'")
     aux = config["hidden_states"].get("aux_layer_ids")

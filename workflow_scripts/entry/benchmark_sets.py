@@ -1,3 +1,3 @@
-from workflow_scripts.benchmark.sets import main
+from workflow_scripts.benchmark.set_job import main
 
 main(snakemake)

@@ -1,3 +1,3 @@
-from workflow_scripts.prompts import main
+from workflow_scripts.prompts.run import main
 
 main(snakemake)

@@ -2,11 +2,12 @@
 
     python -m workflow_scripts.generate stats results/demo/generate/store.sqlite
     python -m workflow_scripts.generate prune results/demo/generate/store.sqlite \
-        --keep results/demo/generate/replies.parquet [more replies.parquet ...]
+        --keep results/demo/generate/replies.parquet results/demo/prompts/written.jsonl [more ...]
 
-`prune` keeps exactly the entries that the given replies files use (the requests of their
-runs) and deletes the rest; run it after a finished `generate`, when old prompts or
-settings will not come back. Nothing else ever deletes a stored reply.
+`prune` keeps exactly the entries that the given files use (the requests of generate's
+replies.parquet, and of write_prompts' written.jsonl when the verifier writes prompts) and
+deletes the rest; run it after a finished `generate`, when old prompts or settings will not
+come back. Nothing else ever deletes a stored reply.
 """
 
 from __future__ import annotations
@@ -15,8 +16,16 @@ import argparse
 import sys
 from pathlib import Path
 
+from workflow_scripts.common.atomic import read_jsonl
 from workflow_scripts.common.replies import read_replies
-from workflow_scripts.generate.store import ResponseStore
+from workflow_scripts.common.store import ResponseStore
+
+
+def used_keys(path: str) -> set[str]:
+    """The store keys of the requests a replies.parquet or written.jsonl file was made from."""
+    if path.endswith(".jsonl"):
+        return {key for row in read_jsonl(path) for key in row["keys"]}
+    return {row["key"] for row in read_replies(path)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,12 +39,12 @@ def main(argv: list[str] | None = None) -> int:
             nargs="+",
             required=name == "prune",
             default=[],
-            help="replies.parquet files whose requests stay in the store",
+            help="replies.parquet (generate) and written.jsonl (write_prompts) files whose requests stay in the store",
         )
     args = parser.parse_args(argv)
     if not Path(args.store).is_file():
         parser.error(f"{args.store}: no such response store")
-    keep = {row["key"] for path in args.keep for row in read_replies(path)}
+    keep = {key for path in args.keep for key in used_keys(path)}
     with ResponseStore(args.store) as store:
         total = len(store)
         if args.command == "stats":

@@ -16,14 +16,10 @@ import json
 import logging
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workflow_scripts.common.atomic import write_jsonl
-from workflow_scripts.common.config import typed
 from workflow_scripts.common.fingerprint import stable_fraction
-from workflow_scripts.runtime.smk import stage
 
 log = logging.getLogger(__name__)
 
@@ -102,38 +98,3 @@ def split_prompts(prompts: list[dict[str, Any]], eval_fraction: float, seed: int
         seen_ids.add(p["id"])
         (evals if stable_fraction(seed, key) < eval_fraction else train).append(p)
     return train, evals
-
-
-@dataclass(frozen=True)
-class PromptsConfig:
-    """The `prompts` config section."""
-
-    source: str
-    eval_fraction: float
-    seed: int
-    max_train: int | None
-    max_eval: int | None
-
-
-def main(smk) -> None:
-    """The prompts rule's job (rules/prompts.smk)."""
-    with stage(smk):
-        run_prompts(smk.output.train, smk.output.eval, typed(PromptsConfig, smk.params.prompts, "prompts"))
-
-
-def run_prompts(train_out: str, eval_out: str, cfg: PromptsConfig) -> None:
-    source, eval_fraction = cfg.source, cfg.eval_fraction
-    prompts = load_prompts(source)
-    train, evals = split_prompts(prompts, eval_fraction, cfg.seed)
-    if cfg.max_train is not None:
-        train = train[: cfg.max_train]
-    if cfg.max_eval is not None:
-        evals = evals[: cfg.max_eval]
-    if not train or not evals:
-        raise ValueError(
-            f"{source}: split gave {len(train)} train and {len(evals)} eval prompts; both must be "
-            f"non-empty (prompts.eval_fraction is {eval_fraction})"
-        )
-    write_jsonl(train_out, train)
-    write_jsonl(eval_out, evals)
-    log.info("%d prompts -> %d train, %d eval (%s)", len(prompts), len(train), len(evals), source)

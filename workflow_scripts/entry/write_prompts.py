@@ -1,0 +1,3 @@
+from workflow_scripts.prompts.written import main
+
+main(snakemake)
