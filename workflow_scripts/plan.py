@@ -3,8 +3,10 @@
     python -m workflow_scripts.plan --configfile config/kimi-k2.5-8xgpu.yaml
 
 prints the tokens the hidden-state stage will see, the bytes each stage writes and the free
-space where they land, the GPU memory of the verifier and of the draft training, and which
-settings would make a run fit that does not. `snakemake -n` prints its one-line summary
+space where they land, the GPU memory of the verifier and of the draft training, which
+settings would make a run fit that does not, and the hours each stage and the whole run to a
+served draft take for 1..N verifier replicas (`throughput`, plan_hours.py; `--samples 10000
+100000` gives them at other sizes). `snakemake -n` prints its one-line summary
 (planned_disk_line).
 
 Tokens are exact once the dataset exists (results/<run>/dataset/*.parquet); before that they
@@ -27,9 +29,10 @@ from typing import Any
 
 import yaml
 
-from workflow_scripts.common.config import validate_config
+from workflow_scripts.common.config import typed, validate_config
 from workflow_scripts.hidden_states.layers import default_aux_layer_ids
 from workflow_scripts.hidden_states.storage import FP8, num_stored_states, shard_bytes, target_topk, token_bytes
+from workflow_scripts.plan_hours import Rates, measured_rates, planned_work, render_hours
 from workflow_scripts.plan_sizes import (
     Geometry,
     draft_export_bytes,
@@ -56,6 +59,7 @@ class Plan:
     gpu_memory: int | None = None  # bytes per GPU on this host, when known
     suggestions: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    hours: str = ""  # plan_hours.render_hours' table
 
 
 def verifier_dir(config: dict[str, Any], root: Path) -> Path:
@@ -71,9 +75,11 @@ def make_plan(
     verifier_config: dict[str, Any] | None = None,
     gpu_memory: int | None = None,
     assume_prompt_tokens: int = 256,
+    samples: list[int] | None = None,
 ) -> Plan:
     """The plan for `config` run from `root`. `verifier_config`: config.json to use when the
-    verifier is not on this machine; `gpu_memory`: bytes per GPU (default: nvidia-smi's)."""
+    verifier is not on this machine; `gpu_memory`: bytes per GPU (default: nvidia-smi's);
+    `samples`: sample counts to give the hours at (default: the run's own)."""
     run = config["run"]
     plan = Plan(run, None, gpu_memory=gpu_memory if gpu_memory is not None else gpu_memory_bytes())
     vdir = verifier_dir(config, root)
@@ -177,6 +183,10 @@ def make_plan(
             }
         )
     plan.suggestions = suggest(plan, config, num_aux, g.hidden_size, weights, mem["total"])
+    rates, measured = measured_rates(root, run, typed(Rates, config["throughput"], "throughput"))
+    work = planned_work(tokens.samples, tokens.tokens, tokens.source.startswith("exact"), config, rates)
+    plan.hours = render_hours(work, rates, config, samples)
+    plan.notes += measured
     return plan
 
 
@@ -255,6 +265,8 @@ def render(plan: Plan) -> str:
         lines += ["Does not fit. Settings that would:", *[f"- {s}" for s in plan.suggestions], ""]
     elif plan.disk:
         lines += ["Fits: every stage's bytes are below the free space where they land.", ""]
+    if plan.hours:
+        lines += ["Hours per stage (`throughput`; replicas: verifier servers answering at once):", "", plan.hours]
     lines += [f"Note: {n}" for n in plan.notes]
     return "\n".join(lines).rstrip() + "\n"
 
@@ -303,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--verifier-config", help="the verifier's config.json, when the verifier is not on this machine")
     ap.add_argument("--gpu-memory-gb", type=float, help="memory per GPU (default: nvidia-smi's)")
     ap.add_argument("--assume-prompt-tokens", type=int, default=256, help="prompt length when the prompts are absent")
+    ap.add_argument("--samples", type=int, nargs="+", help="give the hours at these sample counts")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = ap.parse_args(argv)
     root = Path(".")
@@ -313,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         verifier_config=json.loads(Path(args.verifier_config).read_text()) if args.verifier_config else None,
         gpu_memory=int(args.gpu_memory_gb * GB) if args.gpu_memory_gb else None,
         assume_prompt_tokens=args.assume_prompt_tokens,
+        samples=args.samples,
     )
     if args.json:
         print(json.dumps(plan, default=lambda o: o.__dict__ if hasattr(o, "__dict__") else str(o), indent=1))

@@ -125,12 +125,13 @@ def apply_filters(
     kept, removed = [], []
     seen: dict[str, str] = {}
     lsh = MinHashLSH(threshold=cfg.near_duplicate, num_perm=NUM_PERM) if cfg.near_duplicate else None
-    kept_shingles: dict[str, set[str]] = {}
+    # Keyed by position: ids are checked for uniqueness later (the split), not here.
+    kept_shingles: dict[str, tuple[str, set[str]]] = {}
 
     def drop(prompt, reason, detail):
         removed.append({"prompt": prompt, "reason": reason, "detail": detail})
 
-    for p in prompts:
+    for i, p in enumerate(prompts):
         if p.get("ended") is not None and (not all(p["ended"]) or p.get("error")):
             drop(p, "not_ended", p.get("error") or "a turn hit max_tokens before its end-of-turn token")
             continue
@@ -149,10 +150,10 @@ def apply_filters(
         s = shingles(conversation_text(p))
         if lsh is not None and s:
             m = minhash(s)
-            near = [(other, jaccard(s, kept_shingles[other])) for other in lsh.query(m)]
-            near = [n for n in near if n[1] >= cfg.near_duplicate]
+            near = [(jaccard(s, kept_shingles[k][1]), kept_shingles[k][0]) for k in lsh.query(m)]
+            near = [n for n in near if n[0] >= cfg.near_duplicate]
             if near:
-                other, sim = max(near, key=lambda n: (n[1], n[0]))
+                sim, other = max(near)
                 drop(p, "near_duplicate", f"Jaccard {sim:.2f} to {other}")
                 continue
         if benchmark is not None:
@@ -163,7 +164,7 @@ def apply_filters(
                 continue
         seen[key] = p["id"]
         if lsh is not None and s:
-            lsh.insert(p["id"], m)
-            kept_shingles[p["id"]] = s
+            lsh.insert(str(i), m)
+            kept_shingles[str(i)] = (p["id"], s)
         kept.append(p)
     return kept, removed

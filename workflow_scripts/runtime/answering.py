@@ -36,6 +36,7 @@ class Counts:
     sent: int = 0
     reused: int = 0
     failed: int = 0  # items a failed request ended
+    sent_tokens: int = 0  # completion tokens of the replies the server sent
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,8 @@ class StoreFront:
         body = await (self.client.completion if completion else self.client.chat)(payload)
         self.store.put(key, payload, body)
         self.counts.sent += 1
+        tokens = (body.get("usage") or {}).get("completion_tokens")
+        self.counts.sent_tokens += tokens if isinstance(tokens, int) else 0
         return body
 
 
@@ -102,11 +105,15 @@ class Answered(Generic[T]):
     restarts: int = 0
     limit: Concurrency | None = None
     wall_s: float = field(default=0.0)
+    server_s: float = field(default=0.0)  # from the server ready (or the endpoint first used) to the last reply
 
     def stats(self, server: ServerConfig) -> dict[str, Any]:
         return {
             "sent": self.counts.sent,
             "reused": self.counts.reused,
+            # The rate the plan turns into hours (python -m workflow_scripts.plan).
+            "sent_tokens": self.counts.sent_tokens,
+            "server_s": round(self.server_s, 3),
             "server_started": bool(self.needed_server) and not server.endpoint,
             "server_restarts": self.restarts,
             "concurrency": self.limit.summary() if self.limit else None,
@@ -138,10 +145,12 @@ def answer(
     answered = Answered(done, counts, len(todo), limit=limit)
     if todo:
         with serve(spec, server_log, server, server.endpoint) as served:
+            ready = time.monotonic()
             parts = (store, identity, counts)
             tokens = completion_tokens
             results = asyncio.run(_from_server(served, todo, item_id, walk, parts, client, limit, desc, tokens))
             answered.restarts = served.recovery.restarts
+            answered.server_s = time.monotonic() - ready
         done |= results
     counts.failed = sum(1 for result in done.values() if count_failed(result))
     answered.wall_s = round(time.monotonic() - started, 3)

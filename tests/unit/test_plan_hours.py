@@ -1,0 +1,76 @@
+"""The plan's hours per stage and to a served draft (plan_hours.py): the arithmetic, the
+replicas, the rates a finished run measured."""
+
+import json
+
+import pytest
+
+from tests.helpers import REPO
+from workflow_scripts.common.atomic import write_json
+from workflow_scripts.plan import load_merged_config
+from workflow_scripts.plan_hours import Rates, measured_rates, planned_work, render_hours, scaled, stage_hours
+from workflow_scripts.variants import merged
+
+CONFIG = load_merged_config([], REPO)
+RATES = Rates(
+    reply_tokens=None,
+    generate_tokens_per_s=100.0,
+    extract_tokens_per_s=1000.0,
+    train_tokens_per_s=500.0,
+    verifier_load_s=60.0,
+    replicas=(1, 4),
+)
+
+
+def test_each_stage_is_a_load_and_its_tokens_at_its_rate():
+    config = merged(CONFIG, {"prompts": {"written": {"count": 10, "turns": 2, "max_tokens": 50}}})
+    work = planned_work(samples=100, tokens=36_000, exact=True, config=config, rates=RATES)
+    assert (work.written_tokens, work.reply_tokens) == (1000, 100 * 160)
+    one, four = stage_hours(work, RATES, 1, config), stage_hours(work, RATES, 4, config)
+    assert one["write_prompts"] == pytest.approx((60 + 1000 / 100) / 3600)
+    assert one["generate"] == pytest.approx((60 + 16_000 / 100) / 3600)
+    assert four["generate"] == pytest.approx((60 + 16_000 / 400) / 3600)
+    # One extraction server per run, whatever the replicas; training is one job.
+    assert one["hidden_states"] == four["hidden_states"] == pytest.approx((60 + 36_000 / 1000) / 3600)
+    assert one["train"] == pytest.approx(36_000 * CONFIG["train"]["epochs"] / 500 / 3600)
+    online = merged(config, {"hidden_states": {"mode": "online"}})
+    assert stage_hours(work, RATES, 1, online)["hidden_states"] == 0
+
+
+def test_an_expected_reply_length_lowers_the_upper_bound_and_sizes_scale():
+    rates = Rates(**{**RATES.__dict__, "reply_tokens": 60})
+    bound = planned_work(samples=100, tokens=100 * (40 + 160), exact=False, config=CONFIG, rates=rates)
+    assert (bound.reply_tokens, bound.tokens) == (6000, 100 * (40 + 60))
+    exact = planned_work(samples=100, tokens=12_345, exact=True, config=CONFIG, rates=rates)
+    assert exact.tokens == 12_345
+    big = scaled(bound, 10_000)
+    assert (big.samples, big.tokens, big.reply_tokens) == (10_000, 1_000_000, 600_000)
+    assert big.benchmark_tokens == bound.benchmark_tokens  # the measured sets do not grow
+
+
+def test_an_unknown_rate_leaves_its_stage_and_the_total_open():
+    rates = Rates(**{**RATES.__dict__, "train_tokens_per_s": None})
+    work = planned_work(samples=100, tokens=36_000, exact=True, config=CONFIG, rates=rates)
+    table = render_hours(work, rates, CONFIG, samples=[100, 1000])
+    rows = [line for line in table.splitlines() if line.startswith("| 1")]
+    cells = [[c.strip() for c in row.split("|")[1:-1]] for row in rows]
+    assert len(cells) == 4 and all(c[5] == "?" and c[7] == "?" and c[3] != "?" for c in cells)
+    assert "Unknown rates" in table and "train_tokens_per_s" in table
+
+
+def test_a_finished_run_supplies_the_rates_it_measured(tmp_path):
+    run = tmp_path / "results/r"
+    write_json(run / "generate/stats.json", {"sent_tokens": 3000, "server_s": 20.0})
+    write_json(run / "hidden_states/index.json", {"num_tokens": 5000})
+    for i, seconds in enumerate((4.0, 6.0)):
+        (run / "benchmarks").mkdir(parents=True, exist_ok=True)
+        (run / f"benchmarks/hidden_states.shard-0000{i}.tsv").write_text(f"s\th:m:s\n{seconds}\t0:00:0{seconds:.0f}\n")
+    (run / "drafts/default/train").mkdir(parents=True)
+    rows = [{"split": "train", "tokens_per_s": v} for v in (100, 300, 200)] + [{"split": "eval"}]
+    (run / "drafts/default/train/metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    unset = Rates(None, None, None, None, 60.0, (1,))
+    rates, notes = measured_rates(tmp_path, "r", unset)
+    assert (rates.generate_tokens_per_s, rates.extract_tokens_per_s, rates.train_tokens_per_s) == (150, 500, 200)
+    assert len(notes) == 3
+    # A rate the config sets wins over the measured one.
+    assert measured_rates(tmp_path, "r", RATES)[0] == RATES

@@ -1,0 +1,178 @@
+"""Hours each stage will take, and the time to a served draft, from the plan's tokens and the
+rates in `throughput` (or those a finished run measured), for 1..N verifier replicas.
+
+- write_prompts and generate: a start of each replica, then the tokens they write at
+  `generate_tokens_per_s` per replica (written turns at `prompts.written.max_tokens`, replies
+  at `throughput.reply_tokens`, else `generate.max_tokens`: the upper bound);
+- hidden_states: a start of the extraction server, then every sample token at
+  `extract_tokens_per_s` (one server per run: the shard jobs share it, in one submission on
+  SLURM; none online, where training computes the states);
+- train: every sample token, `train.epochs` times, at `train_tokens_per_s` (one job);
+- benchmark: the baseline and one speculative run, a start each, every measured request at
+  its `benchmark.max_tokens`, at `generate_tokens_per_s`.
+A stage whose rate is unknown has no hours, and the total says so. Pure but for
+`measured_rates`, which reads a finished run.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+HOUR = 3600.0
+# The standard sets' conversations and turns (prompts.standard_sets), for a whole set (`size: null`).
+SET_CONVERSATIONS = {"mt_bench": 80, "humaneval": 164, "long_context": 164}
+SET_TURNS = {"mt_bench": 2}
+
+
+@dataclass(frozen=True)
+class Rates:
+    """The `throughput` config section: tokens per second of one replica per stage."""
+
+    reply_tokens: int | None
+    generate_tokens_per_s: float | None
+    extract_tokens_per_s: float | None
+    train_tokens_per_s: float | None
+    verifier_load_s: float
+    replicas: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Work:
+    """What a run will do: samples, their tokens (prompt and reply), and the requests the
+    verifier answers."""
+
+    samples: int
+    tokens: int
+    written_tokens: int  # tokens the verifier writes as prompts
+    reply_tokens: int  # tokens it writes as replies
+    benchmark_tokens: int  # tokens one benchmark pass generates (baseline or speculative)
+
+
+def planned_work(samples: int, tokens: int, exact: bool, config: dict[str, Any], rates: Rates) -> Work:
+    """The work of a run of `samples` samples of `tokens` tokens in all (`exact`: counted in
+    the dataset; else the plan's upper bound, every reply at generate.max_tokens, which
+    `throughput.reply_tokens` brings down to the expected length). Pure."""
+    written = config["prompts"]["written"]
+    max_tokens = config["generate"]["max_tokens"]
+    reply = rates.reply_tokens or max_tokens
+    if not exact and reply < max_tokens:
+        tokens = max(samples, tokens - samples * (max_tokens - reply))
+    bench = config["benchmark"]
+    requests = bench["num_prompts"] + sum(
+        (entry.get("size") or SET_CONVERSATIONS.get(entry["name"], 0)) * SET_TURNS.get(entry["name"], 1)
+        for entry in bench["sets"]
+    )
+    return Work(
+        samples=samples,
+        tokens=tokens,
+        written_tokens=written["count"] * written["turns"] * written["max_tokens"],
+        reply_tokens=samples * reply,
+        benchmark_tokens=requests * bench["max_tokens"] * len(bench["temperatures"]),
+    )
+
+
+def scaled(work: Work, samples: int) -> Work:
+    """The same run at `samples` samples: prompts and tokens in proportion. Pure."""
+    f = samples / work.samples if work.samples else 0.0
+    return replace(
+        work,
+        samples=samples,
+        tokens=round(work.tokens * f),
+        written_tokens=round(work.written_tokens * f),
+        reply_tokens=round(work.reply_tokens * f),
+    )
+
+
+def stage_hours(work: Work, rates: Rates, replicas: int, config: dict[str, Any]) -> dict[str, float | None]:
+    """Hours per stage with `replicas` verifier replicas (None: its rate is unknown). Pure."""
+    load = rates.verifier_load_s
+
+    def served(tokens: int, rate: float | None, parallel: int) -> float | None:
+        if not tokens:
+            return 0.0
+        return None if rate is None else (load + tokens / (rate * parallel)) / HOUR
+
+    online = config["hidden_states"]["mode"] == "online"
+    epochs = config["train"]["epochs"]
+    train = None if rates.train_tokens_per_s is None else work.tokens * epochs / rates.train_tokens_per_s / HOUR
+    return {
+        "write_prompts": served(work.written_tokens, rates.generate_tokens_per_s, replicas),
+        "generate": served(work.reply_tokens, rates.generate_tokens_per_s, replicas),
+        "hidden_states": 0.0 if online else served(work.tokens, rates.extract_tokens_per_s, 1),
+        "train": train,
+        # The baseline and the draft's run, one server each, one after the other.
+        "benchmark": None
+        if rates.generate_tokens_per_s is None
+        else 2 * (load + work.benchmark_tokens / rates.generate_tokens_per_s) / HOUR,
+    }
+
+
+def total_hours(hours: dict[str, float | None]) -> float | None:
+    return None if any(h is None for h in hours.values()) else sum(hours.values())
+
+
+def measured_rates(root: Path, run: str, rates: Rates) -> tuple[Rates, list[str]]:
+    """`rates` with each unset rate taken from what run `run` under `root` measured, and a
+    line per rate taken: generate's sent tokens over its server time, the shard jobs' tokens
+    over their wall time, training's median tokens/s."""
+    base = root / f"results/{run}"
+    found: dict[str, float] = {}
+    notes = []
+    stats = base / "generate/stats.json"
+    if rates.generate_tokens_per_s is None and stats.exists():
+        s = json.loads(stats.read_text())
+        if s.get("sent_tokens") and s.get("server_s"):
+            found["generate_tokens_per_s"] = s["sent_tokens"] / s["server_s"]
+            notes.append(f"generate_tokens_per_s {found['generate_tokens_per_s']:.0f}: measured by {stats}")
+    index = base / "hidden_states/index.json"
+    shard_times = sorted((base / "benchmarks").glob("hidden_states.shard-*.tsv"))
+    if rates.extract_tokens_per_s is None and index.exists() and shard_times:
+        wall = sum(float(p.read_text().splitlines()[1].split("\t")[0]) for p in shard_times)
+        found["extract_tokens_per_s"] = json.loads(index.read_text())["num_tokens"] / wall
+        notes.append(
+            f"extract_tokens_per_s {found['extract_tokens_per_s']:.0f}: measured by {len(shard_times)} shard jobs "
+            "(their server's start included)"
+        )
+    metrics = sorted((base / "drafts").glob("*/train/metrics.jsonl"))
+    if rates.train_tokens_per_s is None and metrics:
+        rows = [json.loads(line) for line in metrics[0].read_text().splitlines() if line.strip()]
+        speeds = [r["tokens_per_s"] for r in rows if r.get("split") == "train" and r.get("tokens_per_s")]
+        if speeds:
+            found["train_tokens_per_s"] = statistics.median(speeds)
+            notes.append(f"train_tokens_per_s {found['train_tokens_per_s']:.0f}: measured by {metrics[0]}")
+    return replace(rates, **found), notes
+
+
+def render_hours(work: Work, rates: Rates, config: dict[str, Any], samples: list[int] | None = None) -> str:
+    """Hours per stage for each replica count, and the time to a served draft at each of
+    `samples` (default: the run's own). Pure."""
+    counts = samples or [work.samples]
+    stages = list(stage_hours(work, rates, 1, config))
+    lines = [
+        "| samples | replicas | " + " | ".join(stages) + " | to a served draft |",
+        "|---|---|" + "---|" * (len(stages) + 1),
+    ]
+    for n in counts:
+        w = scaled(work, n)
+        for r in rates.replicas:
+            hours = stage_hours(w, rates, r, config)
+            cells = [_h(hours[s]) for s in stages]
+            lines.append(f"| {n:,} | {r} | " + " | ".join(cells) + f" | {_h(total_hours(hours))} |")
+    unknown = [
+        k for k in ("generate_tokens_per_s", "extract_tokens_per_s", "train_tokens_per_s") if getattr(rates, k) is None
+    ]
+    if unknown:
+        lines += ["", "Unknown rates (set them under `throughput`, or run once to measure them): " + ", ".join(unknown)]
+    return "\n".join(lines) + "\n"
+
+
+def _h(hours: float | None) -> str:
+    if hours is None:
+        return "?"
+    if hours == 0:
+        return "-"
+    return f"{hours * 60:.0f} min" if hours < 1 else f"{hours:.1f} h"
