@@ -58,7 +58,7 @@ def one_row(url: str, prompts: Path, work: Path, max_tokens: int, concurrency: i
         str(work / "replies.parquet"),
         str(work / "stats.json"),
         requests=Requests("verifier", {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}, {}),
-        client=Client(concurrency, adaptive, 1800, 4, None),
+        client=Client(concurrency, adaptive, 1800, 4, None, "auto"),
         server=server_config(endpoint=url),
         server_log=str(work / "vllm.log"),
     )

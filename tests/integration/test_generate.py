@@ -18,14 +18,16 @@ import pytest
 from tests.helpers import REPO, fake_openai, server_config, stored_replies
 from workflow_scripts.common.atomic import write_jsonl
 from workflow_scripts.common.replies import read_replies
-from workflow_scripts.common.store import ResponseStore, StoreError
 from workflow_scripts.generate.run import Client, Requests, run_generate
 from workflow_scripts.runtime.client import RetryPolicy
 from workflow_scripts.runtime.launch import free_port
 from workflow_scripts.runtime.spec import ServerError
+from workflow_scripts.runtime.store import ResponseStore, StoreError
 
 REQUESTS = Requests(model="verifier", sampling={"max_tokens": 12, "temperature": 0.0}, chat_template_kwargs={})
-CLIENT = Client(concurrency=8, adaptive=True, request_timeout_s=1.0, max_attempts=8, api_key_env=None)
+CLIENT = Client(
+    concurrency=8, adaptive=True, request_timeout_s=1.0, max_attempts=8, api_key_env=None, store_locking="auto"
+)
 
 
 def write_prompts(path: Path, n: int, poison: int | None = None) -> list[dict]:
@@ -105,7 +107,7 @@ def test_a_rerun_retries_failed_conversations_and_reuses_every_stored_reply(tmp_
     write_prompts(tmp_path / "prompts.jsonl", 12)
     with fake_openai("--fault-rate", "1.0", "--hang", "3", "--lifetime", "60") as down:
         stats = generate(
-            tmp_path / "prompts.jsonl", down, tmp_path / "run", verifier, client=Client(8, True, 1.0, 1, None)
+            tmp_path / "prompts.jsonl", down, tmp_path / "run", verifier, client=Client(8, True, 1.0, 1, None, "auto")
         )
     assert stats["failed_conversations"] == 12 and stats["sent"] == 0
     with fake_openai("--lifetime", "60") as up:
@@ -185,7 +187,14 @@ def test_concurrency_follows_a_server_whose_capacity_changes_and_nothing_is_lost
     turns = sum(len(p["turns"]) for p in prompts)
     runs = {}
     for adaptive in (True, False):
-        client = Client(concurrency=32, adaptive=adaptive, request_timeout_s=5, max_attempts=1000, api_key_env=None)
+        client = Client(
+            concurrency=32,
+            adaptive=adaptive,
+            request_timeout_s=5,
+            max_attempts=1000,
+            api_key_env=None,
+            store_locking="auto",
+        )
         with fake_openai("--latency", "0.1", "--capacity", "12@0,3@3,8@6", "--lifetime", "300") as url:
             stats = generate(tmp_path / "prompts.jsonl", url, tmp_path / f"run-{adaptive}", verifier, client=client)
             server = httpx2.get(f"{url}/stats").json()
@@ -224,7 +233,9 @@ def test_an_endpoint_that_goes_away_is_waited_for_within_its_budget(tmp_path, ve
         with fake_openai("--port", port, "--latency", "0.05", "--lifetime", "120"):
             done.wait(120)
 
-    client = Client(concurrency=4, adaptive=True, request_timeout_s=5, max_attempts=4, api_key_env=None)
+    client = Client(
+        concurrency=4, adaptive=True, request_timeout_s=5, max_attempts=4, api_key_env=None, store_locking="auto"
+    )
     with fake_openai("--port", port, "--latency", "0.1", "--lifetime", "1.5") as url:
         revive = threading.Thread(target=second_server)
         revive.start()
@@ -279,7 +290,7 @@ GENERATE_JOB = textwrap.dedent(
     server = ServerConfig.from_section({**yaml.safe_load(open(sys.argv[5]))["server"], "endpoint": url})
     run_generate(prompts, verifier, out + "/store.sqlite", out + "/replies.parquet", out + "/stats.json",
                  requests=Requests("verifier", {"max_tokens": 12, "temperature": 0.0}, {}),
-                 client=Client(8, True, 5.0, 4, None), server=server, server_log=out + "/vllm.log")
+                 client=Client(8, True, 5.0, 4, None, "auto"), server=server, server_log=out + "/vllm.log")
     """
 )
 

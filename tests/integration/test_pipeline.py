@@ -211,7 +211,7 @@ def test_a_rerun_of_write_prompts_and_a_filter_change_send_no_request(finished_r
         replies=None,
         chat_template_kwargs={},
         trust_remote_code=False,
-        client=Client(4, False, 5.0, 1, None),
+        client=Client(4, False, 5.0, 1, None, "auto"),
         server=ServerConfig.from_section({**config["server"], "endpoint": "http://127.0.0.1:9"}),
         server_log=str(tmp_path / "vllm.log"),
     )

@@ -74,7 +74,7 @@ def samples(server, tiny_think_dir, tmp_path_factory):
         str(tmp / "replies.parquet"),
         str(tmp / "stats.json"),
         requests=Requests("verifier", SAMPLING, {}),
-        client=Client(8, True, 120, 2, None),
+        client=Client(8, True, 120, 2, None, "auto"),
         server=dataclasses.replace(SERVER, endpoint=server),
         server_log=str(tmp / "vllm.log"),
     )

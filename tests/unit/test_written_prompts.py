@@ -9,7 +9,6 @@ import re
 import jinja2
 import pytest
 
-from workflow_scripts.common.store import ResponseStore
 from workflow_scripts.generate.run import Requests, walk_conversation
 from workflow_scripts.prompts.config import FilterConfig, PromptsConfig, Weights, WrittenConfig
 from workflow_scripts.prompts.filters import BenchmarkIndex, apply_filters, text_score
@@ -18,6 +17,7 @@ from workflow_scripts.prompts.run import benchmark_turns, mix, run_prompts
 from workflow_scripts.prompts.template import TemplateError, UserTurn
 from workflow_scripts.prompts.written import Replies, completion_payload, write_conversation
 from workflow_scripts.runtime.answering import Counts, Missing, StoreFront
+from workflow_scripts.runtime.store import ResponseStore
 
 # The chat templates of the verifier families eagleflow supports, reduced to their turn markup.
 SMOLLM2 = (

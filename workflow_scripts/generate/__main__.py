@@ -18,7 +18,7 @@ from pathlib import Path
 
 from workflow_scripts.common.atomic import read_jsonl
 from workflow_scripts.common.replies import read_replies
-from workflow_scripts.common.store import ResponseStore
+from workflow_scripts.runtime.store import LOCKING, ResponseStore
 
 
 def used_keys(path: str) -> set[str]:
@@ -41,11 +41,17 @@ def main(argv: list[str] | None = None) -> int:
             default=[],
             help="replies.parquet (generate) and written.jsonl (write_prompts) files whose requests stay in the store",
         )
+        cmd.add_argument(
+            "--locking",
+            choices=LOCKING,
+            default="auto",
+            help="as generate.store_locking: exclusive waits for no writer, it refuses while one holds the store",
+        )
     args = parser.parse_args(argv)
     if not Path(args.store).is_file():
         parser.error(f"{args.store}: no such response store")
     keep = {key for path in args.keep for key in used_keys(path)}
-    with ResponseStore(args.store) as store:
+    with ResponseStore(args.store, args.locking) as store:
         total = len(store)
         if args.command == "stats":
             used = len(keep & store.keys()) if args.keep else None

@@ -17,12 +17,12 @@ from typing import Any
 from workflow_scripts.common.atomic import read_jsonl, write_json
 from workflow_scripts.common.replies import write_replies
 from workflow_scripts.common.requests import history_message, request_payload, server_identity
-from workflow_scripts.common.store import ResponseStore
 from workflow_scripts.common.token_estimate import turn_contexts
 from workflow_scripts.runtime.answering import Client, StoreFront, answer
 from workflow_scripts.runtime.client import RequestFailed
 from workflow_scripts.runtime.smk import stage
 from workflow_scripts.runtime.spec import ServerConfig, ServerSpec
+from workflow_scripts.runtime.store import ResponseStore
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ def run_generate(
     is missing, `server.endpoint` answers it, or a vLLM launched as `server` says."""
     prompts = read_jsonl(prompts_path)
     spec = ServerSpec.from_config(server, verifier_dir)
-    with ResponseStore(store_path) as store:
+    with ResponseStore(store_path, client.store_locking) as store:
         entries_before = len(store)
         answered = answer(
             prompts,

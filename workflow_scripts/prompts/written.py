@@ -25,13 +25,13 @@ from typing import Any
 from workflow_scripts.common.atomic import write_json, write_jsonl
 from workflow_scripts.common.config import typed
 from workflow_scripts.common.requests import history_message, request_payload, sample_seed, server_identity
-from workflow_scripts.common.store import ResponseStore
 from workflow_scripts.prompts.config import WrittenConfig
 from workflow_scripts.prompts.template import UserTurn, user_turn_of
 from workflow_scripts.runtime.answering import Client, StoreFront, answer
 from workflow_scripts.runtime.client import RequestFailed
 from workflow_scripts.runtime.smk import stage
 from workflow_scripts.runtime.spec import ServerConfig, ServerSpec
+from workflow_scripts.runtime.store import ResponseStore
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ def run_write_prompts(
         return tokenizer.encode(text, add_special_tokens=False)
 
     spec = ServerSpec.from_config(server, verifier_dir)
-    with ResponseStore(store_path) as store:
+    with ResponseStore(store_path, client.store_locking) as store:
         answered = answer(
             list(range(cfg.count)),
             str,

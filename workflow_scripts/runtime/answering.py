@@ -18,11 +18,11 @@ from typing import Any, Generic, TypeVar
 from tqdm import tqdm
 
 from workflow_scripts.common.requests import request_key
-from workflow_scripts.common.store import ResponseStore
 from workflow_scripts.runtime.client import ChatClient, RetryPolicy
 from workflow_scripts.runtime.concurrency import Concurrency, parse_ceiling
 from workflow_scripts.runtime.serving import serve
 from workflow_scripts.runtime.spec import ServerConfig, ServerSpec
+from workflow_scripts.runtime.store import ResponseStore
 
 T = TypeVar("T")
 
@@ -41,15 +41,17 @@ class Counts:
 
 @dataclass(frozen=True)
 class Client:
-    """How requests are sent: these change speed and robustness, never a reply. `concurrency`
-    is the ceiling of an adaptive limit (runtime.concurrency), or the fixed number of requests
-    in flight without `adaptive`."""
+    """How requests are sent and their replies kept: these change speed and robustness, never
+    a reply. `concurrency` is the ceiling of an adaptive limit (runtime.concurrency), or the
+    fixed number of requests in flight without `adaptive`; `store_locking` how the response
+    store is opened (runtime.store)."""
 
     concurrency: int | str
     adaptive: bool
     request_timeout_s: float
     max_attempts: int
     api_key_env: str | None
+    store_locking: str
 
     @classmethod
     def of(cls, generate: dict[str, Any], server: ServerConfig) -> Client:
@@ -61,6 +63,7 @@ class Client:
             generate["request_timeout_s"],
             generate["max_attempts"],
             server.api_key_env,
+            generate["store_locking"],
         )
 
 

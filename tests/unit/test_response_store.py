@@ -1,0 +1,114 @@
+"""The response store where it lives (runtime/store.py): shared WAL on a local filesystem;
+on a network filesystem one process at a time, no shared memory, a second opener refused by
+name, a killed holder's replies all kept."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.helpers import REPO
+from workflow_scripts.runtime.store import ResponseStore, StoreError, filesystem_type, resolve_locking
+
+MOUNTS = """\
+sysfs /sys sysfs rw 0 0
+/dev/sda1 / ext4 rw,relatime 0 0
+nas:/export/scratch /shared nfs4 rw,relatime,vers=4.2 0 0
+/dev/sdb1 /shared/local-cache xfs rw 0 0
+lustre@tcp:/fs /lustre lustre rw 0 0
+"""
+
+
+@pytest.mark.parametrize(
+    ("path", "kind", "locking"),
+    [
+        ("/home/me/results/run/generate/store.sqlite", "ext4", "shared"),
+        ("/shared/results/run/generate/store.sqlite", "nfs4", "exclusive"),
+        ("/shared/local-cache/store.sqlite", "xfs", "shared"),  # the longest mount point decides
+        ("/lustre/proj/store.sqlite", "lustre", "exclusive"),
+        ("/sharedother/store.sqlite", "ext4", "shared"),  # a prefix of the name is not a mount above it
+    ],
+)
+def test_the_filesystem_decides_the_locking(path, kind, locking):
+    assert filesystem_type(os.path.dirname(path), MOUNTS) == kind
+    assert resolve_locking("auto", path, MOUNTS) == locking
+    assert resolve_locking("shared", path, MOUNTS) == "shared"
+    assert resolve_locking("exclusive", path, MOUNTS) == "exclusive"
+
+
+def test_exclusive_locking_keeps_wal_out_of_shared_memory(tmp_path):
+    """WAL's index in a mapped `-shm` file is what does not work across hosts."""
+    with ResponseStore(tmp_path / "shared.sqlite", "shared") as store:
+        store.put("k", {"q": 1}, {"a": 1})
+        assert (tmp_path / "shared.sqlite-shm").exists()
+    with ResponseStore(tmp_path / "own.sqlite", "exclusive") as store:
+        store.put("k", {"q": 1}, {"a": 1})
+        assert not (tmp_path / "own.sqlite-shm").exists()
+        assert json.loads((tmp_path / "own.sqlite.owner").read_text())["pid"] == os.getpid()
+    assert not (tmp_path / "own.sqlite.owner").exists()
+    with ResponseStore(tmp_path / "own.sqlite", "shared") as store:  # the same file, either way
+        assert store.get("k") == {"a": 1}
+
+
+HOLDER = textwrap.dedent(
+    """
+    import os, signal, sys
+    sys.path.insert(0, {repo!r})
+    from workflow_scripts.runtime.store import ResponseStore
+    store = ResponseStore({path!r}, "exclusive")
+    for i in range(50):
+        store.put(f"k{{i}}", {{"i": i}}, {{"reply": i}})
+    print("stored", flush=True)
+    if {kill}:
+        os.kill(os.getpid(), signal.SIGKILL)
+    sys.stdin.readline()
+    """
+)
+
+
+def hold(path, kill: bool) -> subprocess.Popen:
+    code = HOLDER.format(repo=str(REPO), path=str(path), kill=kill)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "stored"
+    return proc
+
+
+def test_a_second_opener_is_refused_naming_the_holder(tmp_path):
+    path = tmp_path / "store.sqlite"
+    holder = hold(path, kill=False)
+    try:
+        with pytest.raises(StoreError, match=rf"open by process {holder.pid} on host {socket.gethostname()}"):
+            ResponseStore(path, "exclusive")
+        # A reader that ignores the owner file still cannot get in: SQLite's exclusive lock holds.
+        with pytest.raises(StoreError, match="locked"):
+            ResponseStore(path, "shared", busy_timeout_s=0.5)
+        cli = [sys.executable, "-m", "workflow_scripts.generate", "stats", str(path), "--locking", "exclusive"]
+        out = subprocess.run(cli, cwd=REPO, capture_output=True, text=True)
+        assert out.returncode != 0 and f"process {holder.pid}" in out.stderr
+    finally:
+        holder.communicate("\n", timeout=30)
+    with ResponseStore(path, "exclusive") as store:
+        assert len(store) == 50
+
+
+def test_a_killed_holder_is_taken_over_and_every_reply_it_stored_is_kept(tmp_path):
+    path = tmp_path / "store.sqlite"
+    holder = hold(path, kill=True)
+    assert holder.wait(timeout=30) == -signal.SIGKILL
+    assert (tmp_path / "store.sqlite.owner").exists()  # left behind by the kill
+    with ResponseStore(path, "exclusive") as store:
+        assert len(store) == 50 and store.get("k49") == {"reply": 49}
+
+
+def test_a_holder_on_another_host_is_never_taken_over(tmp_path):
+    path = tmp_path / "store.sqlite"
+    owner = {"host": "gpu-node-17", "pid": 1, "started": 0}
+    (tmp_path / "store.sqlite.owner").write_text(json.dumps(owner))
+    with pytest.raises(StoreError, match=r"process 1 on host gpu-node-17 .* remove .*store\.sqlite\.owner"):
+        ResponseStore(path, "exclusive")
+    assert not path.exists()  # refused before SQLite touched it
