@@ -49,6 +49,7 @@ VERIFIER_ARGV = ServerSpec.from_config(
 
 wildcard_constraints:
     shard=r"\d{5}",
+    part=r"\d+-of-\d+",
     variant="|".join(re.escape(v) for v in VARIANTS),
     vocab=r"default|v-[0-9a-f]{8}",
     draft=r"default|d-[0-9a-f]{8}",
@@ -353,6 +354,12 @@ def overlap_sets():
         if entry.get("path")
     ]
     return [{"name": "mt_bench"}, {"name": "humaneval"}, *files]
+
+
+def generate_shards():
+    """The generate jobs' names (runtime/store.py, generate/run.py: Shard): `<i>-of-<n>`."""
+    n = config["generate"]["shards"]
+    return [f"{i}-of-{n}" for i in range(n)]
 
 
 def response_store():

@@ -11,10 +11,12 @@ from tests.helpers import REPO, VERIFIER_BUILDERS, save_tiny_llama
 # that use it in place (test_pipeline edits files inside it and restores them) run on one
 # worker; the modules that take a copy of it go to any worker.
 IN_PLACE_MODULES = frozenset({"test_pipeline.py", "test_parity.py"})
-COPYING_MODULES = frozenset({"test_slurm.py", "test_slurm_shards.py", "test_vllm_extraction.py"})
+COPYING_MODULES = frozenset(
+    {"test_slurm.py", "test_slurm_shards.py", "test_slurm_generate.py", "test_vllm_extraction.py"}
+)
 # The one-node test cluster runs one of their runs at a time (both ask for its CPUs): on two
 # workers at once they queue behind each other (CI: 276 s + 225 s against 191 s + 90 s).
-SLURM_MODULES = frozenset({"test_slurm.py", "test_slurm_shards.py"})
+SLURM_MODULES = frozenset({"test_slurm.py", "test_slurm_shards.py", "test_slurm_generate.py"})
 # Integration modules that run a whole DAG of their own: started first, beside the run.
 LONGEST_FIRST = ("test_mla_verifier.py",)
 

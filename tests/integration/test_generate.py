@@ -18,6 +18,7 @@ import pytest
 from tests.helpers import REPO, fake_openai, server_config, stored_replies
 from workflow_scripts.common.atomic import write_jsonl
 from workflow_scripts.common.replies import read_replies
+from workflow_scripts.generate.join import join_shards
 from workflow_scripts.generate.run import Client, Requests, run_generate
 from workflow_scripts.runtime.client import RetryPolicy
 from workflow_scripts.runtime.launch import free_port
@@ -362,3 +363,101 @@ def test_sigterm_stops_promptly_and_loses_nothing(tmp_path, verifier):
     assert rerun.returncode == 0, err
     stats = json.loads((out / "stats.json").read_text())
     assert kept >= 10 and stats["reused"] == kept and stats["sent"] == 96 - kept
+
+
+# One generate shard job, as rules/generate.smk runs it: its conversations, its store file.
+SHARD_JOB = textwrap.dedent(
+    """
+    import json, logging, sys, yaml
+    from workflow_scripts.runtime.process import terminate_on_sigterm
+    from workflow_scripts.runtime.spec import ServerConfig
+    from workflow_scripts.generate.run import Client, Requests, Shard, run_generate
+    logging.basicConfig(level=logging.INFO)
+    terminate_on_sigterm()
+    prompts, url, out, verifier, part, config = sys.argv[1:7]
+    server = ServerConfig.from_section({**yaml.safe_load(open(config))["server"], "endpoint": url})
+    run_generate(prompts, verifier, out + "/store.sqlite", f"{out}/shards/{part}/replies.parquet",
+                 f"{out}/shards/{part}/stats.json", requests=Requests("verifier", {"max_tokens": 12,
+                 "temperature": 0.0}, {}), client=Client(8, True, 5.0, 4, None, "auto"), server=server,
+                 server_log=f"{out}/{part}.vllm.log", shard=Shard.parse(part))
+    """
+)
+
+
+def shard_job(prompts: Path, url: str, d: Path, verifier: Path, part: str) -> subprocess.Popen:
+    args = [sys.executable, "-c", SHARD_JOB, str(prompts), url, str(d), str(verifier), part]
+    args.append(str(REPO / "config/config.yaml"))
+    return subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def shards_of(n: int) -> list[str]:
+    return [f"{i}-of-{n}" for i in range(n)]
+
+
+def join(prompts: Path, d: Path, n: int) -> dict:
+    parts = shards_of(n)
+    join_shards(
+        str(prompts),
+        [str(d / f"shards/{p}/replies.parquet") for p in parts],
+        [str(d / f"shards/{p}/stats.json") for p in parts],
+        str(d / "replies.parquet"),
+        str(d / "stats.json"),
+    )
+    return json.loads((d / "stats.json").read_text())
+
+
+def finish(job: subprocess.Popen) -> None:
+    _, err = job.communicate(timeout=120)
+    assert job.returncode == 0, err
+
+
+def test_shard_jobs_killed_and_resharded_join_to_one_jobs_replies_sending_each_request_once(tmp_path, verifier):
+    """Two shard jobs at once, each with its own store file; one SIGKILLed mid-way: its rerun
+    sends only its missing requests, and the joined replies equal one job's, row for row.
+    Then three shards over the same store: not one request is sent again."""
+    prompts = tmp_path / "prompts.jsonl"
+    write_prompts(prompts, 80)  # 96 requests
+    with fake_openai("--latency", "0.1", "--lifetime", "300") as url:
+        full = tmp_path / "full"
+        finish(synth_job(prompts, url, full, verifier))
+        one_job = read_replies(full / "replies.parquet")
+
+        d = tmp_path / "sharded"
+        before = served(url)
+        first, second = (shard_job(prompts, url, d, verifier, p) for p in shards_of(2))
+        deadline = time.monotonic() + 60
+        while stored_replies(d / "store.1-of-2.sqlite") < 10 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        second.send_signal(signal.SIGKILL)
+        second.wait(timeout=30)
+        finish(first)
+        partial = stored_replies(d / "store.1-of-2.sqlite")
+        assert not (d / "shards/1-of-2/stats.json").exists()
+        finish(shard_job(prompts, url, d, verifier, "1-of-2"))
+        # At most the requests in flight at the kill (concurrency 8) were sent twice.
+        assert served(url) - before <= 96 + 8
+        stats = join(prompts, d, 2)
+        rerun = json.loads((d / "shards/1-of-2/stats.json").read_text())
+        assert rerun["reused"] == partial and rerun["sent"] == rerun["requests"] - partial
+        first_stats = json.loads((d / "shards/0-of-2/stats.json").read_text())
+        assert 0 < first_stats["conversations"] < 80 and first_stats["sent"] == first_stats["requests"]
+        assert stats["conversations"] == 80 and stats["requests"] == 96
+        assert stats["sent"] + stats["reused"] == 96
+        assert not (d / "store.sqlite").exists(), "a shard wrote the configured file"
+
+        # Three shards, the same store: every reply is found in the two-shard files.
+        before = served(url)
+        jobs = [shard_job(prompts, url, d, verifier, p) for p in shards_of(3)]
+        for job in jobs:
+            finish(job)
+        assert served(url) == before
+        three = join(prompts, d, 3)
+        assert three["sent"] == 0 and three["reused"] == 96
+        assert sum(s["store_entries_adopted"] for s in three["shards"]) == 96
+
+    def rows(path):
+        return [(r["id"], r["key"], json.dumps(r["request"]), json.dumps(r["response"])) for r in read_replies(path)]
+
+    assert rows(d / "replies.parquet") == [
+        (r["id"], r["key"], json.dumps(r["request"]), json.dumps(r["response"])) for r in one_job
+    ]

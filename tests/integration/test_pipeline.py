@@ -56,7 +56,7 @@ def test_a_vllm_killed_mid_generate_is_restarted_and_every_sample_is_generated_o
     written = written_entries(finished_run)
     assert stats["sent"] + stats["reused"] == stats["requests"] == stats["store_entries"] - written
     assert stats["reused"] == killed["stored_before_rerun"] - written
-    log = (finished_run / "results/small/logs/generate.log").read_text()
+    log = (finished_run / "results/small/logs/generate.0-of-1.log").read_text()
     assert "died while serving (killed by SIGKILL)" in log and "Restart 1 of 3" in log, log[-3000:]
 
 
@@ -289,6 +289,7 @@ DOWNSTREAM_OF_SYNTH = {
     "compare",
 }
 PER_DRAFT = {"train", "benchmark", "parity", "report", "compare"}
+GENERATE = {"generate", "generate_join"}  # the shard jobs and their join
 BENCHMARKS = {"baseline", "benchmark", "parity", "report", "compare"}
 
 
@@ -298,7 +299,7 @@ BENCHMARKS = {"baseline", "benchmark", "parity", "report", "compare"}
 @pytest.mark.parametrize(
     "module, expected",
     [
-        ("generate/run.py", DOWNSTREAM_OF_SYNTH | {"generate"}),
+        ("generate/run.py", DOWNSTREAM_OF_SYNTH | GENERATE),
         ("synth/assemble.py", DOWNSTREAM_OF_SYNTH),
         ("dataset.py", DOWNSTREAM_OF_SYNTH - {"synth"}),
         ("vocab.py", PER_DRAFT | {"vocab"}),
@@ -411,14 +412,14 @@ def test_editing_run_only_code_restales_nothing(finished_run):
         ({"vocab": {"draft_vocab_size": 512}}, PER_DRAFT | {"vocab"}),
         ({"synth": {"expect_reasoning": True}}, DOWNSTREAM_OF_SYNTH),
         ({"generate": {"concurrency": 3, "max_attempts": 2}}, set()),
-        ({"generate": {"max_tokens": 40}}, DOWNSTREAM_OF_SYNTH | {"generate"}),
+        ({"generate": {"max_tokens": 40}}, DOWNSTREAM_OF_SYNTH | GENERATE),
         ({"hidden_states": {"dtype": "float8_e4m3fn"}}, PER_DRAFT | {"hidden_states", "hidden_states_index"}),
         ({"hidden_states": {"mode": "online"}}, PER_DRAFT),
         ({"benchmark": {"sets": [{"name": "mt_bench", "size": 3}]}}, BENCHMARKS | {"benchmark_sets"}),
         # A filter decides which written prompts are used, never what is asked: no write_prompts.
         (
             {"prompts": {"filters": {"near_duplicate": 0.8}}},
-            DOWNSTREAM_OF_SYNTH | {"prompts", "generate", "benchmark_sets", "baseline"},
+            DOWNSTREAM_OF_SYNTH | GENERATE | {"prompts", "benchmark_sets", "baseline"},
         ),
     ],
     ids=[

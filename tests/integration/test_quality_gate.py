@@ -90,8 +90,9 @@ def test_the_gate_stops_the_dag_before_anything_downstream(tmp_path):
     (verifier / "config.json").write_text(json.dumps({"vocab_size": 64}))
     write_jsonl(run / "prompts/train.jsonl", [{"id": f"p{i}", "turns": ["q"]} for i in range(20)])
     write_jsonl(run / "prompts/eval.jsonl", [{"id": "e0", "turns": ["q"]}])
-    write_replies(run / "generate/replies.parquet", [])
-    write_json(run / "generate/stats.json", {})
+    for out in ("generate/shards/0-of-1", "generate"):
+        write_replies(run / out / "replies.parquet", [])
+        write_json(run / out / "stats.json", {})
     write_synth_outputs(run / "synth", reasoning_dropped_samples(20))
     config = {
         "run": "gate",
@@ -109,6 +110,6 @@ def test_the_gate_stops_the_dag_before_anything_downstream(tmp_path):
     assert "quality gate refused" in log and "empty_reasoning: 20 samples (100.0%)" in log
     for downstream in ("dataset/train.parquet", "vocab", "hidden_states", "drafts", "variants", "baseline"):
         assert not (run / downstream).exists(), f"{downstream} was built from refused data"
-    assert not (run / "logs/synth.log").exists() and not (run / "logs/generate.log").exists(), (
+    assert not (run / "logs/synth.log").exists() and not list((run / "logs").glob("generate*.log")), (
         "synth should not have rerun"
     )

@@ -8,7 +8,8 @@ run the pipeline tests share and adds a variant to it, a two-point learning curv
 its train job (multi-threaded), its benchmark (a whole-node vLLM job), its report and the
 comparison of the two drafts go through sbatch, without generating and extracting the same
 data a second time. The comparison report it ends in is checked here too. The shard jobs as
-the 8-GPU example runs them: test_slurm_shards.py.
+the 8-GPU example runs them: test_slurm_shards.py; generate in shard jobs, one killed:
+test_slurm_generate.py.
 """
 
 import json
@@ -103,6 +104,19 @@ def test_production_profile_asks_for_nodes_gpus_and_cluster_settings(repo):
     (parity,) = by_rule["parity"]
     assert parity["gpu"] == str(kimi["server"]["gpus"])
     assert profile["resources"] == ["gpu=8"]
+
+
+def test_each_generate_shard_is_a_whole_node_submission_with_one_replicas_gpus(repo, tmp_path):
+    """The Kimi example in 4 shards under the production profile: 4 generate jobs, each a
+    whole node with server.gpus GPUs (one replica), and one cheap join asking for none."""
+    shards = tmp_path / "shards.yaml"
+    shards.write_text(yaml.safe_dump({"generate": {"shards": 4}, "prompts": {"source": "config/prompts/demo.jsonl"}}))
+    jobs = dry_run_jobs(repo, "--workflow-profile", "profiles/slurm", "--configfile", str(KIMI), str(shards))
+    generate = [r for rule, r in jobs if rule == "generate"]
+    gpus = str(yaml.safe_load(KIMI.read_text())["server"]["gpus"])
+    assert len(generate) == 4 and all(r["gpu"] == gpus and r["slurm_extra"] == "--exclusive" for r in generate)
+    (join,) = [r for rule, r in jobs if rule == "generate_join"]
+    assert "gpu" not in join and "slurm_extra" not in join
 
 
 def test_cpu_config_requests_no_gpus(repo):

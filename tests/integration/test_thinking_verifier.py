@@ -169,7 +169,13 @@ def incident_config(wf: Path, verifier: Path, url: str) -> Path:
         "run": "incident",
         "verifier": {"name": "tiny-think", "source": "path", "path": str(verifier)},
         "server": {"endpoint": url, "max_model_len": 512, "reasoning_parser": "kimi_k2"},
-        "prompts": {"source": "prompts.jsonl", "eval_fraction": 0.25},
+        # Templated prompts ("first 3", "question number 12?"): the length and near-duplicate
+        # filters would drop most of them, and they are not what is tested here.
+        "prompts": {
+            "source": "prompts.jsonl",
+            "eval_fraction": 0.25,
+            "filters": {"min_chars": 1, "near_duplicate": None},
+        },
         "generate": {
             "concurrency": 4,
             **{k: v for k, v in SAMPLING.items() if k != "logit_bias"},

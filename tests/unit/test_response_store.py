@@ -13,7 +13,15 @@ import textwrap
 import pytest
 
 from tests.helpers import REPO
-from workflow_scripts.runtime.store import ResponseStore, StoreError, filesystem_type, resolve_locking
+from workflow_scripts.runtime.store import (
+    ResponseStore,
+    StoreError,
+    filesystem_type,
+    older_stores,
+    resolve_locking,
+    shard_store,
+    store_files,
+)
 
 MOUNTS = """\
 sysfs /sys sysfs rw 0 0
@@ -112,3 +120,63 @@ def test_a_holder_on_another_host_is_never_taken_over(tmp_path):
     with pytest.raises(StoreError, match=r"process 1 on host gpu-node-17 .* remove .*store\.sqlite\.owner"):
         ResponseStore(path, "exclusive")
     assert not path.exists()  # refused before SQLite touched it
+
+
+# ----------------------------------------------------------------------------------------
+# Sharded generation: one file per shard, the files of other shard counts read
+
+
+def test_each_shard_has_its_own_file_and_reads_only_other_counts_files(tmp_path):
+    base = tmp_path / "store.sqlite"
+    assert shard_store(base, 0, 1) == base
+    assert shard_store(base, 1, 4) == tmp_path / "store.1-of-4.sqlite"
+    for path in (base, *(shard_store(base, i, n) for n in (2, 3) for i in range(n))):
+        ResponseStore(path, "shared").close()
+    (tmp_path / "store.notes.sqlite").write_text("")  # not a shard's file
+    (tmp_path / "other.0-of-2.sqlite").write_text("")  # another store's
+    assert [p.name for p in store_files(base)] == [
+        "store.sqlite",
+        "store.0-of-2.sqlite",
+        "store.0-of-3.sqlite",
+        "store.1-of-2.sqlite",
+        "store.1-of-3.sqlite",
+        "store.2-of-3.sqlite",
+    ]
+    # Never the files of its own count: other conversations, perhaps being written right now.
+    assert {p.name for p in older_stores(base, 2)} == {
+        "store.sqlite",
+        "store.0-of-3.sqlite",
+        *["store.1-of-3.sqlite", "store.2-of-3.sqlite"],
+    }
+    assert {p.name for p in older_stores(base, 1)} == {p.name for p in store_files(base)} - {"store.sqlite"}
+
+
+@pytest.mark.parametrize("locking", ["shared", "exclusive"])
+def test_a_reply_an_older_store_holds_is_copied_in_and_the_older_one_let_go(tmp_path, locking):
+    old = tmp_path / "store.sqlite"
+    with ResponseStore(old, locking) as store:
+        store.put("k1", {"q": 1}, {"a": 1})
+    own = shard_store(old, 0, 2)
+    with ResponseStore(own, locking, older=[old]) as store:
+        assert store.get("k1") == {"a": 1} and store.get("k2") is None
+        assert store.adopted == 1 and len(store) == 1
+        store.close_older()
+        if locking == "exclusive":
+            assert not (tmp_path / "store.sqlite.owner").exists()
+        with ResponseStore(old, locking) as again:  # let go: another job may open it
+            assert len(again) == 1
+    with ResponseStore(own, locking) as store:
+        assert store.get("k1") == {"a": 1}  # kept in the shard's own file
+
+
+def test_an_older_store_another_process_holds_exclusively_is_waited_for_then_refused(tmp_path):
+    old = tmp_path / "store.sqlite"
+    holder = hold(old, kill=False)
+    try:
+        with ResponseStore(shard_store(old, 0, 2), "exclusive", busy_timeout_s=0.2, older=[old]) as store:
+            with pytest.raises(StoreError, match=f"process {holder.pid}"):
+                store.get("k1")
+    finally:
+        holder.communicate("\n", timeout=30)
+    with ResponseStore(shard_store(old, 0, 2), "exclusive", older=[old]) as store:
+        assert store.get("k1") == {"reply": 1}

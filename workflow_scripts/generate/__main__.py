@@ -7,18 +7,18 @@
 `prune` keeps exactly the entries that the given files use (the requests of generate's
 replies.parquet, and of write_prompts' written.jsonl when the verifier writes prompts) and
 deletes the rest; run it after a finished `generate`, when old prompts or settings will not
-come back. Nothing else ever deletes a stored reply.
+come back. Nothing else ever deletes a stored reply. Both act on every file of the store: the
+configured one and its shards' (`<store>.<i>-of-<n>.sqlite`, runtime/store.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from workflow_scripts.common.atomic import read_jsonl
 from workflow_scripts.common.replies import read_replies
-from workflow_scripts.runtime.store import LOCKING, ResponseStore
+from workflow_scripts.runtime.store import LOCKING, ResponseStore, store_files
 
 
 def used_keys(path: str) -> set[str]:
@@ -48,20 +48,19 @@ def main(argv: list[str] | None = None) -> int:
             help="as generate.store_locking: exclusive waits for no writer, it refuses while one holds the store",
         )
     args = parser.parse_args(argv)
-    if not Path(args.store).is_file():
-        parser.error(f"{args.store}: no such response store")
+    files = store_files(args.store)
+    if not files:
+        parser.error(f"{args.store}: no such response store (nor a shard's file beside it)")
     keep = {key for path in args.keep for key in used_keys(path)}
-    with ResponseStore(args.store, args.locking) as store:
-        total = len(store)
-        if args.command == "stats":
-            used = len(keep & store.keys()) if args.keep else None
-            print(
-                f"{args.store}: {total} replies"
-                + (f", {used} used by {', '.join(args.keep)}" if used is not None else "")
-            )
-        else:
-            removed = store.prune(keep)
-            print(f"{args.store}: removed {removed} of {total} replies; {total - removed} kept")
+    for path in files:
+        with ResponseStore(path, args.locking) as store:
+            total = len(store)
+            if args.command == "stats":
+                used = f", {len(keep & store.keys())} used by {', '.join(args.keep)}" if args.keep else ""
+                print(f"{path}: {total} replies{used}")
+            else:
+                removed = store.prune(keep)
+                print(f"{path}: removed {removed} of {total} replies; {total - removed} kept")
     return 0
 
 

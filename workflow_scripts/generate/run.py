@@ -2,6 +2,11 @@
 only the requests it lacks, and write the raw replies (`replies.parquet`) and what the run
 cost (`stats.json`).
 
+Generation runs as `generate.shards` jobs (shard i of n takes the conversations whose id
+hashes to i: adding prompts moves none), each with its own server and its own store file
+(runtime.store); generate/join.py joins their replies into the one `replies.parquet` synth
+reads.
+
 A conversation is walked turn by turn: turn k+1's request carries the user turns and the
 verifier's replies to turns 1..k. The walk first runs on the store alone; a server is
 started (or an endpoint used) only when some request is missing, so a rerun that the store
@@ -10,7 +15,10 @@ fully answers starts no server at all.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +30,7 @@ from workflow_scripts.runtime.answering import Client, StoreFront, answer
 from workflow_scripts.runtime.client import RequestFailed
 from workflow_scripts.runtime.smk import stage
 from workflow_scripts.runtime.spec import ServerConfig, ServerSpec
-from workflow_scripts.runtime.store import ResponseStore
+from workflow_scripts.runtime.store import ResponseStore, older_stores, shard_store
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +44,43 @@ class Requests:
     chat_template_kwargs: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class Shard:
+    """Shard `index` of `count`: the conversations whose id hashes to `index`."""
+
+    index: int
+    count: int
+
+    @classmethod
+    def parse(cls, name: str) -> Shard:
+        m = re.fullmatch(r"(\d+)-of-(\d+)", name)
+        if not m or not 0 <= int(m.group(1)) < int(m.group(2)):
+            raise ValueError(f"{name!r} is not a shard name (<i>-of-<n>, 0 <= i < n)")
+        return cls(int(m.group(1)), int(m.group(2)))
+
+    @property
+    def name(self) -> str:
+        return f"{self.index}-of-{self.count}"
+
+    def takes(self, prompt_id: str) -> bool:
+        digest = hashlib.sha256(prompt_id.encode()).digest()
+        return int.from_bytes(digest[:8], "big") % self.count == self.index
+
+    def endpoints(self, endpoint: str | list[str] | None) -> str | list[str] | None:
+        """The endpoints of `server.endpoint` this shard sends to: every n-th from its own
+        index when there are at least as many as shards, else one, shards taking turns."""
+        if not isinstance(endpoint, list) or self.count == 1:
+            return endpoint
+        if len(endpoint) >= self.count:
+            return endpoint[self.index :: self.count]
+        return endpoint[self.index % len(endpoint)]
+
+
+ONE = Shard(0, 1)
+
+
 def main(smk) -> None:
-    """The generate rule's job (rules/generate.smk)."""
+    """The generate rule's job, one shard (rules/generate.smk)."""
     with stage(smk):
         server = ServerConfig.from_section(smk.config["server"])
         run_generate(
@@ -50,6 +93,7 @@ def main(smk) -> None:
             client=Client.of(smk.config["generate"], server),
             server=server,
             server_log=smk.log.vllm,
+            shard=Shard.parse(smk.wildcards.part),
         )
 
 
@@ -112,13 +156,18 @@ def run_generate(
     client: Client,
     server: ServerConfig,
     server_log: str,
+    shard: Shard = ONE,
 ) -> None:
     """The flags of the server as launched that can change a reply go into every store key
     (a `server.endpoint` is taken to run with the flags a launch would give it); when a request
-    is missing, `server.endpoint` answers it, or a vLLM launched as `server` says."""
-    prompts = read_jsonl(prompts_path)
+    is missing, `server.endpoint` answers it, or a vLLM launched as `server` says. `shard`:
+    only its conversations, its own store file beside `store_path` (runtime.store)."""
+    prompts = [p for p in read_jsonl(prompts_path) if shard.takes(p["id"])]
+    server = dataclasses.replace(server, endpoint=shard.endpoints(server.endpoint))
     spec = ServerSpec.from_config(server, verifier_dir)
-    with ResponseStore(store_path, client.store_locking) as store:
+    own = shard_store(store_path, shard.index, shard.count)
+    older = older_stores(store_path, shard.count)
+    with ResponseStore(own, client.store_locking, older=older) as store:
         entries_before = len(store)
         answered = answer(
             prompts,
@@ -131,7 +180,7 @@ def run_generate(
             server_log=server_log,
             client=client,
             request_tokens=longest_request_tokens(prompts, requests.sampling.get("max_tokens")),
-            desc="generate",
+            desc="generate" if shard.count == 1 else f"generate {shard.name}",
             completion_tokens=lambda rows: sum(
                 ((r["response"] or {}).get("usage") or {}).get("completion_tokens") or 0 for r in rows
             ),
@@ -148,15 +197,18 @@ def run_generate(
         keys = store.keys()
         unused = len(keys - {r["key"] for r in rows})
         counts = answered.counts
+        adopted = store.adopted
     write_replies(replies_out, rows)
     stats = {
+        "shard": shard.name,
         "conversations": len(prompts),
         "requests": len(rows),
         **answered.stats(server),
         "failed_conversations": counts.failed,
-        "store": str(store_path),
+        "store": str(own),
         "store_entries": len(keys),
         "store_entries_unused": unused,
+        "store_entries_adopted": adopted,
         "wall_s": answered.wall_s,
     }
     write_json(stats_out, stats)

@@ -144,6 +144,8 @@ def answer(
     started = time.monotonic()
     counts = Counts()
     done, todo = asyncio.run(_from_store(items, item_id, walk, store, identity, counts))
+    # What older stores held is in this one now (sharded generation): the server pass reads only it.
+    store.close_older()
     limit = Concurrency(parse_ceiling(client.concurrency), client.adaptive, name=desc, request_tokens=request_tokens)
     answered = Answered(done, counts, len(todo), limit=limit)
     if todo:

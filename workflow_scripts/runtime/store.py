@@ -21,14 +21,24 @@ Where the store lives decides how it is locked (`generate.store_locking`):
   else `shared`.
 The replies and their keys are the same in both: a store moves between them as it is.
 
+Generation in shards (`generate.shards`): shard i of n writes its own file beside the
+configured one, `<store>.<i>-of-<n>.sqlite` (one shard: the configured file itself), so no file
+ever has two writers. Its conversations' replies may sit in the files of another shard count
+(or the configured file, which write_prompts fills): those are its `older` stores, read on the
+store-only pass (a reply found there is copied into the shard's own file) and closed before
+the server pass (`close_older`). The files of the shard's own count are never read: those
+hold other conversations, and their shards may be writing them.
+
 Entries are never dropped by a run: a key no current request uses (an old prompt, an older
 sampling setting) stays until `python -m workflow_scripts.generate prune` removes it.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import re
 import socket
 import sqlite3
 import time
@@ -102,6 +112,32 @@ def resolve_locking(locking: str, path: str | os.PathLike, mounts: str | None = 
     return "exclusive" if filesystem_type(Path(path).parent, mounts) in NETWORK_FILESYSTEMS else "shared"
 
 
+SHARD_FILE = re.compile(r"\.(\d+)-of-(\d+)$")
+
+
+def shard_store(base: str | os.PathLike, index: int, count: int) -> Path:
+    """The store file shard `index` of `count` writes: the configured one for one shard."""
+    base = Path(base)
+    return base if count == 1 else base.with_name(f"{base.stem}.{index}-of-{count}{base.suffix}")
+
+
+def store_files(base: str | os.PathLike) -> list[Path]:
+    """Every file of the store configured as `base`: itself and its shards' files, existing."""
+    base = Path(base)
+    shards = [p for p in base.parent.glob(f"{glob.escape(base.stem)}.*-of-*{base.suffix}") if SHARD_FILE.search(p.stem)]
+    return [p for p in [base, *sorted(shards)] if p.is_file()]
+
+
+def older_stores(base: str | os.PathLike, count: int) -> list[Path]:
+    """The files a shard of a `count`-shard run reads besides its own: those of every other
+    shard count (and, sharded, the configured file)."""
+    return [
+        p
+        for p in store_files(base)
+        if not ((m := SHARD_FILE.search(p.stem)) and int(m.group(2)) == count) and not (count == 1 and p == Path(base))
+    ]
+
+
 class Owner:
     """`<store>.owner`: which process holds a store opened exclusively."""
 
@@ -109,8 +145,11 @@ class Owner:
         self.path = store.with_name(store.name + ".owner")
         self.me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
 
-    def acquire(self) -> None:
-        for _ in range(2):
+    def acquire(self, wait_s: float = 0.0) -> None:
+        """Hold the store, or raise StoreError naming its holder (after `wait_s` seconds of
+        asking again: a shard reading an older store waits while another shard reads it)."""
+        deadline = time.monotonic() + wait_s
+        while True:
             try:
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             except FileExistsError:
@@ -118,13 +157,15 @@ class Owner:
                 if holder is not None and self._gone(holder):
                     self.path.unlink(missing_ok=True)  # a killed job of this host: take over
                     continue
-                raise StoreError(self._refusal(holder)) from None
+                if time.monotonic() >= deadline:
+                    raise StoreError(self._refusal(holder)) from None
+                time.sleep(1.0)
+                continue
             with os.fdopen(fd, "w") as f:
                 json.dump(self.me, f)
                 f.flush()
                 os.fsync(f.fileno())
             return
-        raise StoreError(self._refusal(self._holder()))
 
     def release(self) -> None:
         holder = self._holder()
@@ -175,15 +216,27 @@ def _unpack(blob: bytes) -> dict[str, Any]:
 class ResponseStore:
     """Replies by request key. Use as a context manager (or call `close`). `locking`:
     `auto`, `shared` or `exclusive` (see the module's docstring); `busy_timeout_s`: how long
-    an operation waits for another process's lock."""
+    an operation waits for another process's lock (and, exclusive, for another process to
+    let go of an older store); `older`: store files `get` also reads (sharded generation)."""
 
-    def __init__(self, path: str | os.PathLike, locking: str = "auto", busy_timeout_s: float = 60.0):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        locking: str = "auto",
+        busy_timeout_s: float = 60.0,
+        older: Iterable[str | os.PathLike] = (),
+        wait_s: float = 0.0,
+    ):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.locking = resolve_locking(locking, self.path)
+        self.busy_timeout_s = busy_timeout_s
+        self._older_paths = [Path(p) for p in older if Path(p) != self.path]
+        self._older: list[ResponseStore] | None = None
+        self.adopted = 0  # replies copied in from older stores
         self._owner = Owner(self.path) if self.locking == "exclusive" else None
         if self._owner is not None:
-            self._owner.acquire()
+            self._owner.acquire(wait_s)
         try:
             self._db = sqlite3.connect(self.path, timeout=busy_timeout_s, isolation_level=None)
             if self._owner is not None:
@@ -214,6 +267,7 @@ class ResponseStore:
         self.close()
 
     def close(self) -> None:
+        self.close_older()
         self._db.close()
         if self._owner is not None:
             self._owner.release()
@@ -222,9 +276,41 @@ class ResponseStore:
         return self._db.execute("SELECT COUNT(*) FROM replies").fetchone()[0]
 
     def get(self, key: str) -> dict[str, Any] | None:
-        """The stored reply body for `key`, or None."""
+        """The stored reply body for `key`, or None. A reply only an older store holds is
+        copied into this one first."""
         row = self._db.execute("SELECT response FROM replies WHERE key = ?", (key,)).fetchone()
-        return None if row is None else _unpack(row[0])
+        if row is not None:
+            return _unpack(row[0])
+        for older in self._older_stores():
+            found = older._db.execute("SELECT request, response, created FROM replies WHERE key = ?", (key,)).fetchone()
+            if found is not None:
+                self._db.execute(
+                    "INSERT OR REPLACE INTO replies (key, request, response, created) VALUES (?, ?, ?, ?)",
+                    (key, *found),
+                )
+                self.adopted += 1
+                return _unpack(found[1])
+        return None
+
+    def _older_stores(self) -> list[ResponseStore]:
+        if self._older is None:
+            self._older = []
+            try:
+                for path in self._older_paths:
+                    if path.is_file():
+                        # Exclusive: wait while another shard reads it (they all may, at their start).
+                        wait = self.busy_timeout_s * 10
+                        self._older.append(ResponseStore(path, self.locking, self.busy_timeout_s, wait_s=wait))
+            except BaseException:
+                self.close_older()
+                raise
+        return self._older
+
+    def close_older(self) -> None:
+        """Let go of the older stores (the store-only pass is over); `get` reads only this one after."""
+        for older in self._older or []:
+            older.close()
+        self._older, self._older_paths = [], []
 
     def put(self, key: str, request: dict[str, Any], response: dict[str, Any]) -> None:
         """Store one reply durably (committed and synced when this returns)."""

@@ -1,0 +1,3 @@
+from workflow_scripts.generate.join import main
+
+main(snakemake)
