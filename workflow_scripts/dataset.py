@@ -18,7 +18,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from workflow_scripts.common.atomic import write_parquet
+from workflow_scripts.common.atomic import parquet_writer
 from workflow_scripts.common.config import typed
 from workflow_scripts.common.defects import EXCLUDING
 from workflow_scripts.common.fingerprint import stable_fraction
@@ -114,7 +114,9 @@ def main(smk) -> None:
         run_dataset(smk.input.responses, smk.input.quality, smk.output.train, smk.output.eval, cfg)
 
 
-def run_dataset(responses: str, quality: str, train_out: str, eval_out: str, cfg: DatasetConfig) -> None:
+def run_dataset(
+    responses: str, quality: str, train_out: str, eval_out: str, cfg: DatasetConfig, batch_rows: int = 1024
+) -> None:
     max_seq_len, eval_fraction, seed = cfg.max_seq_len, cfg.eval_fraction, cfg.seed
     report = json.loads(Path(quality).read_text())
     failures = gate_failures(report, cfg.max_defect_fraction)
@@ -125,23 +127,33 @@ def run_dataset(responses: str, quality: str, train_out: str, eval_out: str, cfg
             + "\nFix the parser (synth) or the generator and rerun; or raise the limit in config if the defect is"
             " expected."
         )
-    samples = pq.read_table(responses).to_pylist()
     excluded = EXCLUDING | frozenset(cfg.exclude_defects)
-    rows = build_rows(samples, max_seq_len, excluded)
-    train = [r for r in rows if not is_eval(r["prompt_id"], eval_fraction, seed)]
-    evals = [r for r in rows if is_eval(r["prompt_id"], eval_fraction, seed)]
-    if not train or not evals:
-        raise ValueError(
-            f"{responses}: {len(rows)} usable samples split into {len(train)} train / {len(evals)} eval; "
-            "need both non-empty"
-        )
-    for out, part in ((train_out, train), (eval_out, evals)):
-        write_parquet(out, pa.Table.from_pylist([{k: r[k] for k in SCHEMA.names} for r in part], schema=SCHEMA))
+    # Streamed: a batch of samples in memory at a time; each row goes to its side as it comes.
+    counts = {"samples": 0, "train": 0, "eval": 0, "train_loss_tokens": 0}
+    with parquet_writer(train_out, SCHEMA) as train, parquet_writer(eval_out, SCHEMA) as evals:
+        for batch in pq.ParquetFile(responses).iter_batches(batch_size=batch_rows):
+            samples = batch.to_pylist()
+            counts["samples"] += len(samples)
+            rows = build_rows(samples, max_seq_len, excluded)
+            sides = {"train": [], "eval": []}
+            for r in rows:
+                sides["eval" if is_eval(r["prompt_id"], eval_fraction, seed) else "train"].append(r)
+            for side, writer in (("train", train), ("eval", evals)):
+                if sides[side]:
+                    table = [{k: r[k] for k in SCHEMA.names} for r in sides[side]]
+                    writer.write_table(pa.Table.from_pylist(table, schema=SCHEMA))
+                    counts[side] += len(sides[side])
+            counts["train_loss_tokens"] += sum(r["num_loss_tokens"] for r in sides["train"])
+        if not counts["train"] or not counts["eval"]:
+            raise ValueError(
+                f"{responses}: {counts['train'] + counts['eval']} usable samples split into {counts['train']} train / "
+                f"{counts['eval']} eval; need both non-empty"
+            )
     log.info(
         "dataset: %d samples -> %d train (%d loss tokens), %d eval; %d excluded",
-        len(samples),
-        len(train),
-        sum(r["num_loss_tokens"] for r in train),
-        len(evals),
-        len(samples) - len(rows),
+        counts["samples"],
+        counts["train"],
+        counts["train_loss_tokens"],
+        counts["eval"],
+        counts["samples"] - counts["train"] - counts["eval"],
     )

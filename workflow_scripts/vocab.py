@@ -102,14 +102,14 @@ def main(smk) -> None:
 
 def run_vocab(train: str, eval_: str, verifier_dir: str, draft_vocab_size: int, map_out: str, stats_out: str) -> None:
     verifier_vocab_size = int(read_text_config(verifier_dir)["vocab_size"])
-    tables = {
-        name: pq.read_table(path, columns=["input_ids", "loss_mask"])
-        for name, path in (("train", train), ("eval", eval_))
-    }
-    counts = {
-        n: token_counts(t["input_ids"].to_pylist(), t["loss_mask"].to_pylist(), verifier_vocab_size)
-        for n, t in tables.items()
-    }
+    # Streamed: the counts grow batch by batch, never the whole split in memory.
+    counts = {}
+    for name, path in (("train", train), ("eval", eval_)):
+        counts[name] = np.zeros(verifier_vocab_size, dtype=np.int64)
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024, columns=["input_ids", "loss_mask"]):
+            counts[name] += token_counts(
+                batch.column("input_ids").to_pylist(), batch.column("loss_mask").to_pylist(), verifier_vocab_size
+            )
     d2t, t2d = build_vocab_map(counts["train"], draft_vocab_size)
     write_safetensors(map_out, {"d2t": d2t, "t2d": t2d})
     stats = {

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
@@ -15,7 +16,7 @@ from workflow_scripts.common.replies import write_replies
 from workflow_scripts.dataset import DatasetConfig, QualityGateError, run_dataset
 from workflow_scripts.synth.assemble import parse_completion
 from workflow_scripts.synth.quality import quality_report
-from workflow_scripts.synth.run import samples_table
+from workflow_scripts.synth.run import SAMPLES
 
 
 def reasoning_dropped_samples(n: int) -> list[dict]:
@@ -58,7 +59,7 @@ def reasoning_dropped_samples(n: int) -> list[dict]:
 
 def write_synth_outputs(d, samples):
     d.mkdir(parents=True, exist_ok=True)
-    pq.write_table(samples_table(samples), d / "responses.parquet")
+    pq.write_table(pa.Table.from_pylist(samples, schema=SAMPLES), d / "responses.parquet")
     write_jsonl(d / "errors.jsonl", [])
     write_json(d / "quality.json", quality_report(samples, [], num_prompts=len(samples)))
 

@@ -82,6 +82,17 @@ def write_parquet(path: str | os.PathLike, table) -> None:
         pq.write_table(table, tmp)
 
 
+@contextlib.contextmanager
+def parquet_writer(path: str | os.PathLike, schema) -> Iterator[Any]:
+    """A pyarrow ParquetWriter whose file replaces `path` only when the block ends without an
+    exception: a stage writes its rows batch by batch, never whole in memory, and a failure
+    or a kill midway leaves `path` as it was."""
+    import pyarrow.parquet as pq
+
+    with atomic_path(path) as tmp, pq.ParquetWriter(tmp, schema) as writer:
+        yield writer
+
+
 def write_safetensors(path: str | os.PathLike, tensors: dict, metadata: dict[str, str] | None = None) -> None:
     from safetensors.torch import save_file
 

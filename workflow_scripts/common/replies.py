@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -37,10 +38,15 @@ def write_replies(path: str | os.PathLike, rows: list[dict[str, Any]]) -> None:
 
 def read_replies(path: str | os.PathLike) -> list[dict[str, Any]]:
     """replies.parquet back as rows with `request` and `response` decoded."""
+    return list(iter_replies(path))
+
+
+def iter_replies(path: str | os.PathLike, batch_rows: int = 1024) -> Iterator[dict[str, Any]]:
+    """The rows of replies.parquet in order, decoded, `batch_rows` at a time in memory."""
     import pyarrow.parquet as pq
 
-    rows = pq.read_table(path).to_pylist()
-    for r in rows:
-        r["request"] = json.loads(r["request"])
-        r["response"] = None if r["response"] is None else json.loads(r["response"])
-    return rows
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_rows):
+        for r in batch.to_pylist():
+            r["request"] = json.loads(r["request"])
+            r["response"] = None if r["response"] is None else json.loads(r["response"])
+            yield r

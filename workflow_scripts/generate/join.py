@@ -11,7 +11,7 @@ import logging
 from collections.abc import Iterator
 from pathlib import Path
 
-from workflow_scripts.common.atomic import atomic_path, read_jsonl, write_json
+from workflow_scripts.common.atomic import parquet_writer, read_jsonl, write_json
 from workflow_scripts.runtime.smk import stage
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ def join_shards(
     owner: dict[str, int] = {}
     written = 0
     merged = heapq.merge(*(_stream(f, k, order, replies_paths[k]) for k, f in enumerate(files)), key=lambda e: e[0])
-    with atomic_path(replies_out) as tmp, pq.ParquetWriter(tmp, files[0].schema_arrow) as writer:
+    with parquet_writer(replies_out, files[0].schema_arrow) as writer:
         batch = []
         for _, shard, row in merged:
             if (first := owner.setdefault(row["prompt_id"], shard)) != shard:

@@ -14,9 +14,11 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from workflow_scripts.common.atomic import write_json, write_jsonl, write_parquet
+import pyarrow as pa
+
+from workflow_scripts.common.atomic import parquet_writer, write_json, write_jsonl
 from workflow_scripts.common.config import typed
-from workflow_scripts.common.replies import read_replies
+from workflow_scripts.common.replies import iter_replies
 from workflow_scripts.runtime.smk import stage
 from workflow_scripts.synth.assemble import (
     Completion,
@@ -27,7 +29,7 @@ from workflow_scripts.synth.assemble import (
     stream_tokens,
     verify_stream,
 )
-from workflow_scripts.synth.quality import quality_report
+from workflow_scripts.synth.quality import Quality
 
 log = logging.getLogger(__name__)
 
@@ -117,45 +119,58 @@ def run_synth(
     quality_out: str,
     parsing: Parsing,
     verifier_dir: str | None = None,
+    batch_rows: int = 1024,
 ) -> None:
     """`verifier_dir` holds the tokenizer and chat template that rebuild (and check) token
-    streams; None disables that."""
-    rows = read_replies(replies)
+    streams; None disables that. Streamed: `batch_rows` samples in memory at a time, whatever
+    the number of replies."""
     rebuilder = load_rebuilder(verifier_dir, parsing)
-    samples = [sample_of(r, parsing, rebuilder) for r in rows if r["response"] is not None]
-    errors = [
-        {"conversation_id": r["prompt_id"], "turn": r["turn"], "reason": r["error"], "attempts": r["attempts"]}
-        for r in rows
-        if r["error"] is not None
-    ]
-    write_parquet(responses_out, samples_table(samples))
+    quality, errors, prompts, batch = Quality(), [], set(), []
+    with parquet_writer(responses_out, SAMPLES) as writer:
+        for r in iter_replies(replies):
+            prompts.add(r["prompt_id"])
+            if r["error"] is not None:
+                errors.append(
+                    {
+                        "conversation_id": r["prompt_id"],
+                        "turn": r["turn"],
+                        "reason": r["error"],
+                        "attempts": r["attempts"],
+                    }
+                )
+            if r["response"] is None:
+                continue
+            sample = sample_of(r, parsing, rebuilder)
+            quality.add(sample)
+            batch.append(sample)
+            if len(batch) == batch_rows:
+                writer.write_table(pa.Table.from_pylist(batch, schema=SAMPLES))
+                batch = []
+        if batch:
+            writer.write_table(pa.Table.from_pylist(batch, schema=SAMPLES))
     write_jsonl(errors_out, errors)
-    report = quality_report(samples, errors, num_prompts=len({r["prompt_id"] for r in rows}))
+    report = quality.report(errors, num_prompts=len(prompts))
     write_json(quality_out, report)
-    log.info("synth: %d samples, %d failed conversations; defects %s", len(samples), len(errors), report["counts"])
+    log.info("synth: %d samples, %d failed conversations; defects %s", quality.samples, len(errors), report["counts"])
 
 
-def samples_table(samples: list[dict[str, Any]]):
-    import pyarrow as pa
-
-    schema = pa.schema(
-        [
-            ("id", pa.string()),
-            ("prompt_id", pa.string()),
-            ("turn", pa.int32()),
-            ("category", pa.string()),
-            ("messages", pa.string()),
-            ("reasoning", pa.string()),
-            ("content", pa.string()),
-            ("finish_reason", pa.string()),
-            ("prompt_token_ids", pa.list_(pa.int32())),
-            ("completion_token_ids", pa.list_(pa.int32())),
-            ("prompt_tokens", pa.int32()),
-            ("completion_tokens", pa.int32()),
-            ("server_model", pa.string()),
-            ("system_fingerprint", pa.string()),
-            ("token_source", pa.string()),
-            ("defects", pa.list_(pa.string())),
-        ]
-    )
-    return pa.Table.from_pylist(samples, schema=schema)
+SAMPLES = pa.schema(
+    [
+        ("id", pa.string()),
+        ("prompt_id", pa.string()),
+        ("turn", pa.int32()),
+        ("category", pa.string()),
+        ("messages", pa.string()),
+        ("reasoning", pa.string()),
+        ("content", pa.string()),
+        ("finish_reason", pa.string()),
+        ("prompt_token_ids", pa.list_(pa.int32())),
+        ("completion_token_ids", pa.list_(pa.int32())),
+        ("prompt_tokens", pa.int32()),
+        ("completion_tokens", pa.int32()),
+        ("server_model", pa.string()),
+        ("system_fingerprint", pa.string()),
+        ("token_source", pa.string()),
+        ("defects", pa.list_(pa.string())),
+    ]
+)
