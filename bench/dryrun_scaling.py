@@ -1,6 +1,7 @@
 """How long `snakemake -n` takes on a production-size config, and how it grows with shards.
 
     .venv/bin/python bench/dryrun_scaling.py [--shards 16 64 256] [--samples 10000] [--repeats 3]
+        [--generate-shards 1]
 
 Builds, in a temporary directory, a copy of the workflow and the production example
 (config/kimi-k2.5-8xgpu.yaml) pointed at a generated prompt file of `--samples` prompts,
@@ -28,7 +29,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 
 
-def prepare(workdir: Path, samples: int, shard_counts: list[int]) -> dict[int, Path]:
+def prepare(workdir: Path, samples: int, shard_counts: list[int], generate_shards: int) -> dict[int, Path]:
     for name in ("Snakefile", "rules", "config", "envs", "workflow_scripts"):
         src = REPO / name
         (shutil.copytree if src.is_dir() else shutil.copy2)(src, workdir / name)
@@ -44,6 +45,7 @@ def prepare(workdir: Path, samples: int, shard_counts: list[int]) -> dict[int, P
     config = yaml.safe_load((REPO / "config/kimi-k2.5-8xgpu.yaml").read_text())
     config["prompts"]["source"] = str(prompts)
     config["verifier"]["path"] = config["verifier"]["serve_path"] = str(verifier)
+    config["generate"]["shards"] = generate_shards
     paths = {}
     for shards in shard_counts:
         config["hidden_states"]["num_shards"] = shards
@@ -72,10 +74,11 @@ def main() -> None:
     ap.add_argument("--shards", type=int, nargs="+", default=[16, 64, 256])
     ap.add_argument("--samples", type=int, default=10_000)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--generate-shards", type=int, default=1, help="generate.shards (verifier replicas)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="eagleflow-dryrun-") as tmp:
         workdir = Path(tmp)
-        configs = prepare(workdir, args.samples, args.shards)
+        configs = prepare(workdir, args.samples, args.shards, args.generate_shards)
         time_dry_run(workdir, configs[args.shards[0]])  # warm the file cache and bytecode
         rows = []
         for shards in args.shards:
@@ -84,7 +87,10 @@ def main() -> None:
             rows.append((shards, runs[0][2], statistics.median(walls), min(walls), max(walls), statistics.median(cpus)))
     # CPU time is what the dry run costs; wall time on a shared machine adds whatever else runs.
     base = rows[0][5]
-    print(f"`snakemake -n`, production example with {args.samples} prompts, median of {args.repeats} fresh processes\n")
+    print(
+        f"`snakemake -n`, production example with {args.samples} prompts and {args.generate_shards} generate "
+        f"shards, median of {args.repeats} fresh processes\n"
+    )
     print(
         "| hidden-state shards | jobs | wall s (median) | wall "
         f"min–max | CPU s (median) | CPU vs. {rows[0][0]} shards |"
