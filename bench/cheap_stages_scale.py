@@ -99,7 +99,7 @@ def make_replies(out: Path, conversations: int, shards: int, prompt_tokens: int,
         rows, requests = [], 0
 
         def body(k: int, turn: int) -> dict:
-            ids = [(k * 7 + turn) % VOCAB, *reply[1:]]  # every stream distinct
+            ids = [k % VOCAB, k // VOCAB, turn, *reply[3:]]  # every stream distinct
             return {
                 "id": f"chatcmpl-{k}-{turn}",
                 "object": "chat.completion",

@@ -82,7 +82,8 @@ def join_shards(
 def _stream(file, shard: int, order: dict[str, int], path: str) -> Iterator[tuple[tuple[int, int], int, dict]]:
     """A shard's rows as ((position in the prompt file, turn), shard, row), checked in order."""
     last = (-1, -1)
-    for batch in file.iter_batches(batch_size=1024):
+    # A batch per shard is in memory at once (rows of several KB each): keep them small.
+    for batch in file.iter_batches(batch_size=128):
         for row in batch.to_pylist():
             if row["prompt_id"] not in order:
                 raise ValueError(f"{path}: conversation {row['prompt_id']} is not in the prompt file")
