@@ -5,6 +5,7 @@ import copy
 import os
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
@@ -76,3 +77,20 @@ def profile_for_test_cluster(real: dict, partition: str, cpus: int) -> dict:
     profile["slurm-init-seconds-before-status-checks"] = 1
     profile["seconds-between-status-checks"] = 1
     return profile
+
+
+def copy_for_cluster(finished_run: Path, tmp_path_factory, name: str) -> tuple[Path, Path, dict[str, str]]:
+    """Start (or find) the test cluster; a copy of the finished run (tests.helpers.
+    copy_finished_run) with the production profile made fit for the cluster in it, under
+    `profiles/slurm-test`. Returns (the copy, the profile's folder, the environment to run
+    Snakemake in)."""
+    from tests.helpers import copy_finished_run
+
+    partition = start_cluster()
+    wf = tmp_path_factory.mktemp(name) / "wf"
+    copy_finished_run(finished_run, wf)
+    profile_dir = wf / "profiles/slurm-test"
+    profile_dir.mkdir(parents=True)
+    profile = profile_for_test_cluster(real_profile(), partition, node_cpus())
+    (profile_dir / "config.yaml").write_text(yaml.safe_dump(profile, sort_keys=False))
+    return wf, profile_dir, cluster_env()

@@ -20,16 +20,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import REPO, SNAKEMAKE, copy_finished_run, vllm_processes
+from tests.helpers import REPO, SNAKEMAKE, vllm_processes
 from tests.slurm_cluster import (
     SMALL,
     WITH_CURVE,
-    cluster_env,
+    copy_for_cluster,
     load_small,
-    node_cpus,
-    profile_for_test_cluster,
     real_profile,
-    start_cluster,
 )
 from workflow_scripts.variants import draft_id
 
@@ -144,14 +141,8 @@ EXPECTED_JOBS = {
 
 @pytest.fixture(scope="module")
 def slurm_run(finished_run, tmp_path_factory):
-    partition = start_cluster()
-    wf = tmp_path_factory.mktemp("slurm") / "wf"
-    copy_finished_run(finished_run, wf)
-    profile_dir = wf / "profiles/slurm-test"
-    profile_dir.mkdir(parents=True)
-    profile = profile_for_test_cluster(real_profile(), partition, node_cpus())
-    (profile_dir / "config.yaml").write_text(yaml.safe_dump(profile, sort_keys=False))
-    env = cluster_env()
+    wf, profile_dir, env = copy_for_cluster(finished_run, tmp_path_factory, "slurm")
+    profile = yaml.safe_load((profile_dir / "config.yaml").read_text())
     # The drafts name the verifier by path (verifier.serve_path, default: the prepared dir, resolved):
     # keep the original run's, or the copy's new location would restale the default draft.
     serve_path = str((finished_run / "resources/verifier" / load_small()["verifier"]["name"]).resolve())

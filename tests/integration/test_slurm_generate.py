@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import SNAKEMAKE, copy_finished_run, fake_openai, stored_replies
-from tests.slurm_cluster import SMALL, cluster_env, node_cpus, profile_for_test_cluster, real_profile, start_cluster
+from tests.helpers import SNAKEMAKE, fake_openai, stored_replies
+from tests.slurm_cluster import SMALL, copy_for_cluster
 from workflow_scripts.common.replies import read_replies
 
 RUN = "results/small"
@@ -47,14 +47,7 @@ def slurm_job(comment: str, run_id: str | None = None) -> tuple[str, str] | None
 
 @pytest.fixture(scope="module")
 def sharded(finished_run, tmp_path_factory):
-    partition = start_cluster()
-    wf = tmp_path_factory.mktemp("slurm-generate") / "wf"
-    copy_finished_run(finished_run, wf)
-    profile_dir = wf / "profiles/slurm-test"
-    profile_dir.mkdir(parents=True)
-    profile = profile_for_test_cluster(real_profile(), partition, node_cpus())
-    (profile_dir / "config.yaml").write_text(yaml.safe_dump(profile, sort_keys=False))
-    env = cluster_env()
+    wf, profile_dir, env = copy_for_cluster(finished_run, tmp_path_factory, "slurm-generate")
     store = wf / f"{RUN}/generate/store.sqlite"
     vllm_replies = wf / f"{RUN}/generate/vllm-replies.parquet"
     (wf / TARGET).rename(vllm_replies)

@@ -15,19 +15,14 @@ import yaml
 from tests.helpers import (
     MAX_STEPPED,
     SNAKEMAKE,
-    copy_finished_run,
     shards_beside_transformers,
     storage_steps,
     vllm_processes,
 )
 from tests.slurm_cluster import (
     SMALL,
-    cluster_env,
+    copy_for_cluster,
     load_small,
-    node_cpus,
-    profile_for_test_cluster,
-    real_profile,
-    start_cluster,
 )
 from workflow_scripts.runtime.ledger import read_loads
 
@@ -49,15 +44,7 @@ def slurm_shards(finished_run, tmp_path_factory):
     """The shard jobs and the index of the shared run again through the test cluster, as the
     8-GPU example runs them: the `vllm` backend (vLLM's extraction, eagleflow's connector),
     fp8 storage and the compact top-k target (new content: no shard comes from the cache)."""
-    partition = start_cluster()
-    wf = tmp_path_factory.mktemp("slurm-shards") / "wf"
-    copy_finished_run(finished_run, wf)
-    profile_dir = wf / "profiles/slurm-test"
-    profile_dir.mkdir(parents=True)
-    (profile_dir / "config.yaml").write_text(
-        yaml.safe_dump(profile_for_test_cluster(real_profile(), partition, node_cpus()), sort_keys=False)
-    )
-    env = cluster_env()
+    wf, profile_dir, env = copy_for_cluster(finished_run, tmp_path_factory, "slurm-shards")
     (wf / "production.yaml").write_text(yaml.safe_dump({"hidden_states": PRODUCTION_SHARDS}))
     servers = wf / "results/small/logs/servers"
     loads_before = len(read_loads(servers))

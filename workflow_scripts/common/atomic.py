@@ -71,15 +71,16 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def write_parquet(path: str | os.PathLike, table) -> None:
-    """Write a pyarrow Table (or pandas DataFrame) atomically."""
+def write_parquet(path: str | os.PathLike, table, row_group_size: int | None = None) -> None:
+    """Write a pyarrow Table (or pandas DataFrame) atomically; `row_group_size` rows per row
+    group (pyarrow's default: up to a million), which is what a streaming reader holds at once."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     if not isinstance(table, pa.Table):
         table = pa.Table.from_pandas(table, preserve_index=False)
     with atomic_path(path) as tmp:
-        pq.write_table(table, tmp)
+        pq.write_table(table, tmp, row_group_size=row_group_size)
 
 
 @contextlib.contextmanager

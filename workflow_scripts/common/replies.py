@@ -33,7 +33,8 @@ def write_replies(path: str | os.PathLike, rows: list[dict[str, Any]]) -> None:
     table = pa.Table.from_pylist(
         [{**r, "request": dump(r["request"]), "response": dump(r["response"])} for r in rows], schema=schema
     )
-    write_parquet(path, table)
+    # Small row groups: the join and synth read a shard's replies a row group at a time.
+    write_parquet(path, table, row_group_size=1024)
 
 
 def read_replies(path: str | os.PathLike) -> list[dict[str, Any]]:
