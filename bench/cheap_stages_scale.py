@@ -146,15 +146,16 @@ def make_replies(out: Path, conversations: int, shards: int, prompt_tokens: int,
     write_json(out / "verifier/config.json", {"model_type": "llama", "vocab_size": VOCAB})
 
 
-def measured(code: str, *args: str) -> tuple[float, float]:
-    """(wall seconds, peak RSS in MiB) of one `python -c` process (its own rusage)."""
+def measured(code: str, *args: str) -> str:
+    """ "<wall> s, <peak RSS> MiB" of one `python -c` process (its own rusage), or how it failed."""
     started = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-c", PRELUDE + code, *args], cwd=REPO, stderr=subprocess.PIPE, text=True)
     err = proc.stderr.read()
     _, status, usage = os.wait4(proc.pid, 0)
+    wall, rss = time.monotonic() - started, usage.ru_maxrss / 1024
     if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(err[-3000:])
-    return time.monotonic() - started, usage.ru_maxrss / 1024
+        return f"failed after {wall:.0f} s, {rss:,.0f} MiB: {err.strip().splitlines()[-1][:120]}"
+    return f"{wall:.0f} s, {rss:,.0f} MiB"
 
 
 def main() -> None:
@@ -174,10 +175,7 @@ def main() -> None:
         try:
             make_replies(work, n, args.shards, args.prompt_tokens, args.reply_tokens)
             size = sum(p.stat().st_size for p in (work / "shards").rglob("replies.parquet")) / 2**20
-            cells = []
-            for code in STAGES.values():
-                wall, rss = measured(code, str(work), str(args.shards), str(config))
-                cells.append(f"{wall:.0f} s, {rss:,.0f} MiB")
+            cells = [measured(code, str(work), str(args.shards), str(config)) for code in STAGES.values()]
             assert json.loads((work / "quality.json").read_text())["num_prompts"] == n
             print(f"| {n:,} | {size:,.0f} MiB | " + " | ".join(cells) + " |", flush=True)
         finally:
