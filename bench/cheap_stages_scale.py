@@ -29,7 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from workflow_scripts.common.atomic import parquet_writer, write_json, write_jsonl  # noqa: E402
+from workflow_scripts.common.atomic import parquet_rows, write_json, write_jsonl  # noqa: E402
 from workflow_scripts.generate.run import Shard  # noqa: E402
 
 VOCAB = 128_000
@@ -77,10 +77,7 @@ config = yaml.safe_load(open(sys.argv[3]))
 
 def make_replies(out: Path, conversations: int, shards: int, prompt_tokens: int, reply_tokens: int) -> None:
     """The prompt file and each shard's replies.parquet and stats.json under `out`."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from workflow_scripts.common.replies import write_replies
+    from workflow_scripts.common.replies import replies_schema
 
     rng = random.Random(0)
     ids = [f"c{i:07d}" for i in range(conversations)]
@@ -92,39 +89,34 @@ def make_replies(out: Path, conversations: int, shards: int, prompt_tokens: int,
     prompt = [rng.randrange(VOCAB) for _ in range(prompt_tokens)]
     reply = [rng.randrange(VOCAB) for _ in range(reply_tokens)]
     text = " ".join(f"w{t % 5000}" for t in reply)
-    schema = None
+
+    def body(k: int, turn: int) -> dict:
+        ids = [k % VOCAB, k // VOCAB, turn, *reply[3:]]  # every stream distinct
+        return {
+            "id": f"chatcmpl-{k}-{turn}",
+            "object": "chat.completion",
+            "model": "verifier",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text, "reasoning": None},
+                    "finish_reason": "stop",
+                    "token_ids": ids,
+                }
+            ],
+            "system_fingerprint": "bench",
+            "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids)},
+            "prompt_token_ids": prompt,
+        }
+
     for part in parts:
         d = out / "shards" / part.name
         d.mkdir(parents=True)
-        rows, requests = [], 0
-
-        def body(k: int, turn: int) -> dict:
-            ids = [k % VOCAB, k // VOCAB, turn, *reply[3:]]  # every stream distinct
-            return {
-                "id": f"chatcmpl-{k}-{turn}",
-                "object": "chat.completion",
-                "model": "verifier",
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": text, "reasoning": None},
-                        "finish_reason": "stop",
-                        "token_ids": ids,
-                    }
-                ],
-                "system_fingerprint": "bench",
-                "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids)},
-                "prompt_token_ids": prompt,
-            }
-
-        if schema is None:
-            write_replies(out / "schema.parquet", [])  # the project's own replies schema
-            schema = pq.read_schema(out / "schema.parquet")
-        with parquet_writer(d / "replies.parquet", schema) as writer:
+        with parquet_rows(d / "replies.parquet", replies_schema(), batch_rows=2000) as rows:
             for k, cid in enumerate(owned[part.index]):
                 for turn in range(1 + (k % 4 == 0)):
                     request = {"model": "verifier", "messages": [{"role": "user", "content": "q"}], "seed": k}
-                    rows.append(
+                    rows.write(
                         {
                             "id": f"{cid}#t{turn}",
                             "prompt_id": cid,
@@ -137,11 +129,8 @@ def make_replies(out: Path, conversations: int, shards: int, prompt_tokens: int,
                             "attempts": None,
                         }
                     )
-                if len(rows) >= 2000 or k == len(owned[part.index]) - 1:
-                    writer.write_table(pa.Table.from_pylist(rows, schema=schema))
-                    requests += len(rows)
-                    rows = []
-        write_json(d / "stats.json", {"conversations": len(owned[part.index]), "requests": requests, "sent": requests})
+        stats = {"conversations": len(owned[part.index]), "requests": rows.rows, "sent": rows.rows}
+        write_json(d / "stats.json", stats)
     (out / "verifier").mkdir()
     write_json(out / "verifier/config.json", {"model_type": "llama", "vocab_size": VOCAB})
 

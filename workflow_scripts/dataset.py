@@ -18,7 +18,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from workflow_scripts.common.atomic import parquet_writer
+from workflow_scripts.common.atomic import parquet_rows
 from workflow_scripts.common.config import typed
 from workflow_scripts.common.defects import EXCLUDING
 from workflow_scripts.common.fingerprint import stable_fraction
@@ -129,31 +129,25 @@ def run_dataset(
         )
     excluded = EXCLUDING | frozenset(cfg.exclude_defects)
     # Streamed: a batch of samples in memory at a time; each row goes to its side as it comes.
-    counts = {"samples": 0, "train": 0, "eval": 0, "train_loss_tokens": 0}
-    with parquet_writer(train_out, SCHEMA) as train, parquet_writer(eval_out, SCHEMA) as evals:
+    samples, train_loss_tokens = 0, 0
+    with parquet_rows(train_out, SCHEMA, batch_rows) as train, parquet_rows(eval_out, SCHEMA, batch_rows) as evals:
         for batch in pq.ParquetFile(responses).iter_batches(batch_size=batch_rows):
-            samples = batch.to_pylist()
-            counts["samples"] += len(samples)
-            rows = build_rows(samples, max_seq_len, excluded)
-            sides = {"train": [], "eval": []}
-            for r in rows:
-                sides["eval" if is_eval(r["prompt_id"], eval_fraction, seed) else "train"].append(r)
-            for side, writer in (("train", train), ("eval", evals)):
-                if sides[side]:
-                    table = [{k: r[k] for k in SCHEMA.names} for r in sides[side]]
-                    writer.write_table(pa.Table.from_pylist(table, schema=SCHEMA))
-                    counts[side] += len(sides[side])
-            counts["train_loss_tokens"] += sum(r["num_loss_tokens"] for r in sides["train"])
-        if not counts["train"] or not counts["eval"]:
+            rows = batch.to_pylist()
+            samples += len(rows)
+            for r in build_rows(rows, max_seq_len, excluded):
+                side = evals if is_eval(r["prompt_id"], eval_fraction, seed) else train
+                side.write({k: r[k] for k in SCHEMA.names})
+                train_loss_tokens += r["num_loss_tokens"] if side is train else 0
+        if not train.rows or not evals.rows:
             raise ValueError(
-                f"{responses}: {counts['train'] + counts['eval']} usable samples split into {counts['train']} train / "
-                f"{counts['eval']} eval; need both non-empty"
+                f"{responses}: {train.rows + evals.rows} usable samples split into {train.rows} train / "
+                f"{evals.rows} eval; need both non-empty"
             )
     log.info(
         "dataset: %d samples -> %d train (%d loss tokens), %d eval; %d excluded",
-        counts["samples"],
-        counts["train"],
-        counts["train_loss_tokens"],
-        counts["eval"],
-        counts["samples"] - counts["train"] - counts["eval"],
+        samples,
+        train.rows,
+        train_loss_tokens,
+        evals.rows,
+        samples - train.rows - evals.rows,
     )

@@ -83,15 +83,40 @@ def write_parquet(path: str | os.PathLike, table, row_group_size: int | None = N
         pq.write_table(table, tmp, row_group_size=row_group_size)
 
 
+class ParquetRows:
+    """Rows (dicts) into one Parquet file, `batch_rows` at a time: a row group per batch, and
+    never more than a batch in memory. `rows`: how many were given, the batch not yet
+    written included."""
+
+    def __init__(self, writer, schema, batch_rows: int):
+        self._writer, self._schema, self._batch_rows = writer, schema, batch_rows
+        self._batch: list[dict[str, Any]] = []
+        self.rows = 0
+
+    def write(self, row: dict[str, Any]) -> None:
+        self._batch.append(row)
+        self.rows += 1
+        if len(self._batch) == self._batch_rows:
+            self.flush()
+
+    def flush(self) -> None:
+        import pyarrow as pa
+
+        if self._batch:
+            self._writer.write_table(pa.Table.from_pylist(self._batch, schema=self._schema))
+            self._batch = []
+
+
 @contextlib.contextmanager
-def parquet_writer(path: str | os.PathLike, schema) -> Iterator[Any]:
-    """A pyarrow ParquetWriter whose file replaces `path` only when the block ends without an
-    exception: a stage writes its rows batch by batch, never whole in memory, and a failure
-    or a kill midway leaves `path` as it was."""
+def parquet_rows(path: str | os.PathLike, schema, batch_rows: int = 1024) -> Iterator[ParquetRows]:
+    """Write rows to `path` as they come (ParquetRows); the file replaces `path` only when
+    the block ends without an exception: a failure or a kill midway leaves `path` as it was."""
     import pyarrow.parquet as pq
 
     with atomic_path(path) as tmp, pq.ParquetWriter(tmp, schema) as writer:
-        yield writer
+        rows = ParquetRows(writer, schema, batch_rows)
+        yield rows
+        rows.flush()
 
 
 def write_safetensors(path: str | os.PathLike, tensors: dict, metadata: dict[str, str] | None = None) -> None:

@@ -10,13 +10,11 @@ from collections.abc import Iterator
 from typing import Any
 
 
-def write_replies(path: str | os.PathLike, rows: list[dict[str, Any]]) -> None:
-    """Write the rows (request and response as dicts) atomically, bodies as JSON text."""
+def replies_schema():
+    """The columns of replies.parquet (pyarrow)."""
     import pyarrow as pa
 
-    from workflow_scripts.common.atomic import write_parquet
-
-    schema = pa.schema(
+    return pa.schema(
         [
             ("id", pa.string()),
             ("prompt_id", pa.string()),
@@ -29,9 +27,17 @@ def write_replies(path: str | os.PathLike, rows: list[dict[str, Any]]) -> None:
             ("attempts", pa.int32()),
         ]
     )
+
+
+def write_replies(path: str | os.PathLike, rows: list[dict[str, Any]]) -> None:
+    """Write the rows (request and response as dicts) atomically, bodies as JSON text."""
+    import pyarrow as pa
+
+    from workflow_scripts.common.atomic import write_parquet
+
     dump = lambda v: None if v is None else json.dumps(v, ensure_ascii=False)  # noqa: E731
     table = pa.Table.from_pylist(
-        [{**r, "request": dump(r["request"]), "response": dump(r["response"])} for r in rows], schema=schema
+        [{**r, "request": dump(r["request"]), "response": dump(r["response"])} for r in rows], schema=replies_schema()
     )
     # Small row groups: the join and synth read a shard's replies a row group at a time.
     write_parquet(path, table, row_group_size=1024)

@@ -11,7 +11,7 @@ import logging
 from collections.abc import Iterator
 from pathlib import Path
 
-from workflow_scripts.common.atomic import parquet_writer, read_jsonl, write_json
+from workflow_scripts.common.atomic import parquet_rows, read_jsonl, write_json
 from workflow_scripts.runtime.smk import stage
 
 log = logging.getLogger(__name__)
@@ -35,30 +35,20 @@ def join_shards(
     of its conversations), so the join merges them as streams, `batch_rows` rows at a time,
     never a whole shard in memory, and never decodes a body. Refuses shards that miss a
     conversation, hold one twice, or hold one the prompt file does not."""
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
     order = {p["id"]: i for i, p in enumerate(read_jsonl(prompts_path))}
     files = [pq.ParquetFile(path) for path in replies_paths]
     owner: dict[str, int] = {}
-    written = 0
     merged = heapq.merge(*(_stream(f, k, order, replies_paths[k]) for k, f in enumerate(files)), key=lambda e: e[0])
-    with parquet_writer(replies_out, files[0].schema_arrow) as writer:
-        batch = []
+    with parquet_rows(replies_out, files[0].schema_arrow, batch_rows) as out:
         for _, shard, row in merged:
             if (first := owner.setdefault(row["prompt_id"], shard)) != shard:
                 raise ValueError(
                     f"conversation {row['prompt_id']} is in two shards' replies: "
                     f"{replies_paths[first]} and {replies_paths[shard]}"
                 )
-            batch.append(row)
-            if len(batch) == batch_rows:
-                writer.write_table(pa.Table.from_pylist(batch, schema=files[0].schema_arrow))
-                written += len(batch)
-                batch = []
-        if batch:
-            writer.write_table(pa.Table.from_pylist(batch, schema=files[0].schema_arrow))
-            written += len(batch)
+            out.write(row)
         missing = order.keys() - owner.keys()
         if missing:
             raise ValueError(f"{len(missing)} conversations are in no shard's replies (e.g. {sorted(missing)[:3]})")
@@ -76,7 +66,7 @@ def join_shards(
         "shards": shards,
     }
     write_json(stats_out, stats)
-    log.info("joined %d shards: %d conversations, %d requests", len(shards), len(order), written)
+    log.info("joined %d shards: %d conversations, %d requests", len(shards), len(order), out.rows)
 
 
 def _stream(file, shard: int, order: dict[str, int], path: str) -> Iterator[tuple[tuple[int, int], int, dict]]:

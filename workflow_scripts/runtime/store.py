@@ -284,10 +284,7 @@ class ResponseStore:
         for older in self._older_stores():
             found = older._db.execute("SELECT request, response, created FROM replies WHERE key = ?", (key,)).fetchone()
             if found is not None:
-                self._db.execute(
-                    "INSERT OR REPLACE INTO replies (key, request, response, created) VALUES (?, ?, ?, ?)",
-                    (key, *found),
-                )
+                self._insert(key, *found)
                 self.adopted += 1
                 return _unpack(found[1])
         return None
@@ -314,9 +311,12 @@ class ResponseStore:
 
     def put(self, key: str, request: dict[str, Any], response: dict[str, Any]) -> None:
         """Store one reply durably (committed and synced when this returns)."""
+        self._insert(key, _pack(request), _pack(response), time.time())
+
+    def _insert(self, key: str, request: bytes, response: bytes, created: float) -> None:
         self._db.execute(
             "INSERT OR REPLACE INTO replies (key, request, response, created) VALUES (?, ?, ?, ?)",
-            (key, _pack(request), _pack(response), time.time()),
+            (key, request, response, created),
         )
 
     def keys(self) -> set[str]:

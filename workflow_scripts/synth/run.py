@@ -16,7 +16,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from workflow_scripts.common.atomic import parquet_writer, write_json, write_jsonl
+from workflow_scripts.common.atomic import parquet_rows, write_json, write_jsonl
 from workflow_scripts.common.config import typed
 from workflow_scripts.common.replies import iter_replies
 from workflow_scripts.runtime.smk import stage
@@ -125,8 +125,8 @@ def run_synth(
     streams; None disables that. Streamed: `batch_rows` samples in memory at a time, whatever
     the number of replies."""
     rebuilder = load_rebuilder(verifier_dir, parsing)
-    quality, errors, prompts, batch = Quality(), [], set(), []
-    with parquet_writer(responses_out, SAMPLES) as writer:
+    quality, errors, prompts = Quality(), [], set()
+    with parquet_rows(responses_out, SAMPLES, batch_rows) as out:
         for r in iter_replies(replies):
             prompts.add(r["prompt_id"])
             if r["error"] is not None:
@@ -142,12 +142,7 @@ def run_synth(
                 continue
             sample = sample_of(r, parsing, rebuilder)
             quality.add(sample)
-            batch.append(sample)
-            if len(batch) == batch_rows:
-                writer.write_table(pa.Table.from_pylist(batch, schema=SAMPLES))
-                batch = []
-        if batch:
-            writer.write_table(pa.Table.from_pylist(batch, schema=SAMPLES))
+            out.write(sample)
     write_jsonl(errors_out, errors)
     report = quality.report(errors, num_prompts=len(prompts))
     write_json(quality_out, report)
