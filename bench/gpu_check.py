@@ -19,7 +19,7 @@
 4. With `--peer-workdir DIR` (a copy of the workflow with a finished run, e.g. the demo's): the
    peer's draft, speculators' own `speculators train` with its defaults on that run's data
    (bench/peer_draft.py; it cannot run on a CPU), then both drafts on the standard sets
-   (bench/standard_sets.py --draft speculators, --draft default), their reports under `peer`.
+   (bench/standard_sets.py --draft speculators default, one baseline), their reports under `peer`.
 
 Only the embedding, lm_head and final-norm tensors of the 8B verifier are written (the draft reads
 nothing else); nothing is downloaded. Results go to --out as JSON and to stdout.
@@ -364,27 +364,26 @@ def check_peer(workdir: Path, out: Path) -> dict:
     """speculators' trainer on the run in `workdir` (bench/peer_draft.py), then its draft and
     the run's own on the standard sets; each step's exit status, wall time and report."""
     bench = Path(__file__).resolve().parent
+    keep = out / "peer"
     steps = {
         "train": [str(bench / "peer_draft.py"), "--workdir", str(workdir)],
-        "speculators": [str(bench / "standard_sets.py"), "--workdir", str(workdir), "--draft", "speculators"],
-        "eagleflow": [str(bench / "standard_sets.py"), "--workdir", str(workdir), "--draft", "default"],
+        # One baseline for both drafts, on the same sets.
+        "measure": [str(bench / "standard_sets.py"), "--workdir", str(workdir)]
+        + ["--draft", "speculators", "default", "--out", str(keep)],
     }
     result = {}
     for name, cmd in steps.items():
-        report = out / f"peer-{name}.json"
-        if name != "train":
-            cmd += ["--out", str(report)]
         started = time.perf_counter()
         proc = subprocess.run([sys.executable, *cmd], capture_output=True, text=True)
         result[name] = {"returncode": proc.returncode, "wall_s": time.perf_counter() - started}
         if proc.returncode != 0:
             result[name]["stderr_tail"] = proc.stderr[-3000:]
-            break
-        if report.exists():
-            result[name]["cells"] = {
-                key: cell["speculative"]["mean_acceptance_length"]
-                for key, cell in json.loads(report.read_text())["cells"].items()
-            }
+            return result
+    for draft in ("speculators", "default"):
+        result[draft] = {
+            key: cell["speculative"]["mean_acceptance_length"]
+            for key, cell in json.loads((keep / f"{draft}.json").read_text())["cells"].items()
+        }
     return result
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import shutil
 import sys
 import tempfile
@@ -34,6 +33,7 @@ from workflow_scripts.benchmark.parity import ParityConfig, extraction_job, run_
 from workflow_scripts.benchmark.run import BenchmarkConfig, run_benchmark
 from workflow_scripts.common.config import typed
 from workflow_scripts.plan import load_merged_config
+from workflow_scripts.runtime.logs import configure_logging
 from workflow_scripts.runtime.spec import ServerConfig, ServerSpec
 
 
@@ -72,7 +72,7 @@ def main() -> None:
     parser.add_argument("--configfile", nargs="*", default=[])
     parser.add_argument("--faults", nargs="*", default=list(FAULTS), choices=list(FAULTS))
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    configure_logging(sys.stderr)
     workdir = args.workdir.resolve()
     config = load_merged_config(args.configfile, workdir)
     run = workdir / "results" / config["run"]

@@ -56,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from workflow_scripts.common.atomic import atomic_path, write_jsonl, write_safetensors
 from workflow_scripts.hidden_states.shard_file import read_shard
 from workflow_scripts.plan import load_merged_config
+from workflow_scripts.runtime.logs import configure_logging
 
 log = logging.getLogger("peer_draft")
 
@@ -152,7 +153,7 @@ def main() -> None:
     parser.add_argument("--configfile", nargs="*", default=[])
     parser.add_argument("--out", type=Path, help="default: results/<run>/drafts/speculators under the workdir")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    configure_logging(sys.stderr)
     workdir = args.workdir.resolve()
     config = load_merged_config(args.configfile, workdir)
     run = workdir / "results" / config["run"]

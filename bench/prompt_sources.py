@@ -39,6 +39,7 @@ from workflow_scripts.benchmark.sets import SetSpec, build_sets  # noqa: E402
 from workflow_scripts.common.atomic import read_jsonl, write_json  # noqa: E402
 from workflow_scripts.common.config import typed  # noqa: E402
 from workflow_scripts.plan import load_merged_config  # noqa: E402
+from workflow_scripts.runtime.logs import configure_logging  # noqa: E402
 from workflow_scripts.runtime.spec import ServerConfig, ServerSpec  # noqa: E402
 
 WORKFLOW = ("Snakefile", "rules", "config", "envs", "profiles", "workflow_scripts")
@@ -92,7 +93,7 @@ def main() -> None:
     parser.add_argument("--eval", type=int, default=24, help="prompts of each held-out split measured")
     parser.add_argument("--out", type=Path, help="write the figures as JSON here too")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    configure_logging(sys.stderr)
     workdir = args.workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     for name in WORKFLOW:

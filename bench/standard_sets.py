@@ -1,21 +1,26 @@
-"""A finished run's draft on the standard sets, at each temperature, without touching the run.
+"""A finished run's drafts on the standard sets, at each temperature, without touching the run.
 
     .venv/bin/python bench/standard_sets.py --workdir DIR [--configfile my.yaml ...]
-        [--sets mt_bench:80 humaneval:164] [--temperatures 0 0.7] [--draft default] [--out FILE]
+        [--sets mt_bench:80 humaneval:164] [--temperatures 0 0.7]
+        [--draft default [OTHER_ID | [LABEL=]PATH ...]] [--out KEEP_DIR]
 
-Reads a finished run of the config in DIR (its prepared verifier, eval prompts and a draft)
+Reads a finished run of the config in DIR (its prepared verifier, eval prompts and drafts)
 and measures what the benchmark rules measure, with this checkout's code: the sets built as
 the benchmark_sets rule builds them (`name:size`, size `all` for the whole set), the verifier
-alone and then with the draft, one server each, every set at every temperature. Prints a
-Markdown row per set and temperature (mean acceptance length, per position, speedup) and,
-with --out, writes the benchmark's report.json there. Nothing under DIR is written: for runs
-made by an older checkout, whose outputs the config-file way (config/examples/
+alone once, then each draft, one server each, every set at every temperature. A draft is one
+of the run's (`drafts/<id>`) or any draft directory, another run's too (a draft trained on
+other data, measured against the same baseline). Prints a Markdown row per draft, set and
+temperature (mean acceptance length, per position, speedup). With --out, the sets, the
+baseline and each draft's report.json (`<label>.json`) are kept there, and a later call with
+the same sets, server and workload measures only its drafts. Nothing under DIR is written: for
+runs made by an older checkout, whose outputs the config-file way (config/examples/
 standard-sets.yaml) would rebuild.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -30,6 +35,7 @@ from workflow_scripts.benchmark.sets import SetSpec, build_sets
 from workflow_scripts.common.atomic import read_jsonl, write_json
 from workflow_scripts.common.config import typed
 from workflow_scripts.plan import load_merged_config
+from workflow_scripts.runtime.logs import configure_logging
 from workflow_scripts.runtime.spec import ServerConfig, ServerSpec
 
 
@@ -38,21 +44,45 @@ def set_spec(arg: str) -> SetSpec:
     return SetSpec.of({"name": name, "size": None if size in ("", "all") else int(size)})
 
 
+def draft_dirs(args: list[str], run: Path) -> dict[str, Path]:
+    """{label: draft directory}: `ID` is the run's drafts/ID/draft, `LABEL=PATH` (or a PATH,
+    labelled by its parents) a draft directory anywhere, another run's included."""
+    out = {}
+    for arg in args:
+        label, sep, path = arg.partition("=")
+        if sep:
+            directory = Path(path)
+        elif "/" in arg:
+            directory = Path(arg)
+            label = "/".join(directory.resolve().parts[-4:-1:2])  # results/<run>/drafts/<id>/draft -> <run>/<id>
+        else:
+            directory = run / "drafts" / arg / "draft"
+        if not (directory / "config.json").is_file():
+            raise SystemExit(f"--draft {arg}: {directory} is not a draft directory (no config.json); train it first")
+        if label in out:
+            raise SystemExit(f"--draft: two drafts are labelled {label!r}; name one LABEL=PATH")
+        out[label] = directory.resolve()
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", type=Path, default=Path("."))
     parser.add_argument("--configfile", nargs="*", default=[])
     parser.add_argument("--sets", nargs="*", default=["mt_bench:all", "humaneval:all"])
     parser.add_argument("--temperatures", nargs="*", type=float, default=[0.0, 0.7])
-    parser.add_argument("--draft", default="default", help="drafts/<id> of the run")
-    parser.add_argument("--out", help="write the benchmark's report.json here too")
+    parser.add_argument(
+        "--draft", nargs="+", default=["default"], help="drafts/<id> of the run, or [LABEL=]PATH of a draft directory"
+    )
+    parser.add_argument("--out", type=Path, help="keep sets, baseline and each draft's report.json in this directory")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    configure_logging(sys.stderr)
     workdir = args.workdir.resolve()
     config = load_merged_config(args.configfile, workdir)
     bench = config["benchmark"] | {"sets": [], "temperatures": args.temperatures}
     cfg = typed(BenchmarkConfig, bench, "benchmark")
     run = workdir / "results" / config["run"]
+    drafts = draft_dirs(args.draft, run)
     verifier = str(workdir / "resources/verifier" / config["verifier"]["name"])
     kwargs = config["generate"]["chat_template_kwargs"]
     sets = build_sets(
@@ -64,43 +94,47 @@ def main() -> None:
         config["server"]["max_model_len"],
     )
     server = ServerSpec.from_config(ServerConfig.from_section(config["server"]), verifier)
+    workload = Workload.of(cfg, kwargs)
     with tempfile.TemporaryDirectory(prefix="standard-sets-") as tmp:
-        out = Path(tmp)
-        write_json(out / "sets.json", {"sets": sets})
-        workload = Workload.of(cfg, kwargs)
-        run_baseline(
-            str(out / "sets.json"),
-            verifier,
-            str(out / "baseline.json"),
-            str(out / "b"),
-            server=server,
-            workload=workload,
-        )
-        run_benchmark(
-            str(out / "sets.json"),
-            verifier,
-            str(run / "drafts" / args.draft / "draft"),
-            str(out / "report.json"),
-            str(out / "s"),
-            server=server,
-            cfg=cfg,
-            chat_template_kwargs=kwargs,
-            baseline=str(out / "baseline.json"),
-            streams_out=str(out / "streams.jsonl"),
-        )
-        report = json.loads((out / "report.json").read_text())
-    if args.out:
-        write_json(args.out, report)
-    print("| set | temperature (seed) | requests | mean acceptance length | per position | speedup |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for cell in report["cells"].values():
-        spec = cell["speculative"]
-        seed = "" if cell["seed"] is None else f" (seed {cell['seed']})"
-        per_pos = " / ".join(f"{x:.3f}" for x in spec["per_position_acceptance"])
-        print(
-            f"| {cell['set']} | {cell['temperature']:g}{seed} | {cell['requests']} | "
-            f"{spec['mean_acceptance_length']:.3f} | {per_pos} | {cell['speedup']:.2f}x |"
-        )
+        out = args.out.resolve() if args.out else Path(tmp)
+        measured = {"sets": sets, "workload": dataclasses.asdict(workload), "server": server.command(0)}
+        baseline = out / "baseline.json"
+        kept = out / "measured.json"
+        if baseline.is_file() and kept.is_file() and json.loads(kept.read_text()) == json.loads(json.dumps(measured)):
+            logging.info("the verifier alone: %s measured these sets with this server and workload", baseline)
+        else:
+            write_json(out / "sets.json", {"sets": sets})
+            run_baseline(
+                str(out / "sets.json"), verifier, str(baseline), str(out / "b"), server=server, workload=workload
+            )
+            write_json(out / "measured.json", measured)
+        reports = {}
+        for label, directory in drafts.items():
+            name = label.replace("/", "-")
+            run_benchmark(
+                str(out / "sets.json"),
+                verifier,
+                str(directory),
+                str(out / f"{name}.json"),
+                str(out / name),
+                server=server,
+                cfg=cfg,
+                chat_template_kwargs=kwargs,
+                baseline=str(baseline),
+                streams_out=str(out / f"{name}.streams.jsonl"),
+            )
+            reports[label] = json.loads((out / f"{name}.json").read_text())
+    print("| draft | set | temperature (seed) | requests | mean acceptance length | per position | speedup |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for label, report in reports.items():
+        for cell in report["cells"].values():
+            spec = cell["speculative"]
+            seed = "" if cell["seed"] is None else f" (seed {cell['seed']})"
+            per_pos = " / ".join(f"{x:.3f}" for x in spec["per_position_acceptance"])
+            print(
+                f"| {label} | {cell['set']} | {cell['temperature']:g}{seed} | {cell['requests']} | "
+                f"{spec['mean_acceptance_length']:.3f} | {per_pos} | {cell['speedup']:.2f}x |"
+            )
 
 
 if __name__ == "__main__":
