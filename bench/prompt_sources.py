@@ -33,7 +33,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from workflow_scripts.benchmark.run import BenchmarkConfig, Workload, run_baseline, run_benchmark  # noqa: E402
+from bench.standard_sets import measure_drafts, set_spec  # noqa: E402
+from workflow_scripts.benchmark.run import BenchmarkConfig  # noqa: E402
 from workflow_scripts.benchmark.set_job import conversation_tokens  # noqa: E402
 from workflow_scripts.benchmark.sets import SetSpec, build_sets  # noqa: E402
 from workflow_scripts.common.atomic import read_jsonl, write_json  # noqa: E402
@@ -117,10 +118,7 @@ def main() -> None:
     verifier = str(workdir / "resources/verifier" / config["verifier"]["name"])
     kwargs = config["generate"]["chat_template_kwargs"]
     written_eval = workdir / "results/ps-written/prompts/eval.jsonl"
-    specs = [
-        SetSpec.of({"name": n, "size": int(s) if s != "all" else None})
-        for n, _, s in (a.partition(":") for a in args.sets)
-    ]
+    specs = [set_spec(a) for a in args.sets]
     specs.append(SetSpec.of({"name": "written_eval", "path": str(written_eval), "size": args.eval}))
     sets = build_sets(
         read_jsonl(workdir / "results/ps-file/prompts/eval.jsonl"),
@@ -131,32 +129,9 @@ def main() -> None:
         config["server"]["max_model_len"],
     )
     server = ServerSpec.from_config(ServerConfig.from_section(config["server"]), verifier)
-    reports = {}
+    drafts = {run: workdir / "results" / run / "drafts/default/draft" for run in RUNS}
     with tempfile.TemporaryDirectory(prefix="prompt-sources-") as tmp:
-        out = Path(tmp)
-        write_json(out / "sets.json", {"sets": sets})
-        run_baseline(
-            str(out / "sets.json"),
-            verifier,
-            str(out / "baseline.json"),
-            str(out / "b"),
-            server=server,
-            workload=Workload.of(cfg, kwargs),
-        )
-        for run in RUNS:
-            run_benchmark(
-                str(out / "sets.json"),
-                verifier,
-                str(workdir / "results" / run / "drafts/default/draft"),
-                str(out / f"{run}.json"),
-                str(out / f"s-{run}"),
-                server=server,
-                cfg=cfg,
-                chat_template_kwargs=kwargs,
-                baseline=str(out / "baseline.json"),
-                streams_out=str(out / f"{run}.streams.jsonl"),
-            )
-            reports[run] = json.loads((out / f"{run}.json").read_text())
+        reports = measure_drafts(sets, verifier, server, cfg, kwargs, drafts, Path(tmp))
     names = {"eval": "eval (demo file's held-out split)", "written_eval": "written_eval (the verifier's held-out)"}
     print("| set (requests) | " + " | ".join(RUNS) + " |")
     print("| --- | " + " | ".join("---" for _ in RUNS) + " |")

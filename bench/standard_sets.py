@@ -26,6 +26,7 @@ import logging
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -65,6 +66,47 @@ def draft_dirs(args: list[str], run: Path) -> dict[str, Path]:
     return out
 
 
+def measure_drafts(
+    sets: list[dict[str, Any]],
+    verifier: str,
+    server: ServerSpec,
+    cfg: BenchmarkConfig,
+    chat_template_kwargs: dict[str, Any],
+    drafts: dict[str, Path],
+    out: Path,
+) -> dict[str, dict[str, Any]]:
+    """The verifier alone on `sets` once, then each draft against it, as the benchmark rules
+    measure them: {label: the draft's report.json}. The sets, the baseline and each report
+    (`<label>.json`, a `/` as `-`) are written under `out`; a baseline `out` already holds for
+    the same sets, server and workload is used again."""
+    workload = Workload.of(cfg, chat_template_kwargs)
+    measured = {"sets": sets, "workload": dataclasses.asdict(workload), "server": server.command(0)}
+    baseline, kept = out / "baseline.json", out / "measured.json"
+    if baseline.is_file() and kept.is_file() and json.loads(kept.read_text()) == json.loads(json.dumps(measured)):
+        logging.info("the verifier alone: %s measured these sets with this server and workload", baseline)
+    else:
+        write_json(out / "sets.json", {"sets": sets})
+        run_baseline(str(out / "sets.json"), verifier, str(baseline), str(out / "b"), server=server, workload=workload)
+        write_json(kept, measured)
+    reports = {}
+    for label, directory in drafts.items():
+        name = label.replace("/", "-")
+        run_benchmark(
+            str(out / "sets.json"),
+            verifier,
+            str(directory),
+            str(out / f"{name}.json"),
+            str(out / name),
+            server=server,
+            cfg=cfg,
+            chat_template_kwargs=chat_template_kwargs,
+            baseline=str(baseline),
+            streams_out=str(out / f"{name}.streams.jsonl"),
+        )
+        reports[label] = json.loads((out / f"{name}.json").read_text())
+    return reports
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", type=Path, default=Path("."))
@@ -94,36 +136,9 @@ def main() -> None:
         config["server"]["max_model_len"],
     )
     server = ServerSpec.from_config(ServerConfig.from_section(config["server"]), verifier)
-    workload = Workload.of(cfg, kwargs)
     with tempfile.TemporaryDirectory(prefix="standard-sets-") as tmp:
         out = args.out.resolve() if args.out else Path(tmp)
-        measured = {"sets": sets, "workload": dataclasses.asdict(workload), "server": server.command(0)}
-        baseline = out / "baseline.json"
-        kept = out / "measured.json"
-        if baseline.is_file() and kept.is_file() and json.loads(kept.read_text()) == json.loads(json.dumps(measured)):
-            logging.info("the verifier alone: %s measured these sets with this server and workload", baseline)
-        else:
-            write_json(out / "sets.json", {"sets": sets})
-            run_baseline(
-                str(out / "sets.json"), verifier, str(baseline), str(out / "b"), server=server, workload=workload
-            )
-            write_json(out / "measured.json", measured)
-        reports = {}
-        for label, directory in drafts.items():
-            name = label.replace("/", "-")
-            run_benchmark(
-                str(out / "sets.json"),
-                verifier,
-                str(directory),
-                str(out / f"{name}.json"),
-                str(out / name),
-                server=server,
-                cfg=cfg,
-                chat_template_kwargs=kwargs,
-                baseline=str(baseline),
-                streams_out=str(out / f"{name}.streams.jsonl"),
-            )
-            reports[label] = json.loads((out / f"{name}.json").read_text())
+        reports = measure_drafts(sets, verifier, server, cfg, kwargs, drafts, out)
     print("| draft | set | temperature (seed) | requests | mean acceptance length | per position | speedup |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for label, report in reports.items():
