@@ -8,6 +8,7 @@ from snakemake.logging import logger
 from workflow_scripts.common.config import validate_config
 from workflow_scripts.common.fingerprint import code_fingerprint
 from workflow_scripts.common.server_args import result_args, server_args
+from workflow_scripts.runtime.output_cache import plan_cache
 from workflow_scripts.runtime.spec import ServerConfig, ServerSpec
 from workflow_scripts.load_plan import RunInfoLine, describe_planned
 from workflow_scripts.plan import planned_disk_line
@@ -25,10 +26,13 @@ from workflow_scripts.variants import (
 validate_config(config)
 validate_variants(config)
 # `snakemake -n` (and every run) says how many times the jobs it plans load the verifier,
-# and what the hidden states will take on disk (`python -m workflow_scripts.plan`: all of it).
+# what the hidden states will take on disk (`python -m workflow_scripts.plan`: all of it),
+# and which planned jobs the output cache may restore; a run marks the jobs that must
+# recompute (forced, or an output deleted) before any job starts.
 for line in (
     lambda jobs: describe_planned(jobs, config),
     lambda jobs: planned_disk_line(jobs, config, Path(".")),
+    lambda jobs: plan_cache(workflow.dag, mark=not workflow.dryrun),
 ):
     logger.addHandler(
         RunInfoLine(line, lambda text: print(text, file=sys.stderr, flush=True))

@@ -3,7 +3,6 @@ family, the shard format, the disk check, and the vLLM backend's request and fil
 
 import fcntl
 import json
-import os
 import threading
 import time
 
@@ -548,38 +547,6 @@ def test_vllm_backend_matches_hf_backend_on_gpu(tiny_llama_dir, tmp_path):
         for name in ("hidden_states", "verifier_last_hidden_states"):
             assert rel_err(vl.get_tensor(name), hf.get_tensor(name)) < 2e-2, name
         assert json.loads(vl.metadata()["sample_ids"]) == sorted(r["id"] for r in rows)
-
-
-def test_finished_outputs_are_linked_back_for_the_same_key_only(tmp_path):
-    from workflow_scripts.common.output_cache import OutputCache
-
-    out = tmp_path / "shard-00003.safetensors"
-    out.write_bytes(b"states")
-    draft = tmp_path / "draft"
-    (draft / "sub").mkdir(parents=True)
-    (draft / "config.json").write_text("{}")
-    (draft / "sub/w.bin").write_bytes(b"w")
-    outputs = {"shard": out, "draft": draft}
-    cache = OutputCache(tmp_path / ".done", "shard-00003")
-    cache.keep("k1", outputs)
-    out.unlink()  # what Snakemake does to every output of a failed group job
-    (draft / "config.json").unlink()
-    assert not cache.restore("other", outputs) and not out.exists()
-    os.utime(cache.dir / "shard-00003.k1" / "shard", (1, 1))  # kept long ago
-    assert cache.restore("k1", outputs) and out.read_bytes() == b"states"
-    assert out.stat().st_nlink == 2  # a link, not a copy
-    # As new as the job that restored it, or Snakemake would plan the job again (older than its inputs).
-    assert out.stat().st_mtime > 1e9 and (draft / "config.json").stat().st_mtime > 1e9
-    assert (draft / "config.json").read_text() == "{}" and (draft / "sub/w.bin").read_bytes() == b"w"
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [".done"]  # no temporaries
-    out.unlink()
-    out.write_bytes(b"new")  # a new extraction of shard 3 (written by rename in the real job)
-    cache.keep("k2", outputs)
-    assert sorted(p.name for p in cache.dir.iterdir()) == ["shard-00003.k2"]
-    assert not cache.restore("k1", outputs)
-    # A half-kept entry (a kill between two links) is not an entry.
-    (cache.dir / "shard-00003.k2" / "draft").rename(tmp_path / "elsewhere")
-    assert not cache.restore("k2", outputs)
 
 
 def test_the_shard_key_ignores_operational_settings_and_follows_content():

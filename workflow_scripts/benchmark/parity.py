@@ -32,8 +32,8 @@ from tqdm import tqdm
 from workflow_scripts.benchmark.cells import EVAL, cell_key
 from workflow_scripts.common.acceptance import AcceptanceCounts, ContextBuckets, context_edges, every_anchor
 from workflow_scripts.common.atomic import read_jsonl, write_json
+from workflow_scripts.common.cache_keys import TRAIN_PACKAGES, extraction_stack, software
 from workflow_scripts.common.config import typed
-from workflow_scripts.common.output_cache import reuse_or_make
 from workflow_scripts.common.train_metrics import exported_eval
 
 # Importing a backend registers it (as in the hidden_states stage, whose backends replay uses).
@@ -41,6 +41,7 @@ from workflow_scripts.hidden_states import hf, vllm  # noqa: F401
 from workflow_scripts.hidden_states.backend import ExtractionJob, HiddenStatesConfig, open_backend
 from workflow_scripts.hidden_states.layers import resolve_aux_layer_ids, verifier_geometry
 from workflow_scripts.hidden_states.storage import as_read_back, extraction_dtype, torch_dtype
+from workflow_scripts.runtime.output_cache import reuse_or_make
 from workflow_scripts.runtime.smk import stage
 from workflow_scripts.runtime.spec import ServerConfig
 from workflow_scripts.train.data import Sample, shift
@@ -209,6 +210,15 @@ def main(smk) -> None:
                 cfg=typed(ParityConfig, smk.params.parity, "parity"),
             ),
             log,
+            # The replay's states come from the extraction backend; the draft runs on torch.
+            {
+                **extraction_stack(
+                    extraction.settings.backend,
+                    extraction.settings.device,
+                    extraction.server.env if extraction.server else None,
+                ),
+                "draft_software": software(TRAIN_PACKAGES),
+            },
         )
 
 

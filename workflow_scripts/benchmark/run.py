@@ -30,10 +30,11 @@ from tqdm import tqdm
 from workflow_scripts.benchmark.cells import HEADLINE, cell_key
 from workflow_scripts.benchmark.metrics import acceptance, counter_delta, spec_decode_counters
 from workflow_scripts.common.atomic import write_json, write_jsonl
+from workflow_scripts.common.cache_keys import server_stack
 from workflow_scripts.common.config import typed
-from workflow_scripts.common.output_cache import reuse_or_make
 from workflow_scripts.runtime.client import ChatClient
 from workflow_scripts.runtime.launch import VllmServer
+from workflow_scripts.runtime.output_cache import reuse_or_make
 from workflow_scripts.runtime.smk import stage
 from workflow_scripts.runtime.spec import ServerConfig, ServerSpec
 
@@ -129,6 +130,7 @@ def main_baseline(smk) -> None:
                 workload=workload,
             ),
             log,
+            server_stack(server.env),
         )
 
 
@@ -151,6 +153,7 @@ def main(smk) -> None:
                 streams_out=smk.output.streams,
             ),
             log,
+            server_stack(server.env),
         )
 
 

@@ -2,7 +2,7 @@
 
 A key is the sha256 of the canonical request (model, messages with their history, sampling,
 per-sample seed, chat template kwargs) together with the server identity: a fingerprint of
-the verifier's files and the server flags that change its replies. Nothing of eagleflow's
+the verifier's files, the server flags that change its replies and the stack it runs on. Nothing of eagleflow's
 code is in it: a reply stays valid for as long as the same question goes to the same server.
 """
 
@@ -14,6 +14,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from workflow_scripts.common.cache_keys import server_stack
 from workflow_scripts.common.identity import verifier_fingerprint
 from workflow_scripts.common.server_args import result_args
 
@@ -65,7 +66,17 @@ def history_message(body: dict[str, Any]) -> dict[str, Any]:
     return {"role": "assistant", **carried, "content": message.get("content") or ""}
 
 
-def server_identity(verifier_dir: str | os.PathLike, argv: Sequence[str]) -> dict[str, Any]:
-    """What decides the server's replies besides the request: the verifier's files and the
-    flags of the server's `argv` that can change a reply (common.server_args)."""
-    return {"verifier": verifier_fingerprint(verifier_dir), "server": result_args(argv)}
+def server_identity(
+    verifier_dir: str | os.PathLike, argv: Sequence[str], env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """What decides the server's replies besides the request: the verifier's files, the
+    flags of the server's `argv` that can change a reply (common.server_args), and the stack
+    it runs on (vLLM's version, the device, the result-affecting variables of its
+    environment: this job's with `env`, server.env, over it; common.cache_keys). An external
+    endpoint is keyed as this launch would be, and checked against it before it is used
+    (runtime.endpoint_identity)."""
+    return {
+        "verifier": verifier_fingerprint(verifier_dir),
+        "server": result_args(argv),
+        "stack": server_stack(env or {}),
+    }

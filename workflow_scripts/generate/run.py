@@ -174,7 +174,7 @@ def run_generate(
             lambda p: p["id"],
             lambda prompt, front: walk_conversation(prompt, requests, front),
             store=store,
-            identity=server_identity(verifier_dir, spec.command(0)),
+            identity=server_identity(verifier_dir, spec.command(0), spec.env),
             spec=spec,
             server=server,
             server_log=server_log,

@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from workflow_scripts.common.cache_keys import extraction_stack
 from workflow_scripts.common.config import typed
-from workflow_scripts.common.output_cache import OutputCache
 from workflow_scripts.common.server_args import result_args
 
 # Importing a backend registers it. hf_server runs in its own process (the hf backend's
@@ -26,6 +26,7 @@ from workflow_scripts.hidden_states.shards import (
 )
 from workflow_scripts.hidden_states.storage import extraction_dtype, num_stored_states, torch_dtype
 from workflow_scripts.hidden_states.targets import TopkHead, head_device
+from workflow_scripts.runtime.output_cache import OutputCache, clear_mark
 from workflow_scripts.runtime.smk import stage
 from workflow_scripts.runtime.spec import ServerConfig, ServerSpec
 
@@ -66,10 +67,13 @@ def content_settings(
     layer_ids: list[int],
     trust_remote_code: bool,
     code: str,
+    stack: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The settings a shard's bytes depend on (the shard cache's key): `server_args`, the
-    result flags of the vllm backend's server as launched (common.server_args; None for hf). Pure."""
+    result flags of the vllm backend's server as launched (common.server_args; None for hf),
+    and the `stack` that computes them (common.cache_keys.extraction_stack). Pure."""
     return {
+        "stack": stack,
         "hidden_states": {k: v for k, v in dataclasses.asdict(settings).items() if k not in OPERATIONAL},
         "server": server_args,
         "aux_layer_ids": layer_ids,
@@ -106,7 +110,10 @@ def run_shard(
     # concurrency) or an upstream file is rewritten with the same bytes.
     cache = OutputCache(Path(out).parent / ".done", f"shard-{shard:05d}")
     server_args = result_args(ServerSpec.from_config(server, verifier_dir).command(0)) if server else None
-    key = shard_key(samples, verifier_dir, content_settings(settings, server_args, layer_ids, trust_remote_code, code))
+    stack = extraction_stack(settings.backend, settings.device, server.env if server else None)
+    key = shard_key(
+        samples, verifier_dir, content_settings(settings, server_args, layer_ids, trust_remote_code, code, stack)
+    )
     if cache.restore(key, {"shard": out}):
         log.info("shard %d/%d: made from the same inputs before; linked from %s", shard, num_shards, cache.dir)
         return
@@ -138,6 +145,7 @@ def run_shard(
     meta = ShardMeta(ids, layer_ids, geometry.num_layers, geometry.hidden_size, backend_name, made_from=key)
     write_shard(out, samples, states, meta, settings.dtype, targets)
     cache.keep(key, {"shard": out})
+    clear_mark([out])
     log.info(
         "shard %d/%d (%s): %d samples, %d tokens in %.1f s -> %s",
         shard,

@@ -11,6 +11,7 @@ training stage reads shards with it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -98,15 +99,49 @@ def write_shard(
     states atomically; with `targets` the compact target replaces the final state."""
     if meta.sample_ids != [s["id"] for s in samples]:
         raise ValueError(f"{path}: the metadata names other samples than the shard holds")
-    write_safetensors(path, shard_tensors(samples, states, storage, targets), meta.as_metadata())
+    tensors = shard_tensors(samples, states, storage, targets)
+    metadata = meta.as_metadata()
+    write_safetensors(path, tensors, {**metadata, CONTENT_DIGEST: content_digest_of(tensors, metadata)})
 
 
-def shard_made_from(path: str | os.PathLike) -> str:
-    """The key of what a shard was made from, read from its header alone ("" if it has none)."""
+# The header field that holds the digest of what the shard holds (content_digest_of): training
+# keys its drafts by it, so a re-extraction that writes the same states restores every draft.
+CONTENT_DIGEST = "content_digest"
+# Metadata that says where or how a shard was made, not what it holds: not in its digest.
+PROVENANCE = frozenset({"made_from", "backend", CONTENT_DIGEST})
+
+
+def content_digest_of(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
+    """sha256 of a shard's content: every tensor's name, dtype, shape and bytes, and the
+    metadata that describes them (not PROVENANCE: the same states from the hf and the vllm
+    backend, or made under another key, are the same shard). Pure."""
+    h = hashlib.sha256()
+    h.update(json.dumps({k: v for k, v in sorted(metadata.items()) if k not in PROVENANCE}).encode())
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        h.update(f"\0{name}\0{t.dtype}\0{list(t.shape)}\0".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()[:32]
+
+
+def shard_content_digest(path: str | os.PathLike, verify: bool = False) -> str:
+    """The digest of what a shard holds: from its header, or (a shard written before headers
+    carried it, or `verify`) computed from its tensors. With `verify`, a header that no longer
+    matches the tensors (the file was edited in place) is an error."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
-        return (f.metadata() or {}).get("made_from", "")
+        metadata = f.metadata() or {}
+        recorded = metadata.get(CONTENT_DIGEST, "")
+        if recorded and not verify:
+            return recorded
+        computed = content_digest_of({k: f.get_tensor(k) for k in f.keys()}, metadata)  # noqa: SIM118
+    if recorded and recorded != computed:
+        raise ValueError(
+            f"{path}: its tensors no longer match the digest in its header (edited in place?): "
+            "delete it and rerun its hidden_states job"
+        )
+    return computed
 
 
 def read_shard(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> tuple[ShardMeta, list[ShardSample]]:

@@ -197,7 +197,7 @@ def run_write_prompts(
             str,
             lambda index, front: write_conversation(index, cfg, user_turn, encode, model, replies, front),
             store=store,
-            identity=server_identity(verifier_dir, spec.command(0)),
+            identity=server_identity(verifier_dir, spec.command(0), spec.env),
             spec=spec,
             server=server,
             server_log=server_log,

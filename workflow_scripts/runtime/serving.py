@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from workflow_scripts.runtime.endpoint_identity import Expected, check_endpoint, local_vllm_version
 from workflow_scripts.runtime.launch import VllmServer
 from workflow_scripts.runtime.recovery import Recovery, RestartDeadServer, RestartSharedServer, WaitForEndpoint
 from workflow_scripts.runtime.shared_server import SharedServer, Sharing
@@ -41,6 +42,9 @@ def serve(
     section (`config`) asks for."""
     if endpoint:
         log.info("using the already running server(s) at %s", endpoint)
+        expected = Expected(config.served_model_name, config.max_model_len, local_vllm_version())
+        for url in [endpoint] if isinstance(endpoint, str) else endpoint:
+            check_endpoint(url, expected, config.api_key_env, config.endpoint_wait_s)
         yield Served(endpoint, WaitForEndpoint(config.endpoint_wait_s))
         return
     if sharing is not None:

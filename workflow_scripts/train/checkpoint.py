@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 from workflow_scripts.common.atomic import atomic_path
 from workflow_scripts.common.fingerprint import value_fingerprint
 from workflow_scripts.common.identity import content_digest
-from workflow_scripts.hidden_states.shard_file import shard_made_from
+from workflow_scripts.hidden_states.shard_file import shard_content_digest
 
 log = logging.getLogger(__name__)
 
@@ -51,27 +51,26 @@ def training_fingerprint(
     shards: list[str],
     code: str,
     online: dict[str, Any] | None = None,
+    verifier: str | None = None,
 ) -> str:
     """What a checkpoint is valid for: train config, input identity and code fingerprint.
 
-    index.json and the vocab map are hashed by content (small files). A shard is identified
-    by its name, size and the key of what it was made from, which its job writes into its
-    header (hidden_states.shard_file): hashing hundreds of GB on every start is too slow, and
-    a shard linked back from the shard cache (with a fresh mtime, so that Snakemake takes it as
-    new) is the same shard. A shard without a key (an older run's) counts by name, size and
-    mtime; online, the dataset's parquet files count by content. Online, the settings the
-    states are computed with count.
+    index.json and the vocab map are hashed by content (small files). A shard counts by its
+    name and the digest of what it holds, which its job writes into its header
+    (hidden_states.shard_file): hashing hundreds of GB on every start is too slow, and a
+    re-extraction that writes the same states is the same shard (early cut-off by content: no
+    draft is retrained for it). Online, the dataset's parquet files count by content, and the
+    settings the states are computed with. `verifier`: the verifier's content fingerprint
+    (training reads its embeddings and head, and online its states).
     """
 
     def file_sha(path: str) -> str:
         return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
     def identity(path: str) -> list:
-        st = Path(path).stat()
         if path.endswith(".safetensors"):
-            key = shard_made_from(path)
-            return [Path(path).name, st.st_size, key or st.st_mtime_ns]
-        return [Path(path).name, st.st_size, content_digest(path)]
+            return [Path(path).name, shard_content_digest(path)]
+        return [Path(path).name, content_digest(path)]
 
     return value_fingerprint(
         {
@@ -81,6 +80,7 @@ def training_fingerprint(
             "shards": [identity(s) for s in shards],
             "code": code,
             **({"online": online} if online is not None else {}),
+            **({"verifier": verifier} if verifier is not None else {}),
         }
     )
 

@@ -54,3 +54,7 @@ class TrainJob:
     dataset: list[str] = dataclasses.field(default_factory=list)
     online: dict[str, Any] | None = None
     log_path: str | None = None
+    # The output cache's entry the finished draft and metrics are kept in, {"dir", "slot",
+    # "key"} (train.launch): kept by rank 0 before it drops the checkpoints, so that no
+    # failure after training can cost the steps.
+    keep_as: dict[str, str] | None = None

@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from workflow_scripts.common.atomic import write_text
+from workflow_scripts.common.cache_keys import TRAIN_PACKAGES, stack_identity
 from workflow_scripts.common.config import typed
 from workflow_scripts.common.fingerprint import value_fingerprint
-from workflow_scripts.common.output_cache import OutputCache
+from workflow_scripts.runtime.output_cache import OutputCache, clear_mark
 from workflow_scripts.runtime.process import kill_group, package_env
 from workflow_scripts.runtime.smk import stage
 from workflow_scripts.train.config import TrainConfig, TrainJob
@@ -46,6 +47,9 @@ def main(smk) -> None:
             "metrics_out": smk.output.metrics,
             "checkpoint_dir": smk.params.checkpoint_dir,
             "serve_verifier_path": served_verifier(smk.params.serve_verifier_path),
+            # As configured (relative to the workdir): the key holds no absolute path, so that
+            # a run moved to another directory restores its draft.
+            "serve_verifier_param": smk.params.serve_verifier_path,
             "cfg": smk.params.train,
             "threads": smk.threads,
         }
@@ -53,24 +57,36 @@ def main(smk) -> None:
 
 
 def train_or_restore(spec: dict[str, Any], nproc: int) -> None:
-    """Train as run_stage does, unless a run with the same key (config, inputs, training code
-    and the verifier the draft names) finished before: then its draft and metrics are linked
-    back, with no process started and no step run. Snakemake reruns train whenever a file
-    upstream is rewritten, with the same bytes too (generate's code changed, no request did)."""
+    """Train as run_stage does, unless a run with the same key (config, inputs by content,
+    training code, the verifier the draft names, and the software and device that train)
+    finished before: then its draft and metrics are linked back, with no process started and
+    no step run. Snakemake reruns train whenever a file upstream is rewritten, with the same
+    bytes too (generate's code changed, no request did; shards extracted again, the same)."""
     job = TrainJob(**{f.name: spec[f.name] for f in dataclasses.fields(TrainJob) if f.name in spec})
-    key = value_fingerprint([job_fingerprint(job, typed(TrainConfig, spec["cfg"], "train")), job.serve_verifier_path])
+    key = draft_key(job, typed(TrainConfig, spec["cfg"], "train"), spec.get("serve_verifier_param"))
     cache = OutputCache(Path(job.checkpoint_dir).parent / "done", "draft")
     outputs = {"draft": job.draft_out, "metrics": job.metrics_out}
     if cache.restore(key, outputs):
         log.info(
-            "this draft was trained from the same config, inputs and code before (key %s): draft and metrics "
-            "linked back from %s; 0 training steps",
+            "this draft was trained from the same config, inputs, code and software before (key %s): draft and "
+            "metrics linked back from %s; 0 training steps",
             key,
             cache.dir,
         )
         return
-    run_stage(spec, nproc)
-    cache.keep(key, outputs)
+    # Rank 0 keeps the outputs before it drops the checkpoints (train.loop: Trainer.export).
+    run_stage({**spec, "keep_as": {"dir": str(cache.dir), "slot": cache.slot, "key": key}}, nproc)
+    clear_mark(outputs.values())
+
+
+def draft_key(job: TrainJob, cfg: TrainConfig, serve_verifier: str | None) -> str:
+    """The finished draft's key: the training fingerprint (job_fingerprint), the verifier
+    path the draft names as configured, and the stack that trains it on this host."""
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # as train.device resolves it
+    stack = stack_identity(TRAIN_PACKAGES, device)
+    return value_fingerprint([job_fingerprint(job, cfg), serve_verifier or job.serve_verifier_path, stack])
 
 
 def served_verifier(path: str) -> str:

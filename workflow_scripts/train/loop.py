@@ -34,6 +34,8 @@ from tqdm import tqdm
 from workflow_scripts.common.atomic import atomic_path, write_jsonl
 from workflow_scripts.common.config import typed
 from workflow_scripts.common.fingerprint import code_fingerprint
+from workflow_scripts.common.identity import verifier_fingerprint
+from workflow_scripts.runtime.output_cache import OutputCache
 from workflow_scripts.train.checkpoint import (
     TrainState,
     latest_checkpoint,
@@ -76,6 +78,7 @@ def job_fingerprint(job: TrainJob, cfg: TrainConfig) -> str:
         job.shards or job.dataset,
         code_fingerprint("workflow_scripts.train.loop"),
         online=job.online,
+        verifier=verifier_fingerprint(job.verifier_dir),
     )
 
 
@@ -370,7 +373,10 @@ class Trainer:
                 state.best_loss,
                 job.draft_out,
             )
-            # Training is complete and its outputs are written: this run's checkpoints are spent.
+            if job.keep_as:
+                cache = OutputCache(job.keep_as["dir"], job.keep_as["slot"])
+                cache.keep(job.keep_as["key"], {"draft": job.draft_out, "metrics": job.metrics_out})
+            # Training is complete and its outputs are written and kept: the checkpoints are spent.
             shutil.rmtree(self.checkpoint_dir, ignore_errors=True)
         if self.rt.world_size > 1:
             dist.barrier()
