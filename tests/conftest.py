@@ -12,7 +12,13 @@ from tests.helpers import REPO, VERIFIER_BUILDERS, save_tiny_llama
 # worker; the modules that take a copy of it go to any worker.
 IN_PLACE_MODULES = frozenset({"test_pipeline.py", "test_parity.py"})
 COPYING_MODULES = frozenset(
-    {"test_slurm.py", "test_slurm_shards.py", "test_slurm_generate.py", "test_vllm_extraction.py"}
+    {
+        "test_slurm.py",
+        "test_slurm_shards.py",
+        "test_slurm_generate.py",
+        "test_vllm_extraction.py",
+        "test_output_cache_run.py",
+    }
 )
 # The one-node test cluster runs one of their runs at a time (both ask for its CPUs): on two
 # workers at once they queue behind each other (CI: 276 s + 225 s against 191 s + 90 s).

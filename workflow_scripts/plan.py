@@ -44,6 +44,7 @@ from workflow_scripts.plan_sizes import (
     weight_bytes_on_disk,
 )
 from workflow_scripts.plan_tokens import Tokens, planned_tokens
+from workflow_scripts.runtime.output_cache import cache_bytes
 from workflow_scripts.variants import merged
 
 DEFAULT_CONFIG = "config/config.yaml"
@@ -147,6 +148,19 @@ def make_plan(
             "where": root / f"results/{run}/drafts",
         }
     )
+    # Already on disk, not written: the output cache's entries whose outputs were replaced or
+    # removed (the rest are links of the outputs and take nothing). Prune frees them.
+    entries, held = cache_bytes(root / f"results/{run}")
+    if entries:
+        plan.disk.append(
+            {
+                "stage": "output cache",
+                "what": f"{entries} entries; the bytes only the cache holds "
+                "(`python -m workflow_scripts.runtime.output_cache prune` frees them)",
+                "bytes": held,
+                "where": root / f"results/{run}",
+            }
+        )
     for row in plan.disk:
         row["free"] = free_bytes(row["where"])
 
