@@ -12,7 +12,6 @@ from workflow_scripts.common.requests import (
     sample_seed,
     server_identity,
 )
-from workflow_scripts.common.server_args import result_args
 from workflow_scripts.runtime.spec import ServerSpec
 
 PAYLOAD = {"model": "verifier", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -35,11 +34,21 @@ def test_another_verifier_or_reply_shaping_flag_is_another_key(tmp_path):
     assert request_key(PAYLOAD, base) == request_key(
         json.loads(json.dumps(PAYLOAD)), server_identity(verifier, launched(verifier))
     )
-    for changed in ({"dtype": "bfloat16"}, {"extra_args": ["--max-logprobs", "5"]}, {"reasoning_parser": "qwen3"}):
+    for changed in (
+        {"dtype": "bfloat16"},
+        {"extra_args": ["--max-logprobs", "5"]},
+        {"reasoning_parser": "qwen3"},
+        {"enforce_eager": False},  # compiled, fused kernels
+        {"tensor_parallel_size": 2},  # another reduction order
+    ):
         other = server_identity(verifier, launched(verifier, **changed))
         assert request_key(PAYLOAD, base) != request_key(PAYLOAD, other)
-    # Speed, not content: the same key.
-    fast = {"host": "0.0.0.0", "enforce_eager": False, "tensor_parallel_size": 2, "env": {"X": "1"}}
+    # Capacity and placement, not content: the same key.
+    fast = {
+        "host": "0.0.0.0",
+        "extra_args": ["--gpu-memory-utilization", "0.5", "--max-num-seqs", "4"],
+        "env": {"X": "1"},
+    }
     assert request_key(PAYLOAD, base) == request_key(PAYLOAD, server_identity(verifier, launched(verifier, **fast)))
 
     other = tmp_path / "other"
@@ -90,15 +99,3 @@ def test_longest_request_is_estimated_on_the_long_side():
     assert longest_request_tokens([two], 100) == 40 + 5 * 16 + 200
     assert longest_request_tokens([one, two], 100) == 320
     assert longest_request_tokens([one], None) is None and longest_request_tokens([], 100) is None
-
-
-def test_result_args_keep_every_flag_but_the_run_only_ones():
-    argv = ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m", "--port", "1", "--dtype", "bf16"]
-    argv += ["--enforce-eager", "--compilation-config", '{"custom_ops": ["-rotary_embedding"]}', "--x=1", "--flag"]
-    assert result_args(argv) == [
-        ["--dtype", "bf16"],
-        ["--compilation-config", '{"custom_ops": ["-rotary_embedding"]}'],
-        ["--x", "1"],
-        ["--flag"],
-    ]
-    assert result_args(["vllm", "serve"]) == []

@@ -91,9 +91,20 @@ def test_one_list_of_run_only_flags_decides_both_keys(tmp_path):
         return server_identity(verifier, argv), settings
 
     base = keys()
-    for changed in ({"dtype": "bfloat16"}, {"extra_args": ["--seed", "1"]}, {"max_model_len": 64}):
+    for changed in (
+        {"dtype": "bfloat16"},
+        {"extra_args": ["--seed", "1"]},
+        {"max_model_len": 64},
+        {"tensor_parallel_size": 2},
+        {"enforce_eager": False},
+        {"extra_args": ["-q", "fp8"]},
+    ):
         assert all(a != b for a, b in zip(keys(**changed), base, strict=True)), changed
-    run_only = {"host": "0.0.0.0", "tensor_parallel_size": 2, "enforce_eager": True, "startup_timeout_s": 9}
+    run_only = {
+        "host": "0.0.0.0",
+        "startup_timeout_s": 9,
+        "extra_args": ["--gpu-memory-utilization", "0.5", "--max-num-batched-tokens", "512"],
+    }
     assert keys(**run_only) == base
     flags = {g[0] for g in result_args(launched())}
-    assert not flags & RUN_ONLY_FLAGS and "--dtype" in flags
+    assert not flags & RUN_ONLY_FLAGS and {"--dtype", "--enforce-eager", "--tensor-parallel-size"} <= flags

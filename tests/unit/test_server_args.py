@@ -1,0 +1,251 @@
+"""Which server flags reach the cache keys (common/server_args.py), by common/vllm_flags.py's
+table, and whether that table still describes the vLLM that is installed."""
+
+import argparse
+import functools
+import itertools
+
+import pytest
+
+from workflow_scripts.common import vllm_flags
+from workflow_scripts.common.server_args import RUN_ONLY_FLAGS, result_args, server_args
+from workflow_scripts.common.vllm_flags import FLAGS, RESULT, RUN_ONLY
+
+LAUNCHER = ["python", "-m", "vllm.entrypoints.openai.api_server"]
+BASE = ["--model", "/verifier", "--port", "8000", "--dtype", "float32", "--max-model-len", "2048"]
+
+
+def key(*extra: str) -> list[list[str]]:
+    """result_args of the launcher's usual argv with `extra` flags after it."""
+    return result_args([*LAUNCHER, *BASE, *extra])
+
+
+def test_short_long_and_attached_spellings_are_one_key():
+    spellings = [["-q", "fp8"], ["--quantization", "fp8"], ["--quantization=fp8"], ["-q=fp8"], ["-qfp8"]]
+    keys = [key(*s) for s in spellings]
+    assert all(k == keys[0] for k in keys), keys
+    assert ["--quantization", "fp8"] in keys[0]
+    assert keys[0] != key()
+
+
+def test_numerics_flags_change_the_key():
+    """Parallel sizes change reduction order, eager mode and -O the kernels and fusions."""
+    base = key()
+    for changed in (["-tp", "2"], ["-pp", "2"], ["-O0"], ["--enforce-eager"], ["-ep"], ["--kv-cache-dtype", "fp8"]):
+        assert key(*changed) != base, changed
+    assert key("-tp", "2") == key("--tensor-parallel-size=2") == key("--tensor_parallel_size", "2")
+    assert key("-O3") == key("-O", "3") == key("-O=3") == key("--optimization-level", "3") != key("-O0")
+    assert key("--enforce-eager") != key("--no-enforce-eager")
+    # FlexibleArgumentParser passes whatever follows -O on as the level, `.mode=3` too.
+    assert key("-O.mode=3") == key("--optimization-level", ".mode=3")
+
+
+def test_capacity_placement_and_operation_change_nothing():
+    base = key()
+    for run_only in (
+        ["--gpu-memory-utilization", "0.90"],
+        ["--gpu-memory-utilization", "0.92"],
+        ["--device-memory-utilization", "0.5"],
+        ["--max-num-seqs", "8"],
+        ["--max-num-batched-tokens", "4k"],
+        ["--port", "9"],
+        ["--host", "0.0.0.0"],
+        ["--served-model-name", "a", "b"],
+        ["--enable-prefix-caching"],
+        ["--no-enable-prefix-caching"],
+        ["--disable-log-stats", "--uvicorn-log-level", "debug", "--api-key", "k1", "k2"],
+        ["--distributed-executor-backend", "ray", "-dpb", "mp", "--cpu-offload-gb", "4"],
+    ):
+        assert key(*run_only) == base, run_only
+
+
+def test_underscores_prefixes_and_equals_name_the_same_flag():
+    expected = key("--max-model-len", "4096")
+    assert expected != key()
+    for spelling in (["--max_model_len", "4096"], ["--max-model-len=4096"], ["--max_model-len=4096"]):
+        assert key(*spelling) == expected, spelling
+    # argparse's allow_abbrev (on in vLLM): a unique prefix names the flag.
+    assert key("--max-model", "4096") == expected
+
+
+def test_order_does_not_matter_and_the_last_occurrence_wins():
+    flags = [["--seed", "3"], ["-tp", "2"], ["--enforce-eager"], ["--reasoning-parser", "qwen3"]]
+    keys = {str(key(*itertools.chain(*order))) for order in itertools.permutations(flags)}
+    assert len(keys) == 1
+    assert key("--seed", "1", "--seed=2") == key("--seed", "2") != key("--seed", "1")
+    # A negation replaces the flag it negates, whichever comes last.
+    assert key("--enforce-eager", "--no-enforce-eager") == key("--no-enforce-eager")
+    assert key("--no-enforce-eager", "--enforce-eager") == key("--enforce-eager")
+
+
+def test_json_values_are_canonical():
+    a = key("--speculative-config", '{"a": 1, "b": {"d": 2, "c": [3, 1]}}')
+    assert (
+        a == key("--speculative-config", '{"b":{"c":[3,1],"d":2},"a":1}') == key("-sc", '{"b":{"c":[3,1],"d":2},"a":1}')
+    )
+    assert a != key("--speculative-config", '{"a": 1, "b": {"d": 2, "c": [1, 3]}}')
+    # FlexibleArgumentParser's dotted keys build the same dict.
+    assert key("--speculative-config.a", "1", "--speculative_config.b.d=2", "--speculative-config.b.c+", "3,1") == key(
+        "--speculative-config", '{"a": 1, "b": {"c": ["3", "1"], "d": 2}}'
+    )
+    # vLLM appends the dotted dict after every other argument: it replaces a JSON value.
+    assert key("--compilation-config.mode", "3", "--compilation-config", '{"mode": 0}') == key(
+        "--compilation-config", '{"mode": 3}'
+    )
+
+
+def test_values_that_look_like_flags_and_lists():
+    assert ["--seed", "-1"] in key("--seed", "-1")
+    assert ["--lora-modules", "a=/x", "b=/y"] in key("--lora-modules", "a=/x", "b=/y", "--enforce-eager")
+    assert ["--chat-template", "-x y"] in key("--chat-template", "-x y")  # a space: argparse's value
+    assert ["--hf-overrides", '{"rope_theta":1}'] in key("--hf-overrides", '{"rope_theta": 1}')
+
+
+def test_unknown_flags_count_with_their_values_as_given():
+    argv = [*LAUNCHER, "--model", "/m", "--port", "1", "--dtype", "bf16", "--enforce-eager"]
+    argv += ["--compilation-config", '{"custom_ops": ["-rotary_embedding"]}', "--x=1", "--flag", "--y", "a", "b"]
+    assert result_args(argv) == [
+        ["--compilation-config", '{"custom_ops":["-rotary_embedding"]}'],
+        ["--dtype", "bf16"],
+        ["--enforce-eager"],
+        ["--flag"],
+        ["--x", "1"],
+        ["--y", "a", "b"],
+    ]
+    assert result_args(["vllm", "serve"]) == []
+
+
+def test_the_launcher_is_not_read_as_flags():
+    expected = [["--port", "8"], ["--tensor-parallel-size", "2"]]
+    for launcher in (
+        ["vllm", "serve", "MODEL"],
+        ["python", "-O", "-m", "vllm.entrypoints.openai.api_server"],
+        ["python", "-m", "vllm.entrypoints.cli.main", "serve", "MODEL"],
+        ["srun", "-n", "1", "vllm", "serve"],
+    ):
+        assert server_args([*launcher, "-tp", "2", "--port", "8"]) == expected, launcher
+    # Another launcher's own options: vLLM's begin at the first long flag.
+    assert server_args(["srun", "-n", "1", "--port", "8", "-tp", "2"]) == expected
+
+
+@pytest.mark.parametrize(
+    "extra, error",
+    [
+        (["--enforce-eager", "true"], "'true' after --enforce-eager is no flag's value"),
+        (["--enforce-eager=1"], "--enforce-eager takes no value"),
+        (["--seed"], "--seed expects a value"),
+        (["--seed", "--enforce-eager"], "--seed expects a value"),
+        (["--config", "serve.yaml"], "--config reads flags from a file"),
+        (["--enable-lo", "x"], "--enable-lo is ambiguous"),
+    ],
+)
+def test_an_argv_vllm_would_misread_is_refused(extra, error):
+    with pytest.raises(ValueError, match=error):
+        key(*extra)
+
+
+def test_overrides_merge_over_defaults():
+    """The launcher's defaults followed by server.extra_args: one group per flag, the user's,
+    sorted by the flag's canonical name (`--no-enforce-eager` sorts as `--enforce-eager`)."""
+    merged = server_args([*LAUNCHER, *BASE, "--enforce-eager", "--dtype=bfloat16", "--no-enforce-eager", "-tp", "2"])
+    assert merged == [
+        ["--dtype", "bfloat16"],
+        ["--no-enforce-eager"],
+        ["--max-model-len", "2048"],
+        ["--model", "/verifier"],
+        ["--port", "8000"],
+        ["--tensor-parallel-size", "2"],
+    ]
+
+
+def test_run_only_flags_are_the_tables():
+    assert {f for f, spec in FLAGS.items() if spec.kind == RUN_ONLY} == RUN_ONLY_FLAGS
+    assert {"--model", "--port", "--gpu-memory-utilization", "--max-num-seqs"} <= RUN_ONLY_FLAGS
+    assert not {"--tensor-parallel-size", "--enforce-eager", "--dtype", "--load-format"} & RUN_ONLY_FLAGS
+    assert {spec.kind for spec in FLAGS.values()} == {RESULT, RUN_ONLY}
+
+
+# The installed vLLM against the table: skipped where vLLM is absent.
+
+
+@functools.cache
+def vllm_parser() -> argparse.ArgumentParser:
+    """vLLM's own server parser (vllm.entrypoints.launchers.api_server.entry.main builds it so)."""
+    pytest.importorskip("vllm")
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return make_arg_parser(FlexibleArgumentParser())
+
+
+def innermost_type(fn) -> str:
+    """The function vLLM's optional_type/parse_type wrappers end in (their closures)."""
+    while True:
+        inner = [c.cell_contents for c in getattr(fn, "__closure__", None) or () if callable(c.cell_contents)]
+        if not inner:
+            return getattr(fn, "__name__", "")
+        fn = inner[0]
+
+
+def described(action: argparse.Action) -> tuple:
+    """What the table records of one of vLLM's options, read from the option itself."""
+    nargs = 0 if isinstance(action, argparse.BooleanOptionalAction) else action.nargs
+    arity = 1 if nargs is None else nargs
+    canonical = next(s for s in action.option_strings if s.startswith("--"))
+    aliases = tuple(s for s in action.option_strings if s != canonical)
+    json_valued = innermost_type(action.type) in {"loads", "parse_dataclass", "union_dict_and_str"}
+    json_valued |= type(action).__name__ == "LoRAParserAction"  # parses JSON items itself
+    return canonical, arity, aliases, json_valued, isinstance(action, argparse._AppendAction)
+
+
+def test_the_table_classifies_every_option_vllm_defines():
+    import vllm
+
+    options = [described(a) for a in vllm_parser()._actions if a.option_strings]
+    known = {name for flag, spec in FLAGS.items() for name in (flag, *spec.aliases)}
+    unclassified = sorted({s for canonical, _, aliases, _, _ in options for s in (canonical, *aliases)} - known)
+    assert not unclassified, (
+        f"vLLM {vllm.__version__} defines server flags that workflow_scripts/common/vllm_flags.py "
+        f"(made from {vllm_flags.VLLM_VERSION}) does not classify: {unclassified}. Classify each "
+        "there as RESULT or RUN_ONLY (its group's comment says the rule), with its arity and aliases."
+    )
+    wrong = [
+        (canonical, "table:", FLAGS[canonical], "vLLM:", (arity, aliases, json_valued, repeats))
+        for canonical, arity, aliases, json_valued, repeats in options
+        if (FLAGS[canonical].arity, FLAGS[canonical].aliases, FLAGS[canonical].json, FLAGS[canonical].repeats)
+        != (arity, aliases, json_valued, repeats)
+    ]
+    assert not wrong, f"vllm_flags.py disagrees with vLLM {vllm.__version__} on: {wrong}"
+    stale = sorted(set(FLAGS) - {o[0] for o in options})
+    assert not stale, f"vllm_flags.py classifies flags vLLM {vllm.__version__} no longer defines: {stale}"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--model", "/m", "-q", "fp8", "-tp", "2", "-O0", "--enforce-eager", "--seed", "-1"],
+        ["--max_model_len", "4096", "--max-model", "1024", "-qfp8", "--no-enforce-eager", "-dph"],
+        ["-O", "3", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}', "--api-key", "a", "b"],
+        [
+            "--compilation-config",
+            '{"mode": 0}',
+            "-cc.mode",
+            "3",
+            "--compilation_config.cudagraph_capture_sizes+",
+            "1,2",
+        ],
+        ["--lora-modules", "a=/x", "--enable-lora", "--middleware", "m1", "--middleware", "m2", "--hf-token"],
+        [
+            "--hf-overrides.rope_theta",
+            "10",
+            "--kv-transfer-config",
+            '{"kv_role": "kv_producer", "engine_id": "e"}',
+            "-sc.method=ngram",
+        ],
+    ],
+)
+def test_the_canonical_argv_means_to_vllm_what_the_original_did(args):
+    """Rewriting an argv as server_args does keeps every setting vLLM reads from it."""
+    parser = vllm_parser()
+    canonical = [token for group in server_args([*LAUNCHER, *args]) for token in group]
+    assert vars(parser.parse_args(canonical)) == vars(parser.parse_args(args))
