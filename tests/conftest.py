@@ -1,11 +1,16 @@
 """pytest fixtures; the builders behind them live in tests/helpers.py."""
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import REPO, VERIFIER_BUILDERS, save_tiny_llama
+
+# The verifier fingerprint remembers file digests (common.identity); the suite's own, in a
+# directory of its own, never the user's ~/.cache. Every job and server a test starts inherits it.
+os.environ.setdefault("EAGLEFLOW_DIGEST_CACHE", str(Path(tempfile.mkdtemp(prefix="eagleflow-digests-")) / "d.json"))
 
 # The finished run (tests/integration/conftest.py) is built once per session. The modules
 # that use it in place (test_pipeline edits files inside it and restores them) run on one
