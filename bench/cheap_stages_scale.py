@@ -29,32 +29,32 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from workflow_scripts.common.atomic import parquet_rows, write_json, write_jsonl  # noqa: E402
-from workflow_scripts.generate.run import Shard  # noqa: E402
+from eagleflow.common.atomic import parquet_rows, write_json, write_jsonl  # noqa: E402
+from eagleflow.generate.run import Shard  # noqa: E402
 
 VOCAB = 128_000
 
 STAGES = {
     "generate_join": """
-from workflow_scripts.generate.join import join_shards
+from eagleflow.generate.join import join_shards
 parts = [f"{w}/shards/{i}-of-{n}" for i in range(n)]
 join_shards(f"{w}/prompts.jsonl", [p + "/replies.parquet" for p in parts], [p + "/stats.json" for p in parts],
             f"{w}/replies.parquet", f"{w}/generate_stats.json")
 """,
     "synth": """
-from workflow_scripts.common.config import typed
-from workflow_scripts.synth.run import Parsing, run_synth
+from eagleflow.common.config import typed
+from eagleflow.synth.run import Parsing, run_synth
 parsing = typed(Parsing, {**config["synth"], "chat_template_kwargs": {}, "trust_remote_code": False}, "synth")
 run_synth(f"{w}/replies.parquet", f"{w}/responses.parquet", f"{w}/errors.jsonl", f"{w}/quality.json", parsing)
 """,
     "dataset": """
-from workflow_scripts.common.config import typed
-from workflow_scripts.dataset import DatasetConfig, run_dataset
+from eagleflow.common.config import typed
+from eagleflow.dataset import DatasetConfig, run_dataset
 cfg = typed(DatasetConfig, config["dataset"], "dataset")
 run_dataset(f"{w}/responses.parquet", f"{w}/quality.json", f"{w}/train.parquet", f"{w}/eval.parquet", cfg)
 """,
     "vocab": """
-from workflow_scripts.vocab import run_vocab
+from eagleflow.vocab import run_vocab
 run_vocab(f"{w}/train.parquet", f"{w}/eval.parquet", f"{w}/verifier", config["vocab"]["draft_vocab_size"],
           f"{w}/vocab_map.safetensors", f"{w}/vocab_stats.json")
 """,
@@ -77,7 +77,7 @@ config = yaml.safe_load(open(sys.argv[3]))
 
 def make_replies(out: Path, conversations: int, shards: int, prompt_tokens: int, reply_tokens: int) -> None:
     """The prompt file and each shard's replies.parquet and stats.json under `out`."""
-    from workflow_scripts.common.replies import replies_schema
+    from eagleflow.common.replies import replies_schema
 
     rng = random.Random(0)
     ids = [f"c{i:07d}" for i in range(conversations)]

@@ -33,8 +33,8 @@ from openai import AsyncOpenAI
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from eagleflow.runtime.client import ChatClient  # noqa: E402
 from tests.helpers import fake_openai  # noqa: E402
-from workflow_scripts.runtime.client import ChatClient  # noqa: E402
 
 CONCURRENCIES = (1, 32, 128, 256)
 LATENCIES_S = (0.0, 0.05)

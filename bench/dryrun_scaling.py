@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def prepare(workdir: Path, samples: int, shard_counts: list[int], generate_shards: int) -> dict[int, Path]:
-    for name in ("Snakefile", "rules", "config", "envs", "workflow_scripts"):
+    for name in ("workflow", "config"):
         src = REPO / name
         (shutil.copytree if src.is_dir() else shutil.copy2)(src, workdir / name)
     prompts = workdir / "prompts.jsonl"

@@ -35,7 +35,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from workflow_scripts.hidden_states.shard_file import read_shard  # noqa: E402
+from eagleflow.hidden_states.shard_file import read_shard  # noqa: E402
 
 
 def run_name(workdir: Path, configfiles: list[str]) -> str:
@@ -96,9 +96,9 @@ def tiny(family: str, tmp: Path, num_samples: int = 12) -> dict:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from eagleflow.common.verifier_config import CPU_MLA_ROPE_ARGS, is_mla, read_text_config
+    from eagleflow.hidden_states.run import run_shard
     from tests.helpers import VERIFIER_BUILDERS, hidden_states_config, lean_server_config
-    from workflow_scripts.common.verifier_config import CPU_MLA_ROPE_ARGS, is_mla, read_text_config
-    from workflow_scripts.hidden_states.run import run_shard
 
     verifier = VERIFIER_BUILDERS[family](tmp / family)
     config = read_text_config(str(verifier))

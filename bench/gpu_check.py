@@ -50,15 +50,15 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from hidden_states_overhead import plain  # noqa: E402 (a sibling bench script)
 
-from workflow_scripts.common.config import typed  # noqa: E402
-from workflow_scripts.hidden_states.forward import extract  # noqa: E402
-from workflow_scripts.hidden_states.layers import default_aux_layer_ids  # noqa: E402
-from workflow_scripts.train.config import TrainConfig  # noqa: E402
-from workflow_scripts.train.data import Sample, collate, pack  # noqa: E402
-from workflow_scripts.train.device import init_runtime  # noqa: E402
-from workflow_scripts.train.draft import build_draft  # noqa: E402
-from workflow_scripts.train.evaluation import metric_keys  # noqa: E402
-from workflow_scripts.train.steps import train_step  # noqa: E402
+from eagleflow.common.config import typed  # noqa: E402
+from eagleflow.hidden_states.forward import extract  # noqa: E402
+from eagleflow.hidden_states.layers import default_aux_layer_ids  # noqa: E402
+from eagleflow.train.config import TrainConfig  # noqa: E402
+from eagleflow.train.data import Sample, collate, pack  # noqa: E402
+from eagleflow.train.device import init_runtime  # noqa: E402
+from eagleflow.train.draft import build_draft  # noqa: E402
+from eagleflow.train.evaluation import metric_keys  # noqa: E402
+from eagleflow.train.steps import train_step  # noqa: E402
 
 LLAMA_8B = {
     "hidden_size": 4096,
@@ -282,9 +282,9 @@ def check_backends(geometry: dict, num_samples: int, max_len: int, tmp: Path, de
     import pyarrow.parquet as pq
     from transformers import LlamaForCausalLM
 
+    from eagleflow.hidden_states.run import run_shard
+    from eagleflow.hidden_states.shard_file import read_shard
     from tests.helpers import TINY_VOCAB, char_tokenizer, hidden_states_config, lean_server_config
-    from workflow_scripts.hidden_states.run import run_shard
-    from workflow_scripts.hidden_states.shard_file import read_shard
 
     cuda = device.type == "cuda"
     dtype = "bfloat16" if cuda else "float32"

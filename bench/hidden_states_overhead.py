@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from workflow_scripts.hidden_states.forward import decoder_parts, extract, load_verifier, token_budget_batches
-from workflow_scripts.hidden_states.layers import default_aux_layer_ids
+from eagleflow.hidden_states.forward import decoder_parts, extract, load_verifier, token_budget_batches
+from eagleflow.hidden_states.layers import default_aux_layer_ids
 
 EMBEDDED = Path(__file__).resolve().parents[1] / "resources/verifier/smollm2-135m-instruct"
 

@@ -30,9 +30,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from workflow_scripts.common.atomic import read_jsonl
-from workflow_scripts.plan import load_merged_config
-from workflow_scripts.train.loop import run_from_json
+from eagleflow.common.atomic import read_jsonl
+from eagleflow.plan import load_merged_config
+from eagleflow.train.loop import run_from_json
 
 
 def spec(config: dict, workdir: Path, out: Path, mode: str, epochs: int) -> dict:

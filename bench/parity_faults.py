@@ -29,12 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from safetensors.torch import load_file, save_file
 
-from workflow_scripts.benchmark.parity import ParityConfig, extraction_job, run_parity
-from workflow_scripts.benchmark.run import BenchmarkConfig, run_benchmark
-from workflow_scripts.common.config import typed
-from workflow_scripts.plan import load_merged_config
-from workflow_scripts.runtime.logs import configure_logging
-from workflow_scripts.runtime.spec import ServerConfig, ServerSpec
+from eagleflow.benchmark.parity import ParityConfig, extraction_job, run_parity
+from eagleflow.benchmark.run import BenchmarkConfig, run_benchmark
+from eagleflow.common.config import typed
+from eagleflow.plan import load_merged_config
+from eagleflow.runtime.logs import configure_logging
+from eagleflow.runtime.spec import ServerConfig, ServerSpec
 
 
 def break_aux_layer_ids(draft: Path) -> None:

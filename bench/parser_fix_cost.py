@@ -4,7 +4,7 @@ requests sent to the verifier, until the training data (`dataset/`) is rebuilt.
     python bench/parser_fix_cost.py --run demo [--configfile CONFIG] [--cores 2]
 
 Run it in a workflow directory whose run is finished. It appends a behaviour change to
-`workflow_scripts/synth/assemble.py` (a new module-level constant: the code fingerprint of
+`workflow/eagleflow/synth/assemble.py` (a new module-level constant: the code fingerprint of
 every rule that runs the module changes), lists what `snakemake -n` plans and why, rebuilds
 `dataset/` and restores the file. Everything downstream of `dataset/` (hidden states,
 training, benchmark) is rebuilt by any data fix and is not counted.
@@ -52,7 +52,7 @@ def main() -> None:
         sys.exit(f"{results}: the run is not finished up to dataset/ ({', '.join(plan(cmd))} planned); finish it first")
     stats_path = results / "generate/stats.json"
     stats_before = stats_path.stat().st_mtime if stats_path.exists() else None
-    module = Path("workflow_scripts/synth/assemble.py")
+    module = Path("workflow/eagleflow/synth/assemble.py")
     original = module.read_text()
     try:
         module.write_text(original + EDIT)

@@ -53,10 +53,10 @@ from safetensors import safe_open
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from workflow_scripts.common.atomic import atomic_path, write_jsonl, write_safetensors
-from workflow_scripts.hidden_states.shard_file import read_shard
-from workflow_scripts.plan import load_merged_config
-from workflow_scripts.runtime.logs import configure_logging
+from eagleflow.common.atomic import atomic_path, write_jsonl, write_safetensors
+from eagleflow.hidden_states.shard_file import read_shard
+from eagleflow.plan import load_merged_config
+from eagleflow.runtime.logs import configure_logging
 
 log = logging.getLogger("peer_draft")
 

@@ -34,16 +34,16 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.standard_sets import measure_drafts, set_spec  # noqa: E402
-from workflow_scripts.benchmark.run import BenchmarkConfig  # noqa: E402
-from workflow_scripts.benchmark.set_job import conversation_tokens  # noqa: E402
-from workflow_scripts.benchmark.sets import SetSpec, build_sets  # noqa: E402
-from workflow_scripts.common.atomic import read_jsonl, write_json  # noqa: E402
-from workflow_scripts.common.config import typed  # noqa: E402
-from workflow_scripts.plan import load_merged_config  # noqa: E402
-from workflow_scripts.runtime.logs import configure_logging  # noqa: E402
-from workflow_scripts.runtime.spec import ServerConfig, ServerSpec  # noqa: E402
+from eagleflow.benchmark.run import BenchmarkConfig  # noqa: E402
+from eagleflow.benchmark.set_job import conversation_tokens  # noqa: E402
+from eagleflow.benchmark.sets import SetSpec, build_sets  # noqa: E402
+from eagleflow.common.atomic import read_jsonl, write_json  # noqa: E402
+from eagleflow.common.config import typed  # noqa: E402
+from eagleflow.plan import load_merged_config  # noqa: E402
+from eagleflow.runtime.logs import configure_logging  # noqa: E402
+from eagleflow.runtime.spec import ServerConfig, ServerSpec  # noqa: E402
 
-WORKFLOW = ("Snakefile", "rules", "config", "envs", "profiles", "workflow_scripts")
+WORKFLOW = ("workflow", "config", "profiles")
 RUNS = ("ps-file", "ps-written", "ps-both")
 
 

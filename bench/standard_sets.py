@@ -30,14 +30,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from workflow_scripts.benchmark.run import BenchmarkConfig, Workload, run_baseline, run_benchmark
-from workflow_scripts.benchmark.set_job import conversation_tokens
-from workflow_scripts.benchmark.sets import SetSpec, build_sets
-from workflow_scripts.common.atomic import read_jsonl, write_json
-from workflow_scripts.common.config import typed
-from workflow_scripts.plan import load_merged_config
-from workflow_scripts.runtime.logs import configure_logging
-from workflow_scripts.runtime.spec import ServerConfig, ServerSpec
+from eagleflow.benchmark.run import BenchmarkConfig, Workload, run_baseline, run_benchmark
+from eagleflow.benchmark.set_job import conversation_tokens
+from eagleflow.benchmark.sets import SetSpec, build_sets
+from eagleflow.common.atomic import read_jsonl, write_json
+from eagleflow.common.config import typed
+from eagleflow.plan import load_merged_config
+from eagleflow.runtime.logs import configure_logging
+from eagleflow.runtime.spec import ServerConfig, ServerSpec
 
 
 def set_spec(arg: str) -> SetSpec:

@@ -20,8 +20,8 @@ import yaml
 from safetensors.torch import load_file
 from speculators.losses import resolve_loss_config
 
-from workflow_scripts.train.data import collate, load_shards, pack
-from workflow_scripts.train.draft import build_draft
+from eagleflow.train.data import collate, load_shards, pack
+from eagleflow.train.draft import build_draft
 
 
 def main() -> None:

@@ -35,13 +35,13 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from eagleflow.common.atomic import read_jsonl
+from eagleflow.common.config import typed
+from eagleflow.train.config import TrainConfig, TrainJob
+from eagleflow.train.data import collate, load_shards, pack
+from eagleflow.train.draft import build_draft
+from eagleflow.train.loop import run_train
 from tests.train_inputs import make_train_inputs
-from workflow_scripts.common.atomic import read_jsonl
-from workflow_scripts.common.config import typed
-from workflow_scripts.train.config import TrainConfig, TrainJob
-from workflow_scripts.train.data import collate, load_shards, pack
-from workflow_scripts.train.draft import build_draft
-from workflow_scripts.train.loop import run_train
 
 
 def smollm2_geometry_verifier(out: Path) -> Path:
@@ -203,7 +203,7 @@ def main() -> None:
 
 def checkpoint_cost(inputs, verifier: Path, cfg: dict, threads: int, out: Path, tokens_per_step: float) -> None:
     """One checkpoint's write time, alone (median of 3), and what it costs per step at the cadence."""
-    from workflow_scripts.train.checkpoint import TrainState, save_checkpoint
+    from eagleflow.train.checkpoint import TrainState, save_checkpoint
 
     run_bare(inputs, verifier, cfg, threads)  # a trained draft and a filled optimizer state
     (w0, _), (w1, _) = STAMPS[0], STAMPS[-1]

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import yaml
 
-from workflow_scripts.common.config import typed
-from workflow_scripts.train.config import TrainConfig, TrainJob
-from workflow_scripts.train.loop import run_train
+from eagleflow.common.config import typed
+from eagleflow.train.config import TrainConfig, TrainJob
+from eagleflow.train.loop import run_train
 
 
 def main(run_dir: str, schedules: list[str]) -> None:

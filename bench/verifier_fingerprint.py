@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from workflow_scripts.common import identity
+from eagleflow.common import identity
 
 GB = 1e9
 BLOCK = 64 << 20

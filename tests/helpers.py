@@ -61,7 +61,7 @@ def merged(base: dict, override: dict) -> dict:
 
 
 def server_config(**overrides):
-    from workflow_scripts.runtime.spec import ServerConfig
+    from eagleflow.runtime.spec import ServerConfig
 
     return ServerConfig.from_section(config_section("server", **overrides))
 
@@ -74,15 +74,15 @@ def lean_server_config(**overrides):
 
 
 def hidden_states_config(**overrides):
-    from workflow_scripts.common.config import typed
-    from workflow_scripts.hidden_states.backend import HiddenStatesConfig
+    from eagleflow.common.config import typed
+    from eagleflow.hidden_states.backend import HiddenStatesConfig
 
     return typed(HiddenStatesConfig, config_section("hidden_states", **overrides), "hidden_states")
 
 
 def train_config(**overrides):
-    from workflow_scripts.common.config import typed
-    from workflow_scripts.train.config import TrainConfig
+    from eagleflow.common.config import typed
+    from eagleflow.train.config import TrainConfig
 
     return typed(TrainConfig, config_section("train", **overrides), "train")
 
@@ -194,7 +194,7 @@ def planned_jobs(dry_run_stdout: str) -> dict[str, str]:
 
 
 # What a run directory holds of the repository.
-WORKFLOW_FILES = ("Snakefile", "rules", "config", "envs", "profiles", "workflow_scripts")
+WORKFLOW_FILES = ("workflow", "config", "profiles")
 
 
 def copy_workflow(dst: Path) -> Path:
@@ -463,7 +463,7 @@ def storage_steps(a: torch.Tensor, b: torch.Tensor, dtype: str, num_states: int)
     448 exactly); codes are compared as signed magnitudes, whose e4m3 bit patterns are ordered."""
     import torch
 
-    from workflow_scripts.hidden_states.storage import FP8, quantize_fp8
+    from eagleflow.hidden_states.storage import FP8, quantize_fp8
 
     if dtype != FP8:
         return (ordinal(a.to(torch.bfloat16), 0x7FFF) - ordinal(b.to(torch.bfloat16), 0x7FFF)).abs().flatten()
@@ -486,8 +486,8 @@ def shards_beside_transformers(paths, verifier_dir, store_dtype: torch.dtype):
     tokens, handed over in `store_dtype`."""
     import torch
 
-    from workflow_scripts.hidden_states.forward import extract, load_verifier
-    from workflow_scripts.hidden_states.shard_file import read_shard
+    from eagleflow.hidden_states.forward import extract, load_verifier
+    from eagleflow.hidden_states.shard_file import read_shard
 
     verifier = load_verifier(str(verifier_dir), "cpu", torch.float32)
     for path in paths:

@@ -11,9 +11,9 @@ import sys
 
 import torch.distributed as dist
 
-from workflow_scripts.runtime.logs import configure_logging
-from workflow_scripts.runtime.process import terminate_on_sigterm
-from workflow_scripts.train.loop import StepCallback, run_from_json
+from eagleflow.runtime.logs import configure_logging
+from eagleflow.runtime.process import terminate_on_sigterm
+from eagleflow.train.loop import StepCallback, run_from_json
 
 
 def kill_at(step: int, sig: int = signal.SIGKILL) -> StepCallback:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from eagleflow.runtime.process import group_members, parent_pid
+from eagleflow.runtime.spec import ServerSpec
 from tests.helpers import (
     REPO,
     SNAKEMAKE,
@@ -21,8 +23,6 @@ from tests.helpers import (
     stored_replies,
     vllm_available,
 )
-from workflow_scripts.runtime.process import group_members, parent_pid
-from workflow_scripts.runtime.spec import ServerSpec
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -10,14 +10,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from eagleflow.common.verifier_config import draft_attention_geometry, read_text_config
+from eagleflow.common.verifier_weights import load_verifier_embeddings, load_verifier_lm_head
+from eagleflow.hidden_states.run import run_shard
+from eagleflow.hidden_states.shards import write_index
+from eagleflow.train.config import TrainJob
+from eagleflow.train.draft import draft_layer_config, load_draft
+from eagleflow.train.loop import run_train
 from tests.helpers import VERIFIER_BUILDERS, hidden_states_config, train_config
-from workflow_scripts.common.verifier_config import draft_attention_geometry, read_text_config
-from workflow_scripts.common.verifier_weights import load_verifier_embeddings, load_verifier_lm_head
-from workflow_scripts.hidden_states.run import run_shard
-from workflow_scripts.hidden_states.shards import write_index
-from workflow_scripts.train.config import TrainJob
-from workflow_scripts.train.draft import draft_layer_config, load_draft
-from workflow_scripts.train.loop import run_train
 
 TRAIN_CFG = {
     "num_layers": 1,
@@ -246,11 +246,11 @@ def test_draft_targets_are_the_verifiers_own_logits(tiny_verifier, tmp_path):
     weights first: with the all-ones norm of a fresh model, forgetting to load it would pass."""
     import shutil
 
-    from workflow_scripts.common.verifier_config import safetensors_weight_map
-    from workflow_scripts.common.verifier_weights import FINAL_NORM_NAMES
-    from workflow_scripts.hidden_states.forward import extract, load_verifier
-    from workflow_scripts.hidden_states.layers import default_aux_layer_ids
-    from workflow_scripts.train.draft import build_draft
+    from eagleflow.common.verifier_config import safetensors_weight_map
+    from eagleflow.common.verifier_weights import FINAL_NORM_NAMES
+    from eagleflow.hidden_states.forward import extract, load_verifier
+    from eagleflow.hidden_states.layers import default_aux_layer_ids
+    from eagleflow.train.draft import build_draft
 
     family, source = tiny_verifier
     verifier = tmp_path / "verifier"

@@ -15,15 +15,15 @@ from pathlib import Path
 import httpx2
 import pytest
 
+from eagleflow.common.atomic import write_jsonl
+from eagleflow.common.replies import read_replies
+from eagleflow.generate.join import join_shards
+from eagleflow.generate.run import Client, Requests, run_generate
+from eagleflow.runtime.client import RetryPolicy
+from eagleflow.runtime.launch import free_port
+from eagleflow.runtime.spec import ServerError
+from eagleflow.runtime.store import ResponseStore, StoreError
 from tests.helpers import REPO, fake_openai, server_config, stored_replies
-from workflow_scripts.common.atomic import write_jsonl
-from workflow_scripts.common.replies import read_replies
-from workflow_scripts.generate.join import join_shards
-from workflow_scripts.generate.run import Client, Requests, run_generate
-from workflow_scripts.runtime.client import RetryPolicy
-from workflow_scripts.runtime.launch import free_port
-from workflow_scripts.runtime.spec import ServerError
-from workflow_scripts.runtime.store import ResponseStore, StoreError
 
 REQUESTS = Requests(model="verifier", sampling={"max_tokens": 12, "temperature": 0.0}, chat_template_kwargs={})
 CLIENT = Client(
@@ -140,10 +140,8 @@ def test_the_store_is_keyed_by_the_request_not_by_eagleflows_code(tmp_path, veri
         assert generate(tmp_path / "prompts.jsonl", url, tmp_path / "run", verifier, requests=longer)["sent"] == 12
 
         copy = tmp_path / "code"
-        shutil.copytree(
-            REPO / "workflow_scripts", copy / "workflow_scripts", ignore=shutil.ignore_patterns("__pycache__")
-        )
-        assemble = copy / "workflow_scripts/synth/assemble.py"
+        shutil.copytree(REPO / "workflow/eagleflow", copy / "eagleflow", ignore=shutil.ignore_patterns("__pycache__"))
+        assemble = copy / "eagleflow/synth/assemble.py"
         assemble.write_text(
             assemble.read_text().replace(
                 'REASONING_FIELDS = ("reasoning", "reasoning_content")', 'REASONING_FIELDS = ("reasoning_content",)'
@@ -268,7 +266,7 @@ def test_prune_keeps_exactly_the_entries_current_replies_use(tmp_path, verifier)
         stats = generate(tmp_path / "prompts.jsonl", url, tmp_path / "run", verifier)
     assert (stats["sent"], stats["store_entries_unused"]) == (0, 12 - 5)
     store, replies = tmp_path / "run/store.sqlite", tmp_path / "run/replies.parquet"
-    cli = [sys.executable, "-m", "workflow_scripts.generate"]
+    cli = [sys.executable, "-m", "eagleflow.generate"]
     out = subprocess.run(
         [*cli, "prune", str(store), "--keep", str(replies)], cwd=REPO, capture_output=True, text=True, check=True
     )
@@ -282,9 +280,9 @@ def test_prune_keeps_exactly_the_entries_current_replies_use(tmp_path, verifier)
 GENERATE_JOB = textwrap.dedent(
     """
     import json, logging, sys, yaml
-    from workflow_scripts.runtime.process import terminate_on_sigterm
-    from workflow_scripts.runtime.spec import ServerConfig
-    from workflow_scripts.generate.run import Client, Requests, run_generate
+    from eagleflow.runtime.process import terminate_on_sigterm
+    from eagleflow.runtime.spec import ServerConfig
+    from eagleflow.generate.run import Client, Requests, run_generate
     logging.basicConfig(level=logging.INFO)
     terminate_on_sigterm()  # as every Snakemake entry point does
     prompts, url, out, verifier = sys.argv[1:5]
@@ -365,13 +363,13 @@ def test_sigterm_stops_promptly_and_loses_nothing(tmp_path, verifier):
     assert kept >= 10 and stats["reused"] == kept and stats["sent"] == 96 - kept
 
 
-# One generate shard job, as rules/generate.smk runs it: its conversations, its store file.
+# One generate shard job, as workflow/rules/generate.smk runs it: its conversations, its store file.
 SHARD_JOB = textwrap.dedent(
     """
     import json, logging, sys, yaml
-    from workflow_scripts.runtime.process import terminate_on_sigterm
-    from workflow_scripts.runtime.spec import ServerConfig
-    from workflow_scripts.generate.run import Client, Requests, Shard, run_generate
+    from eagleflow.runtime.process import terminate_on_sigterm
+    from eagleflow.runtime.spec import ServerConfig
+    from eagleflow.generate.run import Client, Requests, Shard, run_generate
     logging.basicConfig(level=logging.INFO)
     terminate_on_sigterm()
     prompts, url, out, verifier, part, config = sys.argv[1:7]

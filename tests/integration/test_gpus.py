@@ -1,4 +1,4 @@
-"""Disjoint GPUs for concurrent jobs (profiles/local-gpu, workflow_scripts/common/gpus.py)."""
+"""Disjoint GPUs for concurrent jobs (profiles/local-gpu, workflow/eagleflow/common/gpus.py)."""
 
 import json
 import os
@@ -9,8 +9,8 @@ import textwrap
 
 import pytest
 
+from eagleflow.runtime.gpus import assign_job_gpus, claim_gpus, device_pool
 from tests.helpers import REPO
-from workflow_scripts.runtime.gpus import assign_job_gpus, claim_gpus, device_pool
 
 
 def test_device_pool_prefers_the_users_restriction(tmp_path):
@@ -40,7 +40,7 @@ def test_claims_are_disjoint_and_die_with_the_process(tmp_path):
             textwrap.dedent(f"""
             import sys, time
             from pathlib import Path
-            from workflow_scripts.runtime.gpus import claim_gpus
+            from eagleflow.runtime.gpus import claim_gpus
             claim_gpus(1, ["7"], Path({str(tmp_path)!r}))
             print("held", flush=True)
             time.sleep(60)
@@ -71,7 +71,7 @@ def test_slurm_and_cpu_jobs_are_left_alone(monkeypatch):
 
 JOB_SCRIPT = """
 import json, os, time
-from workflow_scripts.runtime.smk import stage
+from eagleflow.runtime.smk import stage
 
 with stage(snakemake):
     start = time.time()

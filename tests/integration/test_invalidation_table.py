@@ -7,9 +7,9 @@ import tempfile
 
 import yaml
 
+from eagleflow.common.fingerprint import ROOT, _module_file, module_digests
+from eagleflow.load_plan import planned_loads
 from tests.helpers import REPO
-from workflow_scripts.common.fingerprint import ROOT, _module_file, module_digests
-from workflow_scripts.load_plan import planned_loads
 
 DOC = REPO / "docs/invalidation.md"
 COLUMNS = ("module", "rules that run it", "also rebuilt downstream", "verifier loads", "requests", "shard tokens")
@@ -17,12 +17,12 @@ HEADER = "| " + " | ".join((*COLUMNS, "training steps")) + " |"
 
 
 def rule_scripts() -> dict[str, str]:
-    """{rule: the entry script it runs}, read from rules/*.smk."""
+    """{rule: the entry script it runs}, read from workflow/rules/*.smk."""
     found = {}
-    for smk in sorted((REPO / "rules").glob("*.smk")):
+    for smk in sorted((REPO / "workflow/rules").glob("*.smk")):
         for block in re.split(r"(?m)^(?=rule )", smk.read_text()):
             rule = re.match(r"rule (\w+):", block)
-            script = re.search(r'script:\s*"\.\./workflow_scripts/entry/(\w+)\.py"', block)
+            script = re.search(r'script:\s*"\.\./eagleflow/entry/(\w+)\.py"', block)
             if rule and script:
                 code = re.search(r'code=code\("(\w+)"\)', block)
                 assert code and code.group(1) == script.group(1), (
@@ -76,7 +76,7 @@ def expected_table() -> list[tuple[str, ...]]:
     scripts, after = rule_scripts(), downstream()
     runs: dict[str, set[str]] = {}
     for rule, script in scripts.items():
-        for module in module_digests(f"workflow_scripts.entry.{script}", ROOT):
+        for module in module_digests(f"eagleflow.entry.{script}", ROOT):
             runs.setdefault(_module_file(module, ROOT).relative_to(ROOT).as_posix(), set()).add(rule)
     # Upstream first: a rule with more downstream of it comes earlier.
     order = sorted(after, key=lambda r: (-len(after[r]), r))
@@ -114,7 +114,7 @@ def test_the_documented_module_table_is_what_the_fingerprints_do():
 
 
 def test_generate_runs_none_of_the_parsing_or_dataset_code():
-    generate = {m.removeprefix("workflow_scripts.") for m in module_digests("workflow_scripts.entry.generate", ROOT)}
+    generate = {m.removeprefix("eagleflow.") for m in module_digests("eagleflow.entry.generate", ROOT)}
     assert not {m for m in generate if m.startswith(("synth", "dataset", "common.defects"))}, generate
-    synth = {m.removeprefix("workflow_scripts.") for m in module_digests("workflow_scripts.entry.synth", ROOT)}
+    synth = {m.removeprefix("eagleflow.") for m in module_digests("eagleflow.entry.synth", ROOT)}
     assert not {m for m in synth if m.startswith(("generate", "runtime.", "dataset"))}, synth

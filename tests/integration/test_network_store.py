@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
+from eagleflow.common.replies import read_replies
+from eagleflow.runtime.store import ResponseStore, StoreError, filesystem_type, resolve_locking
 from tests.helpers import REPO, fake_openai
 from tests.integration.test_generate import finish, join, shard_job, shards_of, synth_job, write_prompts
-from workflow_scripts.common.replies import read_replies
-from workflow_scripts.runtime.store import ResponseStore, StoreError, filesystem_type, resolve_locking
 
 TWO_HOSTS = REPO / "tests/network_fs/two_hosts.sh"
 
@@ -99,7 +99,7 @@ WRITER = textwrap.dedent(
     """
     import os, signal, sys
     sys.path.insert(0, {repo!r})
-    from workflow_scripts.runtime.store import ResponseStore
+    from eagleflow.runtime.store import ResponseStore
     store = ResponseStore({path!r})
     for i in range(40):
         store.put(f"k{{i}}", {{"i": i}}, {{"reply": i}})

@@ -4,8 +4,8 @@ stage, a refactor of the extraction code) restore the draft instead of training 
 
 import subprocess
 
+from eagleflow.hidden_states.shard_file import shard_content_digest
 from tests.helpers import REPO, SNAKEMAKE, copy_finished_run, planned_jobs
-from workflow_scripts.hidden_states.shard_file import shard_content_digest
 
 CONFIG = ["--configfile", str(REPO / "tests/config/small.yaml")]
 
@@ -71,7 +71,7 @@ def test_forced_stages_recompute_and_identical_shards_restore_the_draft(finished
     # A refactor of the extraction code that writes the same states: Snakemake reruns the shard
     # jobs (their code changed), the shard key changed with the code so they extract again, and
     # the draft is restored again by content.
-    extraction = wf / "workflow_scripts/hidden_states/hf.py"  # the shards' code; not training's
+    extraction = wf / "workflow/eagleflow/hidden_states/hf.py"  # the shards' code; not training's
     extraction.write_text(extraction.read_text() + "\n_EAGLEFLOW_REFACTOR = 1\n")
     snakemake(wf, "--cores", "2", "--until", "train")
     for shard, name in zip(shards, names, strict=True):

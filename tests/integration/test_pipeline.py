@@ -12,6 +12,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from eagleflow.common.atomic import read_jsonl
+from eagleflow.runtime.ledger import count_loads, read_loads
 from tests.helpers import (
     REPO,
     SNAKEMAKE,
@@ -21,8 +23,6 @@ from tests.helpers import (
     vllm_available,
     vllm_processes,
 )
-from workflow_scripts.common.atomic import read_jsonl
-from workflow_scripts.runtime.ledger import count_loads, read_loads
 
 pytestmark = [
     pytest.mark.vllm,
@@ -189,12 +189,12 @@ def test_the_verifier_writes_prompts_that_reach_training_and_the_report(finished
 def test_a_rerun_of_write_prompts_and_a_filter_change_send_no_request(finished_run, tmp_path):
     """The store answers every written request: a server that cannot answer (a dead endpoint)
     is never asked; a filter change does not rerun write_prompts at all."""
+    from eagleflow.common.config import typed
+    from eagleflow.prompts.config import WrittenConfig
+    from eagleflow.prompts.written import run_write_prompts
+    from eagleflow.runtime.answering import Client
+    from eagleflow.runtime.spec import ServerConfig
     from tests.slurm_cluster import load_small
-    from workflow_scripts.common.config import typed
-    from workflow_scripts.prompts.config import WrittenConfig
-    from workflow_scripts.prompts.written import run_write_prompts
-    from workflow_scripts.runtime.answering import Client
-    from workflow_scripts.runtime.spec import ServerConfig
 
     r = finished_run / "results/small"
     config = load_small()
@@ -311,7 +311,7 @@ BENCHMARKS = {"baseline", "benchmark", "parity", "report", "compare"}
     ],
 )
 def test_editing_a_stage_module_restales_exactly_it_and_downstream(finished_run, module, expected):
-    path = finished_run / "workflow_scripts" / module
+    path = finished_run / "workflow/eagleflow" / module
     original = path.read_text()
     try:
         path.write_text(original + "\n_EAGLEFLOW_TEST_EDIT = 1\n")
@@ -321,7 +321,7 @@ def test_editing_a_stage_module_restales_exactly_it_and_downstream(finished_run,
 
 
 def test_comments_and_docs_restale_nothing(finished_run):
-    path = finished_run / "workflow_scripts/generate/run.py"
+    path = finished_run / "workflow/eagleflow/generate/run.py"
     original = path.read_text()
     try:
         path.write_text(
@@ -351,7 +351,7 @@ def test_a_copy_elsewhere_plans_nothing_and_a_fix_that_changes_no_byte_costs_no_
     kept += [str(p.relative_to(run)) for p in sorted((run / "drafts/default/draft").iterdir())]
     before = {name: (run / name).read_bytes() for name in kept}
     loads_before = len(read_loads(run / "logs/servers"))
-    generate = moved / "workflow_scripts/generate/run.py"
+    generate = moved / "workflow/eagleflow/generate/run.py"
     generate.write_text(generate.read_text() + "\n_EAGLEFLOW_TEST_EDIT = 1\n")
     # The draft names the verifier it is served with: in this copy that would be the copy's
     # own (another path, so another draft); keep naming the original's, as the draft does.
@@ -389,11 +389,11 @@ def test_a_copy_elsewhere_plans_nothing_and_a_fix_that_changes_no_byte_costs_no_
 
 
 def test_editing_run_only_code_restales_nothing(finished_run):
-    """A statement appended to every module of workflow_scripts/runtime (server launch,
+    """A statement appended to every module of workflow/eagleflow/runtime (server launch,
     supervision, leases, recovery, client, concurrency, logging, GPU locks, the ledger, the
     Snakemake adapter): the finished run plans no job. All at once in one dry run: a fingerprint
     is per module, so any one edit that restaled a rule would restale it here too."""
-    paths = sorted((finished_run / "workflow_scripts/runtime").glob("*.py"))
+    paths = sorted((finished_run / "workflow/eagleflow/runtime").glob("*.py"))
     assert len(paths) >= 15
     originals = {path: path.read_text() for path in paths}
     try:
@@ -513,7 +513,7 @@ def test_the_run_report_has_the_comparison_of_its_one_variant(finished_run):
 
 
 def test_the_plan_counts_the_bytes_the_shards_take(finished_run):
-    from workflow_scripts.plan import load_merged_config, make_plan
+    from eagleflow.plan import load_merged_config, make_plan
 
     config = load_merged_config([str(REPO / "tests/config/small.yaml")], finished_run)
     plan = make_plan(config, finished_run)

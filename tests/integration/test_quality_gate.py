@@ -9,14 +9,14 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from eagleflow.common.atomic import write_json, write_jsonl
+from eagleflow.common.config import typed
+from eagleflow.common.replies import write_replies
+from eagleflow.dataset import DatasetConfig, QualityGateError, run_dataset
+from eagleflow.synth.assemble import parse_completion
+from eagleflow.synth.quality import quality_report
+from eagleflow.synth.run import SAMPLES
 from tests.helpers import config_section, copy_workflow
-from workflow_scripts.common.atomic import write_json, write_jsonl
-from workflow_scripts.common.config import typed
-from workflow_scripts.common.replies import write_replies
-from workflow_scripts.dataset import DatasetConfig, QualityGateError, run_dataset
-from workflow_scripts.synth.assemble import parse_completion
-from workflow_scripts.synth.quality import quality_report
-from workflow_scripts.synth.run import SAMPLES
 
 
 def reasoning_dropped_samples(n: int) -> list[dict]:

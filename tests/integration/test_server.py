@@ -14,12 +14,12 @@ import time
 import httpx2
 import pytest
 
+from eagleflow.runtime.launch import VllmServer, free_port
+from eagleflow.runtime.leases import Lease
+from eagleflow.runtime.process import group_alive, group_members, parent_pid, start_time
+from eagleflow.runtime.recovery import RestartDeadServer
+from eagleflow.runtime.spec import ServerError, ServerSpec
 from tests.helpers import server_config
-from workflow_scripts.runtime.launch import VllmServer, free_port
-from workflow_scripts.runtime.leases import Lease
-from workflow_scripts.runtime.process import group_alive, group_members, parent_pid, start_time
-from workflow_scripts.runtime.recovery import RestartDeadServer
-from workflow_scripts.runtime.spec import ServerError, ServerSpec
 
 # A stand-in for vLLM's process tree: a parent serving /health, plus a forked worker that
 # ignores SIGTERM (as a wedged engine worker does), so the SIGKILL path is exercised too.
@@ -154,7 +154,7 @@ FAKE_JOB = textwrap.dedent(
     """
     import sys, time
     from tests.integration.test_server import fake_spec
-    from workflow_scripts.runtime.launch import VllmServer
+    from eagleflow.runtime.launch import VllmServer
     with VllmServer(fake_spec(startup_timeout_s=30, stop_grace_s=2), sys.argv[1]) as srv:
         print("READY", srv.proc.pid, flush=True)
         time.sleep(3600)
@@ -235,9 +235,9 @@ def test_a_leftover_server_of_a_dead_job_is_stopped_by_the_next_one(tmp_path, ca
 
 
 def test_a_shared_server_outlives_its_launcher_keeps_its_gpus_and_stops_after_the_linger(tmp_path, monkeypatch):
-    from workflow_scripts.runtime.gpus import claim_gpus
-    from workflow_scripts.runtime.ledger import read_loads
-    from workflow_scripts.runtime.shared_server import SharedServer, Sharing
+    from eagleflow.runtime.gpus import claim_gpus
+    from eagleflow.runtime.ledger import read_loads
+    from eagleflow.runtime.shared_server import SharedServer, Sharing
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     monkeypatch.setenv("EAGLEFLOW_GPU_LOCK_DIR", str(tmp_path / "gpu-locks"))
@@ -262,9 +262,9 @@ def test_a_shared_server_outlives_its_launcher_keeps_its_gpus_and_stops_after_th
 
 
 def test_a_shared_server_that_dies_is_restarted_once_for_every_job(tmp_path):
-    from workflow_scripts.runtime.ledger import read_loads
-    from workflow_scripts.runtime.recovery import RestartSharedServer
-    from workflow_scripts.runtime.shared_server import SharedServer, Sharing, stop_idle_shared_servers
+    from eagleflow.runtime.ledger import read_loads
+    from eagleflow.runtime.recovery import RestartSharedServer
+    from eagleflow.runtime.shared_server import SharedServer, Sharing, stop_idle_shared_servers
 
     spec = fake_spec(startup_timeout_s=30, stop_grace_s=2)
     sharing = Sharing(name="hidden_states", linger_s=60)

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from eagleflow.variants import draft_id
 from tests.helpers import REPO, SNAKEMAKE, vllm_processes
 from tests.slurm_cluster import (
     SMALL,
@@ -28,7 +29,6 @@ from tests.slurm_cluster import (
     load_small,
     real_profile,
 )
-from workflow_scripts.variants import draft_id
 
 KIMI = REPO / "config/kimi-k2.5-8xgpu.yaml"
 

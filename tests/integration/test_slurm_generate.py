@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from eagleflow.common.replies import read_replies
 from tests.helpers import SNAKEMAKE, fake_openai, stored_replies
 from tests.slurm_cluster import SMALL, copy_for_cluster
-from workflow_scripts.common.replies import read_replies
 
 RUN = "results/small"
 TARGET = f"{RUN}/generate/replies.parquet"
@@ -73,7 +73,7 @@ def sharded(finished_run, tmp_path_factory):
         # Its replies leave the store again (the product's prune: keep the shared run's and
         # the written prompts'), so that the shards must ask for every one of them.
         keep = [str(vllm_replies), str(wf / f"{RUN}/prompts/written.jsonl")]
-        prune = [sys.executable, "-m", "workflow_scripts.generate", "prune", str(store), "--keep", *keep]
+        prune = [sys.executable, "-m", "eagleflow.generate", "prune", str(store), "--keep", *keep]
         subprocess.run(prune, cwd=wf, check=True, capture_output=True)
 
         # Two shards through SLURM; shard 1 SIGKILLed once it has stored three replies.

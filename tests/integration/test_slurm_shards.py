@@ -12,6 +12,7 @@ import pytest
 import torch
 import yaml
 
+from eagleflow.runtime.ledger import read_loads
 from tests.helpers import (
     MAX_STEPPED,
     SNAKEMAKE,
@@ -24,7 +25,6 @@ from tests.slurm_cluster import (
     copy_for_cluster,
     load_small,
 )
-from workflow_scripts.runtime.ledger import read_loads
 
 # The example's shard settings (config/kimi-k2.5-8xgpu.yaml): vLLM's extraction, fp8 states,
 # the compact top-k target.
@@ -86,8 +86,8 @@ def test_the_clusters_fp8_shards_and_topk_targets_are_those_of_transformers_stat
     transformers' float32 forward on the same tokens, taken through the same storage: bfloat16
     then fp8 for the aux states (at most one e4m3 step apart, on few values: the two float32
     forwards differ by ~3e-7), and the top-k head on the bfloat16 final state for the target."""
-    from workflow_scripts.hidden_states.storage import FP8
-    from workflow_scripts.hidden_states.targets import TopkHead
+    from eagleflow.hidden_states.storage import FP8
+    from eagleflow.hidden_states.targets import TopkHead
 
     wf, _, _ = slurm_shards
     verifier_dir = wf / "resources/verifier" / load_small()["verifier"]["name"]

@@ -14,12 +14,12 @@ import pytest
 import yaml
 from transformers import AutoTokenizer
 
+from eagleflow.common.atomic import write_jsonl
+from eagleflow.generate.run import Client, Requests, run_generate
+from eagleflow.runtime.launch import VllmServer
+from eagleflow.runtime.spec import ServerSpec
+from eagleflow.synth.run import Parsing, run_synth
 from tests.helpers import SNAKEMAKE, copy_workflow, lean_server_config, planned_jobs, vllm_available
-from workflow_scripts.common.atomic import write_jsonl
-from workflow_scripts.generate.run import Client, Requests, run_generate
-from workflow_scripts.runtime.launch import VllmServer
-from workflow_scripts.runtime.spec import ServerSpec
-from workflow_scripts.synth.run import Parsing, run_synth
 
 pytestmark = [
     pytest.mark.vllm,
@@ -217,7 +217,7 @@ def snakemake(wf: Path, *options: str, check: bool = True) -> subprocess.Complet
 def break_the_parser(wf: Path) -> str:
     """The incident: read only `reasoning_content` (vLLM sends `reasoning`) and glue reasoning
     and answer together as text, without the think markers. Returns the original source."""
-    path = wf / "workflow_scripts/synth/assemble.py"
+    path = wf / "workflow/eagleflow/synth/assemble.py"
     original = path.read_text()
     broken = original.replace(
         'REASONING_FIELDS = ("reasoning", "reasoning_content")', 'REASONING_FIELDS = ("reasoning_content",)'
@@ -258,7 +258,7 @@ def test_a_parser_fix_costs_no_inference_and_gives_the_data_of_a_fresh_run(serve
         "counts"
     ]
 
-    (wf / "workflow_scripts/synth/assemble.py").write_text(original)  # the fix
+    (wf / "workflow/eagleflow/synth/assemble.py").write_text(original)  # the fix
     plan = planned(wf)
     # Snakemake tracks a script rule's code through the `code` param: the reason names it.
     assert "generate" not in plan and "Params have changed" in plan["synth"] and "of entry/synth.py" in plan["synth"], (
@@ -299,8 +299,8 @@ def test_a_benchmark_row_above_temperature_zero_samples_the_same_again_with_its_
     request at a time, so the batches are the same too (this module's server, no draft)."""
     import asyncio
 
-    from workflow_scripts.benchmark.run import Workload, measure_cell
-    from workflow_scripts.runtime.client import ChatClient
+    from eagleflow.benchmark.run import Workload, measure_cell
+    from eagleflow.runtime.client import ChatClient
 
     questions = {
         "name": "eval",

@@ -13,11 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import MAX_STEPPED, REPO, storage_steps
-from tests.train_inputs import make_train_inputs
-from workflow_scripts.common.atomic import read_jsonl
-from workflow_scripts.runtime.ledger import read_loads
-from workflow_scripts.train.checkpoint import (
+from eagleflow.common.atomic import read_jsonl
+from eagleflow.runtime.ledger import read_loads
+from eagleflow.train.checkpoint import (
     TrainState,
     checkpoints,
     flatten_state,
@@ -29,13 +27,15 @@ from workflow_scripts.train.checkpoint import (
     training_fingerprint,
     unflatten_state,
 )
-from workflow_scripts.train.data import collate, load_shards, pack
-from workflow_scripts.train.device import Runtime, resolve_impls
-from workflow_scripts.train.draft import build_draft
-from workflow_scripts.train.evaluation import evaluate, metric_keys
-from workflow_scripts.train.launch import run_stage
-from workflow_scripts.train.loop import run_from_json
-from workflow_scripts.train.steps import lr_at, steps_in
+from eagleflow.train.data import collate, load_shards, pack
+from eagleflow.train.device import Runtime, resolve_impls
+from eagleflow.train.draft import build_draft
+from eagleflow.train.evaluation import evaluate, metric_keys
+from eagleflow.train.launch import run_stage
+from eagleflow.train.loop import run_from_json
+from eagleflow.train.steps import lr_at, steps_in
+from tests.helpers import MAX_STEPPED, REPO, storage_steps
+from tests.train_inputs import make_train_inputs
 
 TRAIN_LENGTHS = [30, 25, 40, 20, 35, 28, 33, 22, 38, 26, 31, 24]
 EVAL_LENGTHS = [30, 35, 25]
@@ -103,12 +103,12 @@ def spec(tmp: Path, inputs, verifier, mode: str = "offline", **cfg) -> dict:
 
 
 def run_subprocess(s: dict, tmp: Path, kill_at: str | None = None) -> subprocess.CompletedProcess:
-    """`python -m workflow_scripts.train SPEC.json`, as one torchrun rank runs it; with
+    """`python -m eagleflow.train SPEC.json`, as one torchrun rank runs it; with
     `kill_at` ("STEP[:SIGNAME]"), a process that kills itself once that step is done."""
     path = tmp / f"spec-{os.urandom(4).hex()}.json"
     path.write_text(json.dumps(s))
     env = os.environ | {"PYTHONPATH": str(REPO)}
-    module = ["tests.train_faults", str(path), kill_at] if kill_at else ["workflow_scripts.train", str(path)]
+    module = ["tests.train_faults", str(path), kill_at] if kill_at else ["eagleflow.train", str(path)]
     return subprocess.run(
         [sys.executable, "-m", *module],
         cwd=REPO,
@@ -214,7 +214,7 @@ def test_fingerprint_tracks_what_determines_training(inputs, tmp_path):
     assert fp != training_fingerprint(CFG, inputs["index"], inputs["vocab_map"], inputs["shards"][:1], "code1")
     # A shard is the key it was made from: linked back from the shard cache with a fresh mtime
     # it is the same shard; made from other inputs it is another.
-    from workflow_scripts.hidden_states.shard_file import ShardMeta, write_shard
+    from eagleflow.hidden_states.shard_file import ShardMeta, write_shard
 
     shard = tmp_path / "shard-00000.safetensors"
     sample = {"id": "a", "split": "train", "input_ids": [1, 2], "loss_mask": [1, 1]}
@@ -328,10 +328,10 @@ def test_online_training_loads_the_verifier_once_and_learns_from_its_states(unin
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
 def test_online_states_are_those_the_offline_stage_stores(inputs, tiny_llama_dir, tmp_path, dtype):
-    from workflow_scripts.common.config import typed
-    from workflow_scripts.hidden_states.forward import extract, load_verifier
-    from workflow_scripts.hidden_states.shard_file import ShardMeta, write_shard
-    from workflow_scripts.train.online import OnlineStates, VerifierStates, load_token_samples
+    from eagleflow.common.config import typed
+    from eagleflow.hidden_states.forward import extract, load_verifier
+    from eagleflow.hidden_states.shard_file import ShardMeta, write_shard
+    from eagleflow.train.online import OnlineStates, VerifierStates, load_token_samples
 
     tokens, _ = load_token_samples(*inputs["dataset"], train_fraction=1.0)
     online = VerifierStates(
@@ -469,7 +469,7 @@ def test_failed_torchrun_raises_with_its_exit_status(tiny_llama_dir, inputs, tmp
 
 @pytest.mark.parametrize("window", [None, 16])
 def test_exported_draft_attention_follows_sliding_window(inputs, tiny_llama_dir, tmp_path, window):
-    from workflow_scripts.train.draft import export_draft
+    from eagleflow.train.draft import export_draft
 
     vocab = load_file(inputs["vocab_map"])
     model = build_draft(

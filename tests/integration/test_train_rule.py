@@ -9,9 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from eagleflow.common.atomic import read_jsonl
 from tests.helpers import REPO, copy_workflow, save_tiny_llama
 from tests.train_inputs import make_train_inputs
-from workflow_scripts.common.atomic import read_jsonl
 
 OVERRIDES = """\
 run: t
@@ -20,12 +20,12 @@ hidden_states: {num_shards: 2}
 train: {nproc_per_node: 2, epochs: 2, batch_tokens: 64, log_every: 1, eval_every: 1, checkpoint_every: 2}
 """
 
-# The ranks' `python -m workflow_scripts.train` in the test's copy of the workflow.
+# The ranks' `python -m eagleflow.train` in the test's copy of the workflow.
 KILLED_AFTER_STEP_3 = """
 import json, os, signal, sys
 import torch.distributed as dist
-from workflow_scripts.runtime.logs import configure_logging
-from workflow_scripts.train.loop import run_from_json
+from eagleflow.runtime.logs import configure_logging
+from eagleflow.train.loop import run_from_json
 
 
 def kill_after_step_3(step):
@@ -75,7 +75,7 @@ def test_killed_torchrun_job_resumes_on_rerun(tmp_path, clean_env):
 
     # The copy's package runs (PYTHONPATH), and its ranks kill themselves once step 3 is done.
     env = clean_env | {"PYTHONPATH": str(wf)}
-    rank_main = wf / "workflow_scripts/train/__main__.py"
+    rank_main = wf / "workflow/eagleflow/train/__main__.py"
     rank_main.write_text(KILLED_AFTER_STEP_3)
     killed = snakemake(wf, env)
     assert killed.returncode != 0
@@ -87,7 +87,7 @@ def test_killed_torchrun_job_resumes_on_rerun(tmp_path, clean_env):
     (fp_dir,) = [p for p in (wf / "results/t/drafts/default/train/checkpoints").iterdir() if p.is_dir()]
     assert [p.name for p in fp_dir.iterdir()] == ["step-00000002"], "the failed job's checkpoint survives"
 
-    shutil.copy2(REPO / "workflow_scripts/train/__main__.py", rank_main)
+    shutil.copy2(REPO / "workflow/eagleflow/train/__main__.py", rank_main)
     done = snakemake(wf, env)
     assert done.returncode == 0, log.read_text()[-4000:]
     assert "resuming from step 2 of 4" in log.read_text()

@@ -21,10 +21,10 @@ import pytest
 import torch
 import yaml
 
+from eagleflow.runtime.ledger import read_loads
+from eagleflow.runtime.process import group_members, parent_pid
+from eagleflow.runtime.shared import SharedDir
 from tests.helpers import REPO, SNAKEMAKE, copy_finished_run, shards_beside_transformers
-from workflow_scripts.runtime.ledger import read_loads
-from workflow_scripts.runtime.process import group_members, parent_pid
-from workflow_scripts.runtime.shared import SharedDir
 
 SMALL = REPO / "tests/config/small.yaml"
 INDEX = "results/small/hidden_states/index.json"

@@ -2,8 +2,8 @@ import shutil
 
 import pytest
 
-from workflow_scripts.common.atomic import atomic_path, write_json
-from workflow_scripts.common.fingerprint import ROOT, code_fingerprint
+from eagleflow.common.atomic import atomic_path, write_json
+from eagleflow.common.fingerprint import ROOT, code_fingerprint
 
 
 def test_failed_write_leaves_the_old_file_and_no_temporaries(tmp_path):
@@ -28,28 +28,28 @@ def test_directory_outputs_are_replaced_whole(tmp_path):
 
 @pytest.fixture
 def scripts(tmp_path):
-    root = tmp_path / "workflow_scripts"
+    root = tmp_path / "eagleflow"
     shutil.copytree(ROOT, root, ignore=shutil.ignore_patterns("__pycache__"))
     return root
 
 
 def test_fingerprint_ignores_comments_and_docstrings(scripts):
-    before = code_fingerprint("workflow_scripts.vocab", scripts)
+    before = code_fingerprint("eagleflow.vocab", scripts)
     path = scripts / "vocab.py"
     path.write_text(path.read_text().replace('"""vocab:', '# a new comment\n"""vocab: reworded.', 1))
     code_fingerprint.cache_clear()
-    assert code_fingerprint("workflow_scripts.vocab", scripts) == before
+    assert code_fingerprint("eagleflow.vocab", scripts) == before
 
 
 def test_fingerprint_follows_imports_transitively(scripts):
-    before = code_fingerprint("workflow_scripts.vocab", scripts)
-    other = code_fingerprint("workflow_scripts.prompts.run", scripts)
+    before = code_fingerprint("eagleflow.vocab", scripts)
+    other = code_fingerprint("eagleflow.prompts.run", scripts)
     atomic = scripts / "common" / "atomic.py"  # imported by vocab
     atomic.write_text(atomic.read_text().replace("os.fsync(fh.fileno())", "pass"))
     code_fingerprint.cache_clear()
-    assert code_fingerprint("workflow_scripts.vocab", scripts) != before
+    assert code_fingerprint("eagleflow.vocab", scripts) != before
     # prompts imports atomic too
-    assert code_fingerprint("workflow_scripts.prompts.run", scripts) != other
-    unrelated = code_fingerprint("workflow_scripts.benchmark.metrics", scripts)  # imports no atomic
+    assert code_fingerprint("eagleflow.prompts.run", scripts) != other
+    unrelated = code_fingerprint("eagleflow.benchmark.metrics", scripts)  # imports no atomic
     code_fingerprint.cache_clear()
-    assert code_fingerprint("workflow_scripts.benchmark.metrics", scripts) == unrelated
+    assert code_fingerprint("eagleflow.benchmark.metrics", scripts) == unrelated

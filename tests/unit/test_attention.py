@@ -5,9 +5,9 @@ import pytest
 import torch
 from speculators.losses import resolve_loss_config
 
-from workflow_scripts.train.attention import doc_sdpa_forward, sample_bounds
-from workflow_scripts.train.data import Sample, collate
-from workflow_scripts.train.draft import build_draft
+from eagleflow.train.attention import doc_sdpa_forward, sample_bounds
+from eagleflow.train.data import Sample, collate
+from eagleflow.train.draft import build_draft
 
 
 def test_sample_bounds_come_from_the_mask():

@@ -1,6 +1,6 @@
 import pytest
 
-from workflow_scripts.benchmark.metrics import acceptance, counter_delta, parse_prometheus, spec_decode_counters
+from eagleflow.benchmark.metrics import acceptance, counter_delta, parse_prometheus, spec_decode_counters
 
 METRICS = """# HELP vllm:spec_decode_num_drafts Number of spec decoding drafts.
 # TYPE vllm:spec_decode_num_drafts counter

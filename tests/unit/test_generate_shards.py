@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from workflow_scripts.common.atomic import write_json, write_jsonl
-from workflow_scripts.common.replies import read_replies, write_replies
-from workflow_scripts.generate.join import join_shards
-from workflow_scripts.generate.run import Shard
+from eagleflow.common.atomic import write_json, write_jsonl
+from eagleflow.common.replies import read_replies, write_replies
+from eagleflow.generate.join import join_shards
+from eagleflow.generate.run import Shard
 
 IDS = [f"conv-{i}" for i in range(2000)]
 

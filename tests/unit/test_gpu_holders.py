@@ -1,6 +1,6 @@
 """Which processes hold the GPUs a job was given, from nvidia-smi's CSV (runtime.launch)."""
 
-from workflow_scripts.runtime.gpus import describe_gpu_holders
+from eagleflow.runtime.gpus import describe_gpu_holders
 
 GPUS = "0, GPU-aaa\n1, GPU-bbb\n2, GPU-ccc\n"
 APPS = "GPU-bbb, 4242, /usr/bin/python3, 70123 MiB\nGPU-ccc, 777, vllm, 1024 MiB\n"

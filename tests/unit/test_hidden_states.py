@@ -13,9 +13,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tests.helpers import hidden_states_config, server_config
-from workflow_scripts.hidden_states.backend import BACKENDS, open_backend
-from workflow_scripts.hidden_states.client import (
+from eagleflow.hidden_states.backend import BACKENDS, open_backend
+from eagleflow.hidden_states.client import (
     HiddenStatesFileError,
     completion_request,
     read_connector_output,
@@ -23,16 +22,17 @@ from workflow_scripts.hidden_states.client import (
     stack_states,
     states_paths,
 )
-from workflow_scripts.hidden_states.forward import decoder_parts, extract, load_verifier, token_budget_batches
-from workflow_scripts.hidden_states.layers import (
+from eagleflow.hidden_states.forward import decoder_parts, extract, load_verifier, token_budget_batches
+from eagleflow.hidden_states.layers import (
     VerifierGeometry,
     default_aux_layer_ids,
     resolve_aux_layer_ids,
     verifier_geometry,
 )
-from workflow_scripts.hidden_states.run import run_shard
-from workflow_scripts.hidden_states.shards import check_disk_space
-from workflow_scripts.hidden_states.vllm import extraction_server_args
+from eagleflow.hidden_states.run import run_shard
+from eagleflow.hidden_states.shards import check_disk_space
+from eagleflow.hidden_states.vllm import extraction_server_args
+from tests.helpers import hidden_states_config, server_config
 
 
 def known_states(ids: list[int], num_states: int, hidden: int) -> torch.Tensor:
@@ -211,7 +211,7 @@ def test_disk_check_logs_the_total_and_refuses_without_room(tmp_path, caplog, mo
     )
     assert need == 1000 * (4 * 576 * 2 + 5) + 10 * 41
     assert str(need) in caplog.text
-    import workflow_scripts.hidden_states.shards as hs
+    import eagleflow.hidden_states.shards as hs
 
     monkeypatch.setattr(hs.shutil, "disk_usage", lambda p: type("U", (), {"free": need - 1})())
     with pytest.raises(OSError) as err:
@@ -222,8 +222,8 @@ def test_disk_check_logs_the_total_and_refuses_without_room(tmp_path, caplog, mo
 
 def test_run_shard_refuses_before_loading_the_verifier(tiny_llama_dir, tmp_path, monkeypatch):
     write_dataset(tmp_path)
-    import workflow_scripts.hidden_states.hf as hf
-    import workflow_scripts.hidden_states.shards as shards
+    import eagleflow.hidden_states.hf as hf
+    import eagleflow.hidden_states.shards as shards
 
     monkeypatch.setattr(shards.shutil, "disk_usage", lambda p: type("U", (), {"free": 10})())
     monkeypatch.setattr(hf, "SharedServer", lambda *a, **k: pytest.fail("started the verifier before the disk check"))
@@ -239,7 +239,7 @@ def test_a_failed_extraction_leaves_no_shard(tiny_llama_dir, tmp_path, monkeypat
     write_dataset(tmp_path)
     import contextlib
 
-    import workflow_scripts.hidden_states.run as run
+    import eagleflow.hidden_states.run as run
 
     class Dies:
         def extract(self, *a, **k):
@@ -289,7 +289,7 @@ def test_the_connector_gathers_a_requests_slots_in_token_order_and_refuses_unche
     pytest.importorskip("vllm")
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import extract_from_kv_cache
 
-    from workflow_scripts.hidden_states.vllm_connector import (
+    from eagleflow.hidden_states.vllm_connector import (
         CHECKED_VLLM_VERSIONS,
         UnsupportedVllmError,
         check_vllm_version,
@@ -450,9 +450,9 @@ class FakeExtractionServer:
 
 
 def vllm_backend_for(fake: FakeExtractionServer, concurrency: int):
-    from workflow_scripts.hidden_states.client import ExtractionClient
-    from workflow_scripts.runtime.concurrency import Concurrency
-    from workflow_scripts.runtime.recovery import WaitForEndpoint
+    from eagleflow.hidden_states.client import ExtractionClient
+    from eagleflow.runtime.concurrency import Concurrency
+    from eagleflow.runtime.recovery import WaitForEndpoint
 
     return ExtractionClient(
         fake.url,
@@ -550,7 +550,7 @@ def test_vllm_backend_matches_hf_backend_on_gpu(tiny_llama_dir, tmp_path):
 
 
 def test_the_shard_key_ignores_operational_settings_and_follows_content():
-    from workflow_scripts.hidden_states.run import content_settings
+    from eagleflow.hidden_states.run import content_settings
 
     base = hidden_states_config(backend="hf", num_shards=2)
 

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from workflow_scripts.common import identity
-from workflow_scripts.common.identity import verifier_fingerprint
+from eagleflow.common import identity
+from eagleflow.common.identity import verifier_fingerprint
 
 BIG = 3 << 20  # a weight file larger than the 2 MiB the old head-and-tail fingerprint read whole
 

@@ -5,10 +5,10 @@ from pathlib import Path
 
 import yaml
 
+from eagleflow.load_plan import describe_planned, planned_loads
+from eagleflow.runtime.ledger import count_loads, read_loads, record_load
+from eagleflow.variants import merged
 from tests.helpers import REPO
-from workflow_scripts.load_plan import describe_planned, planned_loads
-from workflow_scripts.runtime.ledger import count_loads, read_loads, record_load
-from workflow_scripts.variants import merged
 
 CONFIG = yaml.safe_load((REPO / "config/config.yaml").read_text())
 FULL_RUN = {

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from workflow_scripts.common import cache_keys
-from workflow_scripts.runtime import output_cache
-from workflow_scripts.runtime.output_cache import (
+from eagleflow.common import cache_keys
+from eagleflow.runtime import output_cache
+from eagleflow.runtime.output_cache import (
     MARKS,
     OutputCache,
     PlannedJob,
@@ -218,7 +218,7 @@ def test_cpu_features_read_from_cpuinfo():
 
 
 def test_the_store_key_follows_vllms_version_and_result_variables_not_capacity(tmp_path, monkeypatch):
-    from workflow_scripts.common.requests import request_key, server_identity
+    from eagleflow.common.requests import request_key, server_identity
 
     verifier = tmp_path / "verifier"
     verifier.mkdir()
@@ -253,7 +253,7 @@ def test_a_draft_trained_on_a_cpu_is_not_a_draft_trained_on_a_gpu(monkeypatch):
 
 
 def test_a_shard_is_what_it_holds_not_where_or_how_it_was_made(tmp_path):
-    from workflow_scripts.hidden_states.shard_file import ShardMeta, shard_content_digest, write_shard
+    from eagleflow.hidden_states.shard_file import ShardMeta, shard_content_digest, write_shard
 
     sample = {"id": "a", "split": "train", "input_ids": [1, 2], "loss_mask": [1, 1]}
     states = [(torch.ones(2, 6), torch.zeros(2, 2))]
@@ -272,7 +272,7 @@ def test_a_shard_is_what_it_holds_not_where_or_how_it_was_made(tmp_path):
 
 
 def test_endpoint_reports_that_differ_from_the_keys_are_named():
-    from workflow_scripts.runtime.endpoint_identity import Expected, mismatches
+    from eagleflow.runtime.endpoint_identity import Expected, mismatches
 
     expected = Expected("verifier", 2048, "0.32.0+cpu")
     good = {"version": "0.32.0", "models": [{"id": "verifier", "root": "/m", "max_model_len": 2048}]}

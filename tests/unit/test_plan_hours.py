@@ -5,11 +5,11 @@ import json
 
 import pytest
 
+from eagleflow.common.atomic import write_json
+from eagleflow.plan import load_merged_config
+from eagleflow.plan_hours import Rates, measured_rates, planned_work, render_hours, scaled, stage_hours
+from eagleflow.variants import merged
 from tests.helpers import REPO
-from workflow_scripts.common.atomic import write_json
-from workflow_scripts.plan import load_merged_config
-from workflow_scripts.plan_hours import Rates, measured_rates, planned_work, render_hours, scaled, stage_hours
-from workflow_scripts.variants import merged
 
 CONFIG = load_merged_config([], REPO)
 RATES = Rates(

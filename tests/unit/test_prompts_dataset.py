@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from workflow_scripts.dataset import build_rows, is_eval
-from workflow_scripts.prompts.load import load_prompts, normalise, split_prompts
+from eagleflow.dataset import build_rows, is_eval
+from eagleflow.prompts.load import load_prompts, normalise, split_prompts
 
 
 def test_normalise_accepts_turns_prompt_and_messages():

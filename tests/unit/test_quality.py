@@ -1,5 +1,5 @@
-from workflow_scripts.dataset import gate_failures
-from workflow_scripts.synth.quality import quality_report
+from eagleflow.dataset import gate_failures
+from eagleflow.synth.quality import quality_report
 
 
 def sample(i, defects=(), completion=(4, 5)):

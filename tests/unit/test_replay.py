@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from workflow_scripts.benchmark.parity import (
+from eagleflow.benchmark.parity import (
     ParityConfig,
     check_aux_layer_ids,
     check_d2t,
@@ -15,7 +15,7 @@ from workflow_scripts.benchmark.parity import (
     check_targets,
     first_difference,
 )
-from workflow_scripts.common.acceptance import (
+from eagleflow.common.acceptance import (
     AcceptanceCounts,
     ContextBuckets,
     context_edges,
@@ -24,7 +24,7 @@ from workflow_scripts.common.acceptance import (
     visited_anchors,
     walk,
 )
-from workflow_scripts.common.train_metrics import exported_eval
+from eagleflow.common.train_metrics import exported_eval
 
 VOCAB = 5
 

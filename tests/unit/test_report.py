@@ -1,6 +1,6 @@
 """The report says what the data cost in inference: requests sent vs reused from the store."""
 
-from workflow_scripts.report import describe_requests, render_markdown
+from eagleflow.report import describe_requests, render_markdown
 
 REPORT = {
     "speculative": {
@@ -65,8 +65,8 @@ def test_no_requests_is_not_a_division_by_zero():
 def test_run_report_writes_the_markdown_html_and_four_plots(tmp_path):
     """The whole report job on small inputs: every output written, PNGs real, the markdown
     pointing at the plots by paths relative to itself."""
-    from workflow_scripts.common.atomic import write_json, write_jsonl
-    from workflow_scripts.report import REPORT_OUTPUTS, run_report
+    from eagleflow.common.atomic import write_json, write_jsonl
+    from eagleflow.report import REPORT_OUTPUTS, run_report
 
     metrics = [
         {"split": "train", "step": 5, "loss": 2.0, "full_acc_0": 0.3, "full_acc_1": 0.1},
@@ -130,8 +130,8 @@ def test_each_set_has_a_table_with_a_row_per_temperature_and_its_seed():
 
 def parity_with_context() -> dict:
     """A parity report as run_parity writes it, from a replay of two sets' streams."""
-    from workflow_scripts.benchmark.parity import SetReplay, context_report, set_replays
-    from workflow_scripts.common.acceptance import ContextBuckets
+    from eagleflow.benchmark.parity import SetReplay, context_report, set_replays
+    from eagleflow.common.acceptance import ContextBuckets
 
     edges = [0, 128, 256, 512]
     replays = {}
@@ -170,7 +170,7 @@ def test_acceptance_by_context_is_a_table_per_bucket_beside_the_trained_length()
 
 
 def test_the_context_plot_is_drawn_with_and_without_a_parity_job(tmp_path):
-    from workflow_scripts.report import plot_context
+    from eagleflow.report import plot_context
 
     plot_context(parity_with_context(), str(tmp_path / "with.png"))
     plot_context(None, str(tmp_path / "without.png"))

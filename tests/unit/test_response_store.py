@@ -12,8 +12,7 @@ import textwrap
 
 import pytest
 
-from tests.helpers import REPO
-from workflow_scripts.runtime.store import (
+from eagleflow.runtime.store import (
     ResponseStore,
     StoreError,
     filesystem_type,
@@ -22,6 +21,7 @@ from workflow_scripts.runtime.store import (
     shard_store,
     store_files,
 )
+from tests.helpers import REPO
 
 MOUNTS = """\
 sysfs /sys sysfs rw 0 0
@@ -67,7 +67,7 @@ HOLDER = textwrap.dedent(
     """
     import os, signal, sys
     sys.path.insert(0, {repo!r})
-    from workflow_scripts.runtime.store import ResponseStore
+    from eagleflow.runtime.store import ResponseStore
     store = ResponseStore({path!r}, "exclusive")
     for i in range(50):
         store.put(f"k{{i}}", {{"i": i}}, {{"reply": i}})
@@ -95,7 +95,7 @@ def test_a_second_opener_is_refused_naming_the_holder(tmp_path):
         # A reader that ignores the owner file still cannot get in: SQLite's exclusive lock holds.
         with pytest.raises(StoreError, match="locked"):
             ResponseStore(path, "shared", busy_timeout_s=0.5)
-        cli = [sys.executable, "-m", "workflow_scripts.generate", "stats", str(path), "--locking", "exclusive"]
+        cli = [sys.executable, "-m", "eagleflow.generate", "stats", str(path), "--locking", "exclusive"]
         out = subprocess.run(cli, cwd=REPO, capture_output=True, text=True)
         assert out.returncode != 0 and f"process {holder.pid}" in out.stderr
     finally:

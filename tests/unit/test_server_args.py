@@ -7,9 +7,9 @@ import itertools
 
 import pytest
 
-from workflow_scripts.common import vllm_flags
-from workflow_scripts.common.server_args import RUN_ONLY_FLAGS, result_args, server_args
-from workflow_scripts.common.vllm_flags import FLAGS, RESULT, RUN_ONLY
+from eagleflow.common import vllm_flags
+from eagleflow.common.server_args import RUN_ONLY_FLAGS, result_args, server_args
+from eagleflow.common.vllm_flags import FLAGS, RESULT, RUN_ONLY
 
 LAUNCHER = ["python", "-m", "vllm.entrypoints.openai.api_server"]
 BASE = ["--model", "/verifier", "--port", "8000", "--dtype", "float32", "--max-model-len", "2048"]
@@ -205,7 +205,7 @@ def test_the_table_classifies_every_option_vllm_defines():
     known = {name for flag, spec in FLAGS.items() for name in (flag, *spec.aliases)}
     unclassified = sorted({s for canonical, _, aliases, _, _ in options for s in (canonical, *aliases)} - known)
     assert not unclassified, (
-        f"vLLM {vllm.__version__} defines server flags that workflow_scripts/common/vllm_flags.py "
+        f"vLLM {vllm.__version__} defines server flags that workflow/eagleflow/common/vllm_flags.py "
         f"(made from {vllm_flags.VLLM_VERSION}) does not classify: {unclassified}. Classify each "
         "there as RESULT or RUN_ONLY (its group's comment says the rule), with its arity and aliases."
     )

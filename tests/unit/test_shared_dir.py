@@ -5,8 +5,8 @@ import os
 import subprocess
 import sys
 
-from workflow_scripts.runtime.process import start_time
-from workflow_scripts.runtime.shared import SharedDir
+from eagleflow.runtime.process import start_time
+from eagleflow.runtime.shared import SharedDir
 
 
 def test_only_live_jobs_count_as_consumers_and_dead_ones_are_forgotten(tmp_path):

@@ -4,8 +4,8 @@ trip through a shard file into training samples."""
 import pytest
 import torch
 
-from workflow_scripts.hidden_states.shard_file import ShardMeta, read_shard_header, write_shard
-from workflow_scripts.hidden_states.storage import (
+from eagleflow.hidden_states.shard_file import ShardMeta, read_shard_header, write_shard
+from eagleflow.hidden_states.storage import (
     FP8,
     dequantize_fp8,
     extraction_dtype,
@@ -13,7 +13,7 @@ from workflow_scripts.hidden_states.storage import (
     stored_states,
     token_bytes,
 )
-from workflow_scripts.train.data import load_shards
+from eagleflow.train.data import load_shards
 
 
 def test_fp8_round_trip_error_is_e4m3_rounding_of_each_tokens_own_scale():
@@ -80,6 +80,6 @@ def test_stored_states_passes_unscaled_states_through():
 
 
 def test_the_fp8_range_constant_is_torchs():
-    from workflow_scripts.hidden_states.storage import FP8_MAX
+    from eagleflow.hidden_states.storage import FP8_MAX
 
     assert torch.finfo(torch.float8_e4m3fn).max == FP8_MAX

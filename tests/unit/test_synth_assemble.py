@@ -1,7 +1,7 @@
 import pytest
 
-from workflow_scripts.dataset import sequence_of
-from workflow_scripts.synth.assemble import parse_completion, reasoning_of
+from eagleflow.dataset import sequence_of
+from eagleflow.synth.assemble import parse_completion, reasoning_of
 
 
 def body(message, token_ids=(5, 6, 2), prompt_ids=(1, 2, 3), finish="stop", usage=True):
@@ -85,7 +85,7 @@ def test_sequence_masks_only_generated_tokens():
     assert ids == [1, 2, 3, 7] and mask == [0, 0, 0, 1]
 
 
-from workflow_scripts.synth.assemble import Completion, StreamTokens, rebuild_completion_ids, verify_stream  # noqa: E402
+from eagleflow.synth.assemble import Completion, StreamTokens, rebuild_completion_ids, verify_stream  # noqa: E402
 
 THINK = StreamTokens(eos_id=2, think_start_id=3, think_end_id=4)
 

@@ -5,13 +5,13 @@ training's loss takes."""
 import pytest
 import torch
 
-from workflow_scripts.common.config import ConfigError, load_config, validate_config
-from workflow_scripts.hidden_states.shard_file import ShardMeta, read_shard_header, write_shard
-from workflow_scripts.hidden_states.shards import write_index
-from workflow_scripts.hidden_states.storage import num_stored_states, shard_bytes, token_bytes
-from workflow_scripts.hidden_states.targets import FILL, TopkHead, dense_targets, draft_index
-from workflow_scripts.train.data import collate, load_shards
-from workflow_scripts.train.steps import to_device
+from eagleflow.common.config import ConfigError, load_config, validate_config
+from eagleflow.hidden_states.shard_file import ShardMeta, read_shard_header, write_shard
+from eagleflow.hidden_states.shards import write_index
+from eagleflow.hidden_states.storage import num_stored_states, shard_bytes, token_bytes
+from eagleflow.hidden_states.targets import FILL, TopkHead, dense_targets, draft_index
+from eagleflow.train.data import collate, load_shards
+from eagleflow.train.steps import to_device
 
 
 def test_topk_head_gives_the_verifiers_own_largest_logits(tiny_llama_dir):

@@ -2,9 +2,9 @@ import math
 
 import torch
 
-from workflow_scripts.train.data import Sample, collate, pack, shift
-from workflow_scripts.train.evaluation import summarise
-from workflow_scripts.train.steps import lr_at
+from eagleflow.train.data import Sample, collate, pack, shift
+from eagleflow.train.evaluation import summarise
+from eagleflow.train.steps import lr_at
 
 
 def test_shift_pairs_next_token_with_current_state():

@@ -6,16 +6,16 @@ import dataclasses
 import pytest
 import yaml
 
+from eagleflow.benchmark.run import BenchmarkConfig
+from eagleflow.common.config import ConfigError, typed
+from eagleflow.dataset import DatasetConfig
+from eagleflow.hidden_states.backend import HiddenStatesConfig, VllmExtractionConfig
+from eagleflow.prompts.config import PromptsConfig
+from eagleflow.runtime.spec import ServerConfig
+from eagleflow.synth.run import Parsing
+from eagleflow.train.config import TrainConfig
+from eagleflow.vocab import VocabConfig
 from tests.helpers import REPO, config_section
-from workflow_scripts.benchmark.run import BenchmarkConfig
-from workflow_scripts.common.config import ConfigError, typed
-from workflow_scripts.dataset import DatasetConfig
-from workflow_scripts.hidden_states.backend import HiddenStatesConfig, VllmExtractionConfig
-from workflow_scripts.prompts.config import PromptsConfig
-from workflow_scripts.runtime.spec import ServerConfig
-from workflow_scripts.synth.run import Parsing
-from workflow_scripts.train.config import TrainConfig
-from workflow_scripts.vocab import VocabConfig
 
 SECTIONS = {
     "server": ServerConfig,
@@ -26,7 +26,7 @@ SECTIONS = {
     "train": TrainConfig,
     "benchmark": BenchmarkConfig,
 }
-SCHEMA = yaml.safe_load((REPO / "config/schema.yaml").read_text())
+SCHEMA = yaml.safe_load((REPO / "workflow/schemas/config.schema.yaml").read_text())
 
 
 @pytest.mark.parametrize("name", sorted(SECTIONS))

@@ -3,9 +3,8 @@
 import pytest
 import yaml
 
-from tests.helpers import REPO
-from workflow_scripts.common.config import ConfigError
-from workflow_scripts.variants import (
+from eagleflow.common.config import ConfigError
+from eagleflow.variants import (
     draft_id,
     merged,
     validate_variants,
@@ -13,6 +12,7 @@ from workflow_scripts.variants import (
     variant_overrides,
     vocab_id,
 )
+from tests.helpers import REPO
 
 
 @pytest.fixture

@@ -6,21 +6,21 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.helpers import server_config
-from workflow_scripts.common.verifier_config import (
+from eagleflow.common.verifier_config import (
     CPU_MLA_ROPE_ARGS,
     safetensors_weight_map,
     served_as_deepseek,
     vllm_serving_problems,
 )
-from workflow_scripts.runtime.spec import ServerError, ServerSpec
-from workflow_scripts.runtime.vllm_cpu import (
+from eagleflow.runtime.spec import ServerError, ServerSpec
+from eagleflow.runtime.vllm_cpu import (
     common_block_size,
     cpu_attention_backend,
     cpu_has_amx,
     draft_backend_problem,
     requested_attention_backend,
 )
+from tests.helpers import server_config
 
 DEEPSEEK_V3 = {
     "model_type": "deepseek_v3",

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from workflow_scripts.vocab import build_vocab_map, coverage, coverage_curve, curve_sizes, token_counts
+from eagleflow.vocab import build_vocab_map, coverage, coverage_curve, curve_sizes, token_counts
 
 
 def test_counts_only_loss_masked_tokens():

@@ -9,15 +9,15 @@ import re
 import jinja2
 import pytest
 
-from workflow_scripts.generate.run import Requests, walk_conversation
-from workflow_scripts.prompts.config import FilterConfig, PromptsConfig, Weights, WrittenConfig
-from workflow_scripts.prompts.filters import BenchmarkIndex, apply_filters, text_score
-from workflow_scripts.prompts.load import normalise
-from workflow_scripts.prompts.run import benchmark_turns, mix, run_prompts
-from workflow_scripts.prompts.template import TemplateError, UserTurn
-from workflow_scripts.prompts.written import Replies, completion_payload, write_conversation
-from workflow_scripts.runtime.answering import Counts, Missing, StoreFront
-from workflow_scripts.runtime.store import ResponseStore
+from eagleflow.generate.run import Requests, walk_conversation
+from eagleflow.prompts.config import FilterConfig, PromptsConfig, Weights, WrittenConfig
+from eagleflow.prompts.filters import BenchmarkIndex, apply_filters, text_score
+from eagleflow.prompts.load import normalise
+from eagleflow.prompts.run import benchmark_turns, mix, run_prompts
+from eagleflow.prompts.template import TemplateError, UserTurn
+from eagleflow.prompts.written import Replies, completion_payload, write_conversation
+from eagleflow.runtime.answering import Counts, Missing, StoreFront
+from eagleflow.runtime.store import ResponseStore
 
 # The chat templates of the verifier families eagleflow supports, reduced to their turn markup.
 SMOLLM2 = (
@@ -333,8 +333,8 @@ def test_the_prompt_set_is_the_same_for_the_same_seed_and_described(tmp_path):
 
 
 def test_prune_keeps_the_entries_written_prompts_used(tmp_path):
-    from workflow_scripts.common.atomic import write_jsonl
-    from workflow_scripts.generate.__main__ import main as store_cli
+    from eagleflow.common.atomic import write_jsonl
+    from eagleflow.generate.__main__ import main as store_cli
 
     with ResponseStore(tmp_path / "store.sqlite") as store:
         row = write(0, written_config(turns=2), store, ScriptedServer())

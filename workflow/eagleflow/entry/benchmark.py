@@ -1,0 +1,3 @@
+from eagleflow.benchmark.run import main
+
+main(snakemake)

@@ -1,0 +1,3 @@
+from eagleflow.benchmark.set_job import main
+
+main(snakemake)

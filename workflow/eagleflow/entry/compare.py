@@ -1,0 +1,3 @@
+from eagleflow.compare import main
+
+main(snakemake)

@@ -1,0 +1,3 @@
+from eagleflow.dataset import main
+
+main(snakemake)

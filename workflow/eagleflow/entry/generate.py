@@ -1,0 +1,3 @@
+from eagleflow.generate.run import main
+
+main(snakemake)

@@ -1,0 +1,3 @@
+from eagleflow.generate.join import main
+
+main(snakemake)

@@ -1,0 +1,3 @@
+from eagleflow.hidden_states.run import main
+
+main(snakemake)

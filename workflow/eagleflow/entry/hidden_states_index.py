@@ -1,0 +1,3 @@
+from eagleflow.hidden_states.shards import main
+
+main(snakemake)

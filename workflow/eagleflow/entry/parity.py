@@ -1,0 +1,3 @@
+from eagleflow.benchmark.parity import main
+
+main(snakemake)

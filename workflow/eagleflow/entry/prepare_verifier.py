@@ -1,0 +1,3 @@
+from eagleflow.prepare_verifier import main
+
+main(snakemake)

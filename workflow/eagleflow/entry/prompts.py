@@ -1,0 +1,3 @@
+from eagleflow.prompts.run import main
+
+main(snakemake)

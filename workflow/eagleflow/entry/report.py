@@ -1,0 +1,3 @@
+from eagleflow.report import main
+
+main(snakemake)

@@ -1,0 +1,3 @@
+from eagleflow.synth.run import main
+
+main(snakemake)

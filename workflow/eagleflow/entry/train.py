@@ -1,0 +1,3 @@
+from eagleflow.train.launch import main
+
+main(snakemake)

@@ -1,0 +1,3 @@
+from eagleflow.vocab import main
+
+main(snakemake)

@@ -1,0 +1,3 @@
+from eagleflow.prompts.written import main
+
+main(snakemake)

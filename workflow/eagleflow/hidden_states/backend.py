@@ -1,0 +1,114 @@
+"""What a hidden-state backend is, and the registry that maps `hidden_states.backend` to one."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from eagleflow.hidden_states.layers import States, VerifierGeometry
+from eagleflow.hidden_states.storage import target_topk
+from eagleflow.runtime.shared_server import Sharing
+from eagleflow.runtime.spec import ServerConfig
+
+log = logging.getLogger(__name__)
+
+
+class Backend(Protocol):
+    """Runs the verifier over samples and returns each sample's unpadded states, in order."""
+
+    def extract(self, samples: list[dict[str, Any]], batches: list[list[int]] | None = None) -> list[States]: ...
+
+
+@dataclass(frozen=True)
+class VllmExtractionConfig:
+    """`hidden_states.vllm`: the vllm backend's own settings."""
+
+    endpoint: str | None
+    storage_dir: str | None
+    concurrency: int | str
+    adaptive_concurrency: bool
+    request_timeout_s: float
+
+
+@dataclass(frozen=True)
+class HiddenStatesConfig:
+    """The `hidden_states` config section."""
+
+    mode: str
+    backend: str
+    num_shards: int
+    aux_layer_ids: tuple[int, ...] | None
+    dtype: str
+    target: str
+    topk: int
+    gpus: int
+    device: str
+    compute_dtype: str
+    batch_tokens: int
+    linger_s: float
+    vllm: VllmExtractionConfig
+
+    @property
+    def target_topk(self) -> int:
+        """Logits a shard keeps per token instead of the final state; 0: it keeps the state."""
+        return target_topk(self.target, self.topk)
+
+
+@dataclass(frozen=True)
+class ExtractionJob:
+    """What every backend needs, whatever runs the verifier."""
+
+    verifier_dir: str
+    aux_layer_ids: list[int]
+    geometry: VerifierGeometry
+    store_dtype: torch.dtype  # what backends hand states over in (shards.extraction_dtype)
+    settings: HiddenStatesConfig
+    server: ServerConfig | None  # the `server` section, for the vllm backend only
+    trust_remote_code: bool
+    log_path: str  # the shard job's log; the phase's server logs next to it
+    threads: int
+    gpus: int  # GPUs of the phase's server, claimed by the job that launches it
+    # The phase whose jobs share one server: the shard jobs, or the parity jobs' replay.
+    phase: str = "hidden_states"
+
+
+def sharing(job: ExtractionJob) -> Sharing:
+    """Every job of the phase uses one server (runtime.shared_server.SharedServer)."""
+    return Sharing(name=job.phase, linger_s=job.settings.linger_s, gpus=job.gpus)
+
+
+def storage_dir(parent: str | None, key: str) -> Path:
+    """Where the server writes per-sample states files: named after the server (`key`) and
+    its host (one server per host shares a phase), so that every job sharing it reads from the
+    same place and no other server's stop removes it (ServerSpec.scratch_dirs)."""
+    path = Path(parent or tempfile.gettempdir()) / f"eagleflow-hs-{key}-{socket.gethostname()}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+BackendFactory = Callable[[ExtractionJob], contextlib.AbstractContextManager[Backend]]
+BACKENDS: dict[str, BackendFactory] = {}
+
+
+def register_backend(name: str) -> Callable[[BackendFactory], BackendFactory]:
+    def add(factory: BackendFactory) -> BackendFactory:
+        BACKENDS[name] = factory
+        return factory
+
+    return add
+
+
+def open_backend(name: str, job: ExtractionJob) -> contextlib.AbstractContextManager[Backend]:
+    try:
+        factory = BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"hidden_states.backend is {name!r}; known backends: {sorted(BACKENDS)}") from None
+    return factory(job)

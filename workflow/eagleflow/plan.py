@@ -1,0 +1,353 @@
+"""The plan before a run: what a config will need, stage by stage, before any GPU hour is spent.
+
+    python -m eagleflow.plan --configfile config/kimi-k2.5-8xgpu.yaml
+
+prints the tokens the hidden-state stage will see, the bytes each stage writes and the free
+space where they land, the GPU memory of the verifier and of the draft training, which
+settings would make a run fit that does not, and the hours each stage and the whole run to a
+served draft take for 1..N verifier replicas (`throughput`, plan_hours.py; `--samples 10000
+100000` gives them at other sizes). `snakemake -n` prints its one-line summary
+(planned_disk_line).
+
+Tokens are exact once the dataset exists (results/<run>/dataset/*.parquet); before that they
+are an upper bound from the prompts: every reply at `generate.max_tokens`, prompt text at 3
+characters per token (common.token_estimate), every sample cut at `dataset.max_seq_len`. GPU memory of the draft
+training is an estimate from the draft's shape (weights, gradients, AdamW moments, and the
+activations and logits of one `train.batch_tokens` batch); the verifier's weights are the
+size of its safetensors files, or an estimate from its config.json when they are not on this
+machine (bf16, routed experts at the quantization config's bits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from eagleflow.common.config import typed, validate_config
+from eagleflow.hidden_states.layers import default_aux_layer_ids
+from eagleflow.hidden_states.storage import FP8, num_stored_states, shard_bytes, target_topk, token_bytes
+from eagleflow.plan_hours import Rates, measured_rates, planned_work, render_hours
+from eagleflow.plan_sizes import (
+    Geometry,
+    draft_export_bytes,
+    draft_params,
+    draft_train_bytes,
+    estimated_weight_bytes,
+    free_bytes,
+    gpu_memory_bytes,
+    weight_bytes_on_disk,
+)
+from eagleflow.plan_tokens import Tokens, planned_tokens
+from eagleflow.runtime.output_cache import cache_bytes
+from eagleflow.variants import merged
+
+DEFAULT_CONFIG = "config/config.yaml"
+GB = 1e9
+
+
+@dataclass
+class Plan:
+    run: str
+    tokens: Tokens | None
+    disk: list[dict[str, Any]] = field(default_factory=list)  # stage, what, bytes, where, free
+    gpu: list[dict[str, Any]] = field(default_factory=list)  # what, bytes, per, detail
+    gpu_memory: int | None = None  # bytes per GPU on this host, when known
+    suggestions: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    hours: str = ""  # plan_hours.render_hours' table
+
+
+def verifier_dir(config: dict[str, Any], root: Path) -> Path:
+    prepared = root / f"resources/verifier/{config['verifier']['name']}"
+    if (prepared / "config.json").exists() or config["verifier"]["source"] != "path":
+        return prepared
+    return Path(config["verifier"]["path"])
+
+
+def make_plan(
+    config: dict[str, Any],
+    root: Path = Path("."),
+    verifier_config: dict[str, Any] | None = None,
+    gpu_memory: int | None = None,
+    assume_prompt_tokens: int = 256,
+    samples: list[int] | None = None,
+) -> Plan:
+    """The plan for `config` run from `root`. `verifier_config`: config.json to use when the
+    verifier is not on this machine; `gpu_memory`: bytes per GPU (default: nvidia-smi's);
+    `samples`: sample counts to give the hours at (default: the run's own)."""
+    run = config["run"]
+    plan = Plan(run, None, gpu_memory=gpu_memory if gpu_memory is not None else gpu_memory_bytes())
+    vdir = verifier_dir(config, root)
+    if verifier_config is None:
+        if not (vdir / "config.json").exists():
+            plan.notes.append(
+                f"{vdir}/config.json is not there yet: run `snakemake prepare_verifier` (or pass "
+                "--verifier-config) for bytes and GPU memory"
+            )
+            return plan
+        verifier_config = json.loads((vdir / "config.json").read_text())
+    g = Geometry.from_config(verifier_config)
+    plan.tokens = tokens = planned_tokens(config, root, assume_prompt_tokens)
+    hs, train, server = config["hidden_states"], config["train"], config["server"]
+    num_aux = len(hs["aux_layer_ids"] or default_aux_layer_ids(g.num_layers))
+    draft_vocab = config["vocab"]["draft_vocab_size"]
+    online = hs["mode"] == "online"
+
+    # Disk.
+    topk = target_topk(hs["target"], hs["topk"])
+    num_states = num_stored_states(num_aux, topk)
+    per_token = token_bytes(num_states, g.hidden_size, hs["dtype"], topk)
+    states_dir = root / f"results/{run}/hidden_states"
+    shard_total = (
+        0 if online else shard_bytes(tokens.tokens, tokens.samples, num_states, g.hidden_size, hs["dtype"], topk)
+    )
+    plan.disk.append(
+        {
+            "stage": "hidden_states",
+            "what": "no shards (hidden_states.mode: online)"
+            if online
+            else f"{hs['num_shards']} shards: {num_states} states x {g.hidden_size} in {hs['dtype']}"
+            + (f" + top-{topk} logits" if topk else "")
+            + f", {per_token} B/token",
+            "bytes": shard_total,
+            "where": states_dir,
+        }
+    )
+    if hs["backend"] == "vllm" and not online:
+        # vLLM's connector writes one file per request in flight (the server's dtype, bf16).
+        in_flight = hs["vllm"]["concurrency"] if isinstance(hs["vllm"]["concurrency"], int) else 256
+        where = Path(hs["vllm"]["storage_dir"] or "/tmp")
+        plan.disk.append(
+            {
+                "stage": "hidden_states",
+                "what": f"vLLM's per-request files, up to {in_flight} in flight at the longest sample",
+                "bytes": in_flight * tokens.longest * (num_aux + 1) * g.hidden_size * 2,
+                "where": where,
+            }
+        )
+    trainable, _ = draft_params(g, train["num_layers"], draft_vocab, num_aux)
+    plan.disk.append(
+        {
+            "stage": "train",
+            "what": f"checkpoints: {train['keep_checkpoints']} kept, weights and AdamW moments in fp32",
+            "bytes": train["keep_checkpoints"] * trainable * 4 * 4 if train["checkpoint_every"] else 0,
+            "where": root / f"results/{run}/drafts",
+        }
+    )
+    plan.disk.append(
+        {
+            "stage": "train",
+            "what": "the exported draft (bf16, with the embeddings and lm_head vLLM loads)",
+            "bytes": draft_export_bytes(g, trainable, draft_vocab),
+            "where": root / f"results/{run}/drafts",
+        }
+    )
+    # Already on disk, not written: the output cache's entries whose outputs were replaced or
+    # removed (the rest are links of the outputs and take nothing). Prune frees them.
+    entries, held = cache_bytes(root / f"results/{run}")
+    if entries:
+        plan.disk.append(
+            {
+                "stage": "output cache",
+                "what": f"{entries} entries; the bytes only the cache holds "
+                "(`python -m eagleflow.runtime.output_cache prune` frees them)",
+                "bytes": held,
+                "where": root / f"results/{run}",
+            }
+        )
+    for row in plan.disk:
+        row["free"] = free_bytes(row["where"])
+
+    # GPU memory.
+    weights = weight_bytes_on_disk(vdir) if vdir.exists() else None
+    estimated = weights is None
+    weights = estimated_weight_bytes(verifier_config) if weights is None else weights
+    tp = max(1, server["tensor_parallel_size"])
+    plan.gpu.append(
+        {
+            "what": "verifier weights (vLLM: generate, extraction, benchmark)",
+            "bytes": weights // tp,
+            "per": f"per GPU at tensor_parallel_size {tp} ({weights / GB:.1f} GB in all"
+            + (", estimated from config.json)" if estimated else ")"),
+        }
+    )
+    mem = draft_train_bytes(g, train, draft_vocab, num_aux)
+    nproc = train["nproc_per_node"]
+    plan.gpu.append(
+        {
+            "what": "draft training (estimate)",
+            "bytes": mem["total"],
+            "per": f"per process ({nproc}): {mem['trainable'] / 1e6:.0f}M trainable + {mem['frozen'] / 1e6:.0f}M "
+            f"frozen params {mem['state'] / GB:.1f} GB, activations at batch_tokens {train['batch_tokens']} "
+            f"{mem['activations'] / GB:.1f} GB",
+        }
+    )
+    if online:
+        plan.gpu.append(
+            {
+                "what": "online mode: the verifier beside the draft",
+                "bytes": mem["total"] + weights,
+                "per": "per training GPU: every training process loads the whole verifier on its GPU",
+            }
+        )
+    plan.suggestions = suggest(plan, config, num_aux, g.hidden_size, weights, mem["total"])
+    rates, measured = measured_rates(root, run, typed(Rates, config["throughput"], "throughput"))
+    work = planned_work(tokens.samples, tokens.tokens, tokens.source.startswith("exact"), config, rates)
+    plan.hours = render_hours(work, rates, config, samples)
+    plan.notes += measured
+    return plan
+
+
+def suggest(
+    plan: Plan, config: dict[str, Any], num_aux: int, hidden_size: int, weights: int, train_bytes: int
+) -> list[str]:
+    """Settings that would make a run fit that does not. Pure."""
+    hs, tokens = config["hidden_states"], plan.tokens
+    topk = target_topk(hs["target"], hs["topk"])
+    num_states = num_stored_states(num_aux, topk)
+    per_token = token_bytes(num_states, hidden_size, hs["dtype"], topk)
+    out = []
+    shards = plan.disk[0]
+    if shards["bytes"] > shards["free"]:
+        fit_tokens = shards["free"] // per_token
+        if hs["dtype"] != FP8:
+            fp8 = shard_bytes(tokens.tokens, tokens.samples, num_states, hidden_size, FP8, topk)
+            out.append(
+                f"hidden_states.dtype: {FP8} stores {fp8 / GB:.1f} GB instead; the draft's acceptance "
+                "in vLLM against bf16 shards is in BENCHMARKS.md"
+            )
+        if not topk:
+            compact = shard_bytes(tokens.tokens, tokens.samples, num_aux, hidden_size, hs["dtype"], hs["topk"])
+            out.append(
+                f"hidden_states.target: topk keeps the verifier's top-{hs['topk']} logits instead of the final "
+                f"state: {compact / GB:.1f} GB (with {FP8} as well: "
+                f"{shard_bytes(tokens.tokens, tokens.samples, num_aux, hidden_size, FP8, hs['topk']) / GB:.1f} GB)"
+            )
+        gpu = plan.gpu_memory
+        if gpu is None or train_bytes + weights // max(1, config["train"]["nproc_per_node"]) < gpu:
+            out.append(
+                "hidden_states.mode: online computes the states during training and writes none, "
+                "when the verifier fits on the training GPUs beside the draft (docs/operations.md)"
+            )
+        if tokens.samples:
+            mean = tokens.tokens / tokens.samples
+            out.append(
+                f"prompts.max_train: about {int(fit_tokens / mean)} samples of {mean:.0f} tokens fit in "
+                f"{shards['free'] / GB:.1f} GB free"
+            )
+        out.append(f"dataset.max_seq_len: a shorter cut lowers the longest samples ({tokens.longest} tokens now)")
+    for row in plan.disk[1:]:
+        if row["bytes"] > row["free"]:
+            out.append(f"{row['where']}: {row['what']} need {row['bytes'] / GB:.1f} GB, {row['free'] / GB:.1f} free")
+    online_bytes = train_bytes + weights
+    if hs["mode"] == "online" and plan.gpu_memory is not None and online_bytes > plan.gpu_memory:
+        out.append(
+            f"hidden_states.mode: offline: online training holds the verifier ({weights / GB:.0f} GB) beside the "
+            f"draft on every training GPU, about {online_bytes / GB:.0f} GB against {plan.gpu_memory / GB:.0f}"
+        )
+    elif plan.gpu_memory is not None and train_bytes > plan.gpu_memory:
+        out.append(
+            f"train.batch_tokens: training needs about {train_bytes / GB:.0f} GB per process, the GPU has "
+            f"{plan.gpu_memory / GB:.0f}; halve batch_tokens (activations scale with it)"
+        )
+    return out
+
+
+def render(plan: Plan) -> str:
+    """The plan as Markdown. Pure."""
+    lines = [f"# Plan: run {plan.run}", ""]
+    if plan.tokens is not None:
+        t = plan.tokens
+        lines += [f"Samples {t.samples}, tokens {t.tokens:,}, longest {t.longest} ({t.source}).", ""]
+    if plan.disk:
+        lines += ["| stage | writes | bytes | where | free there |", "|---|---|---|---|---|"]
+        for r in plan.disk:
+            lines.append(f"| {r['stage']} | {r['what']} | {gb(r['bytes'])} | {r['where']} | {gb(r['free'])} |")
+        lines.append("")
+    if plan.gpu:
+        has = f"{plan.gpu_memory / GB:.0f} GB per GPU here" if plan.gpu_memory else "no GPU here"
+        lines += [f"GPU memory ({has}):", "", "| what | bytes | detail |", "|---|---|---|"]
+        lines += [f"| {r['what']} | {gb(r['bytes'])} | {r['per']} |" for r in plan.gpu]
+        lines.append("")
+    if plan.suggestions:
+        lines += ["Does not fit. Settings that would:", *[f"- {s}" for s in plan.suggestions], ""]
+    elif plan.disk:
+        lines += ["Fits: every stage's bytes are below the free space where they land.", ""]
+    if plan.hours:
+        lines += ["Hours per stage (`throughput`; replicas: verifier servers answering at once):", "", plan.hours]
+    lines += [f"Note: {n}" for n in plan.notes]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def summary_line(plan: Plan) -> str:
+    """The line `snakemake -n` prints. Pure."""
+    if not plan.disk:
+        return "Hidden states: " + (plan.notes[0] if plan.notes else "unknown")
+    shards, t = plan.disk[0], plan.tokens
+    if not shards["bytes"]:
+        return "Hidden states: none on disk (hidden_states.mode: online: the train job computes them)"
+    fits = "fits" if not plan.suggestions else "DOES NOT FIT (python -m eagleflow.plan names settings that do)"
+    return (
+        f"Hidden states this run writes: {gb(shards['bytes'])} for {t.tokens:,} tokens "
+        f"({t.source.split(':')[0]}) in {shards['where']}, {gb(shards['free'])} free: {fits}"
+    )
+
+
+def gb(n: int) -> str:
+    return f"{n / GB:.2f} GB" if n >= 0.01 * GB else f"{n / 1e6:.2f} MB"
+
+
+def load_merged_config(configfiles: list[str], root: Path) -> dict[str, Any]:
+    """config/config.yaml with each file merged over it, as `snakemake --configfile` does."""
+    config = yaml.safe_load((root / DEFAULT_CONFIG).read_text())
+    for path in configfiles:
+        config = merged(config, yaml.safe_load(Path(path).read_text()) or {})
+    validate_config(config)
+    return config
+
+
+def planned_disk_line(jobs: dict[str, int], config: dict[str, Any], root: Path) -> str | None:
+    """The line `snakemake -n` prints when the jobs it plans (rule -> count) include the
+    hidden-state stage or training; None otherwise."""
+    if not (jobs.get("hidden_states") or jobs.get("train")):
+        return None
+    try:
+        return summary_line(make_plan(config, root))
+    except (OSError, ValueError, KeyError) as exc:
+        return f"Hidden states: no plan ({exc})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m eagleflow.plan", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--configfile", action="append", default=[], help="merged over config/config.yaml, in order")
+    ap.add_argument("--verifier-config", help="the verifier's config.json, when the verifier is not on this machine")
+    ap.add_argument("--gpu-memory-gb", type=float, help="memory per GPU (default: nvidia-smi's)")
+    ap.add_argument("--assume-prompt-tokens", type=int, default=256, help="prompt length when the prompts are absent")
+    ap.add_argument("--samples", type=int, nargs="+", help="give the hours at these sample counts")
+    ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    args = ap.parse_args(argv)
+    root = Path(".")
+    config = load_merged_config(args.configfile, root)
+    plan = make_plan(
+        config,
+        root,
+        verifier_config=json.loads(Path(args.verifier_config).read_text()) if args.verifier_config else None,
+        gpu_memory=int(args.gpu_memory_gb * GB) if args.gpu_memory_gb else None,
+        assume_prompt_tokens=args.assume_prompt_tokens,
+        samples=args.samples,
+    )
+    if args.json:
+        print(json.dumps(plan, default=lambda o: o.__dict__ if hasattr(o, "__dict__") else str(o), indent=1))
+    else:
+        print(render(plan), end="")
+    return 1 if plan.suggestions else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""The plan's sizes (eagleflow.plan): the verifier's weights, the draft's parameters
+and its training memory, free disk and GPU memory on this machine."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eagleflow.common.verifier_config import draft_attention_geometry, text_config
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The verifier's shape, from its config.json."""
+
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Geometry:
+        v = text_config(config)
+        heads, kv_heads, head_dim = draft_attention_geometry(v)
+        return cls(
+            int(v["hidden_size"]),
+            int(v["num_hidden_layers"]),
+            int(v["vocab_size"]),
+            int(v["intermediate_size"]),
+            heads,
+            kv_heads,
+            head_dim,
+        )
+
+
+def weight_bytes_on_disk(verifier_dir: Path) -> int | None:
+    """The verifier's weights: the sharded index's total, or the safetensors files' sizes."""
+    index = verifier_dir / "model.safetensors.index.json"
+    if index.exists():
+        total = json.loads(index.read_text()).get("metadata", {}).get("total_size")
+        if total:
+            return int(total)
+    files = list(verifier_dir.glob("*.safetensors"))
+    return sum(f.stat().st_size for f in files) if files else None
+
+
+def estimated_weight_bytes(config: dict[str, Any]) -> int:
+    """The verifier's weights from its config.json: Llama-style dense or DeepSeek-V3-style
+    (MLA attention, MoE), in bf16, with routed experts at the quantization config's bits
+    (plus a bf16 scale per group). Pure; an estimate within a few percent for these families."""
+    v = text_config(config)
+    h, layers, vocab = v["hidden_size"], v["num_hidden_layers"], v["vocab_size"]
+    heads = v["num_attention_heads"]
+    if v.get("kv_lora_rank"):
+        qk = v["qk_nope_head_dim"] + v["qk_rope_head_dim"]
+        q = h * heads * qk if not v.get("q_lora_rank") else h * v["q_lora_rank"] + v["q_lora_rank"] * heads * qk
+        kv = h * (v["kv_lora_rank"] + v["qk_rope_head_dim"])
+        kv += v["kv_lora_rank"] * heads * (v["qk_nope_head_dim"] + v["v_head_dim"])
+        attn = q + kv + heads * v["v_head_dim"] * h
+    else:
+        head_dim = v.get("head_dim") or h // heads
+        kv_heads = v.get("num_key_value_heads") or heads
+        attn = h * head_dim * (2 * heads + 2 * kv_heads)
+    dense_mlp = 3 * h * v["intermediate_size"]
+    experts = v.get("n_routed_experts") or 0
+    moe_layers = 0
+    if experts:
+        first_dense, every = v.get("first_k_dense_replace", 0), v.get("moe_layer_freq", 1)
+        moe_layers = sum(1 for i in range(first_dense, layers) if i % every == 0)
+    expert_mlp = 3 * h * (v.get("moe_intermediate_size") or 0)
+    shared = (v.get("n_shared_experts") or 0) * expert_mlp + experts * h  # shared experts and the router
+    embeddings = (1 if v.get("tie_word_embeddings") else 2) * vocab * h
+    bf16 = layers * attn + (layers - moe_layers) * dense_mlp + moe_layers * shared + embeddings
+    routed = moe_layers * experts * expert_mlp
+    bits, group = quantization(config)
+    return int(bf16 * 2 + routed * (bits / 8 + (2 / group if group else 0)))
+
+
+def quantization(config: dict[str, Any]) -> tuple[int, int]:
+    """(bits, group size) of the quantized weights, (16, 0) when none. Pure."""
+    q = config.get("quantization_config") or text_config(config).get("quantization_config") or {}
+    for group in (q.get("config_groups") or {}).values():
+        weights = group.get("weights") or {}
+        if weights.get("num_bits"):
+            return int(weights["num_bits"]), int(weights.get("group_size") or 0)
+    if q.get("bits"):
+        return int(q["bits"]), int(q.get("group_size") or 0)
+    return 16, 0
+
+
+def draft_params(g: Geometry, num_layers: int, draft_vocab: int, num_aux: int) -> tuple[int, int]:
+    """(trainable, frozen) parameters of the EAGLE-3 draft eagleflow trains. Pure.
+
+    Trainable: the fc over the aux states, `num_layers` Llama layers (the first takes
+    [embedding; state], 2 x hidden, and normalises the state with its own norm) and the final
+    norm. Frozen: the verifier's embeddings, the draft lm_head and the verifier's lm_head rows
+    of the draft vocabulary (both initialised from the verifier's), the verifier's final norm."""
+    h, q, kv = g.hidden_size, g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim
+    layer_in = [2 * h] + [h] * (num_layers - 1)
+    layers = sum(i * (q + 2 * kv) + q * h + 3 * h * g.intermediate_size + 2 * h for i in layer_in)
+    trainable = num_aux * h * h + layers + h + h  # + the first layer's state norm, the final norm
+    frozen = g.vocab_size * h + 2 * draft_vocab * h + h
+    return trainable, frozen
+
+
+def draft_export_bytes(g: Geometry, trainable: int, draft_vocab: int) -> int:
+    """The exported draft's model.safetensors: the trainable weights, the embeddings and the
+    draft lm_head in bf16, and the vocabulary maps (d2t int64, t2d bool). Pure."""
+    return (trainable + g.vocab_size * g.hidden_size + draft_vocab * g.hidden_size) * 2 + draft_vocab * 8 + g.vocab_size
+
+
+def draft_train_bytes(g: Geometry, train: dict[str, Any], draft_vocab: int, num_aux: int) -> dict[str, int]:
+    """GPU memory of one training process, estimated. Pure.
+
+    fp32 master weights, gradients and two AdamW moments (16 bytes per trainable parameter),
+    fp32 frozen weights, and per token of a batch and per TTT step: the layer's activations
+    (fp32) and the draft-vocabulary logits with their softmax and gradient."""
+    trainable, frozen = draft_params(g, train["num_layers"], draft_vocab, num_aux)
+    h, i = g.hidden_size, g.intermediate_size
+    per_token = (num_aux * h + train["num_layers"] * (12 * h + 3 * g.num_heads * g.head_dim + 3 * i)) * 4
+    per_token += 3 * draft_vocab * 4
+    activations = train["batch_tokens"] * train["ttt_steps"] * per_token
+    return {
+        "trainable": trainable,
+        "frozen": frozen,
+        "state": 16 * trainable + 4 * frozen,
+        "activations": activations,
+        "total": 16 * trainable + 4 * frozen + activations,
+    }
+
+
+def free_bytes(path: Path) -> int:
+    """Free space on the file system `path` will land on (its nearest existing ancestor)."""
+    p = path.absolute()
+    while not p.exists():
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def gpu_memory_bytes() -> int | None:
+    """The smallest visible GPU's memory, from nvidia-smi; None without GPUs."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    sizes = [int(x) * 2**20 for x in out.split()]
+    return min(sizes) if sizes else None

@@ -1,0 +1,511 @@
+"""report: report.md, an HTML summary and plots from the benchmark, training metrics, data
+quality and vocab stats. The plots and the summary are also what `snakemake --report` shows."""
+
+from __future__ import annotations
+
+import html
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from eagleflow.common.atomic import atomic_path, read_jsonl, write_text
+from eagleflow.common.defects import EXCLUDING
+from eagleflow.common.train_metrics import exported_eval
+from eagleflow.runtime.smk import stage
+
+log = logging.getLogger(__name__)
+
+
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, out: str) -> None:
+    fig.tight_layout()
+    with atomic_path(out) as tmp:
+        fig.savefig(tmp, format="png", dpi=120)
+    pyplot().close(fig)
+
+
+def plot_acceptance(report: dict[str, Any], out: str, parity: dict[str, Any] | None = None) -> None:
+    """vLLM's per-position acceptance; next to it, with a parity report, the replay's."""
+    plt = pyplot()
+    per_pos = report["speculative"]["per_position_acceptance"]
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    labels = [f"pos {i + 1}" for i in range(len(per_pos))]
+    if parity is None:
+        ax.bar_label(ax.bar(labels, per_pos, color="#3b6ea8"), fmt="%.2f")
+    else:
+        x = range(len(per_pos))
+        replay = parity["replay"]["per_position_acceptance"]
+        ax.bar_label(ax.bar([i - 0.2 for i in x], per_pos, 0.4, color="#3b6ea8", label="vLLM"), fmt="%.2f")
+        ax.bar_label(ax.bar([i + 0.2 for i in x], replay, 0.4, color="#e0a040", label="replay"), fmt="%.2f")
+        ax.set_xticks(list(x), labels)
+        ax.legend()
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("accepted / drafts")
+    ax.set_title(f"Per-position acceptance (mean length {report['speculative']['mean_acceptance_length']:.2f})")
+    save_figure(fig, out)
+
+
+def bucket_label(lo: int, hi: int, last: bool) -> str:
+    """`512-1024` (`2048+` for the last bucket, which also takes longer contexts). Pure."""
+    return f"{lo}+" if last else f"{lo}-{hi}"
+
+
+# A bucket's mean from fewer drafts is noise on a plot (one draft of 4 accepted tokens is a
+# point at 4.0); the table still shows it, with the count over all sets.
+MIN_PLOTTED_DRAFTS = 20
+
+
+def plot_context(parity: dict[str, Any] | None, out: str) -> None:
+    """Mean acceptance length by the context length a draft was proposed at, per set and over
+    all (the parity replay's buckets, those of MIN_PLOTTED_DRAFTS drafts or more), with the
+    longest context the draft was trained on."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 3.4))
+    if parity is None or "context" not in parity:
+        ax.text(0.5, 0.5, "no parity job: acceptance by context length\ncomes from its replay", ha="center")
+        ax.set_axis_off()
+        save_figure(fig, out)
+        return
+    context = parity["context"]
+    edges = context["edges"]
+    mids = [(hi / 2 if lo == 0 else (lo * hi) ** 0.5) for lo, hi in zip(edges, edges[1:], strict=False)]
+    series = {**context["sets"], "all sets": context["all"]}
+    for name, rows in series.items():
+        points = [
+            (x, r["mean_acceptance_length"])
+            for x, r in zip(mids, rows, strict=True)
+            if r["num_drafts"] >= MIN_PLOTTED_DRAFTS
+        ]
+        if points:
+            bold = (
+                {"linewidth": 2.5, "color": "black", "zorder": 1}
+                if name == "all sets"
+                else {"linewidth": 1, "zorder": 2}
+            )
+            ax.plot(*zip(*points, strict=True), "o-", markersize=4, label=name, **bold)
+    trained = context["trained"]
+    if trained.get("longest_sample"):
+        ax.axvline(trained["longest_sample"], linestyle="--", color="#b04040", label="longest training sample")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(f"context length at the draft (tokens; buckets of {MIN_PLOTTED_DRAFTS}+ drafts)")
+    ax.set_ylabel("mean acceptance length")
+    ax.set_title("Acceptance by context length (parity replay, T = 0)")
+    ax.legend(fontsize=7)
+    save_figure(fig, out)
+
+
+def plot_training(metrics: list[dict[str, Any]], out: str) -> None:
+    plt = pyplot()
+    train = [m for m in metrics if m["split"] == "train"]
+    evals = [m for m in metrics if m["split"] == "eval"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.2))
+    ax1.plot([m["step"] for m in train], [m["loss"] for m in train], label="train")
+    ax1.plot([m["step"] for m in evals], [m["loss"] for m in evals], "o-", label="eval")
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("loss")
+    ax1.legend()
+    k = sum(1 for key in metrics[0] if key.startswith("full_acc_"))
+    for i in range(k):
+        ax2.plot([m["step"] for m in evals], [m[f"full_acc_{i}"] for m in evals], "o-", label=f"full_acc_{i}")
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("eval accuracy")
+    ax2.set_ylim(0, 1)
+    ax2.legend()
+    save_figure(fig, out)
+
+
+def plot_quality(quality: dict[str, Any], out: str) -> None:
+    """Samples per defect class; classes that keep a sample out of training stand out."""
+    plt = pyplot()
+    names = list(quality["counts"]) + ["request_errors"]
+    counts = [quality["counts"][n] for n in quality["counts"]] + [quality["request_errors"]]
+    colors = ["#b8473b" if n in EXCLUDING or n == "request_errors" else "#3b6ea8" for n in names]
+    fig, ax = plt.subplots(figsize=(6, 0.35 * len(names) + 1.2))
+    bars = ax.barh(names, counts, color=colors)
+    ax.bar_label(bars, labels=[f"{c} ({c / max(1, quality['num_samples']):.1%})" for c in counts], padding=3)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(1, max(counts)) * 1.35)
+    ax.set_xlabel(f"samples (of {quality['num_samples']}); red: kept out of training")
+    ax.set_title("Synthetic data defects")
+    save_figure(fig, out)
+
+
+def plot_vocab_coverage(vocab: dict[str, Any], out: str) -> None:
+    """Loss-token coverage against draft vocabulary size, the configured size marked."""
+    plt = pyplot()
+    curve = vocab["coverage_curve"]
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    for split in ("train", "eval"):
+        ax.plot([p["size"] for p in curve], [p[split] for p in curve], "o-", markersize=3, label=split)
+    ax.axvline(
+        vocab["draft_vocab_size"], color="grey", linestyle="--", label=f"draft vocab {vocab['draft_vocab_size']}"
+    )
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(0, 1.02)
+    ax.set_xlabel("draft vocabulary size (most frequent train tokens)")
+    ax.set_ylabel("loss tokens covered")
+    ax.set_title(f"Vocabulary coverage (eval {vocab['coverage_eval']:.1%} at the configured size)")
+    ax.legend(loc="lower right")
+    save_figure(fig, out)
+
+
+def plot_prompts(prompts: dict[str, Any], out: str) -> None:
+    """Words per conversation (its user turns) in the training prompts, per source."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    sources = list(prompts["train"])
+    width = 0.8 / max(len(sources), 1)
+    for j, source in enumerate(sources):
+        hist = prompts["train"][source]["words"]["histogram"]
+        edges, counts = hist["edges"], hist["counts"]
+        total = sum(counts) or 1
+        x = [i + (j - (len(sources) - 1) / 2) * width for i in range(len(counts))]
+        ax.bar(x, [c / total for c in counts], width, label=f"{source} ({total})")
+    tops = [*edges[1:], 0]
+    labels = [bucket_label(edges[i], tops[i], i == len(edges) - 1) for i in range(len(edges))]
+    ax.set_xticks(range(len(labels)), labels, rotation=30)
+    ax.set_xlabel("words in a conversation's user turns")
+    ax.set_ylabel("share of training prompts")
+    ax.set_title("Training prompts by source")
+    ax.legend()
+    save_figure(fig, out)
+
+
+def prompt_section(prompts: dict[str, Any] | None, plot: str | None) -> list[str]:
+    """The prompt set: its sources, what each filter removed (with examples), its lengths and
+    variety."""
+    if prompts is None:
+        return []
+    lines = [
+        "## Prompts",
+        "",
+        "| source | loaded | kept | weight | train | eval | words (mean, max) | distinct 1-/2-grams |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, src in prompts["sources"].items():
+        d = prompts["train"].get(name) or {}
+        w = d.get("words") or {}
+        lines.append(
+            f"| {name} | {src['loaded']} | {src['kept']} | {src['weight']:g} | {src['train']} | {src['eval']} | "
+            f"{w.get('mean')}, {w.get('max')} | {d.get('distinct_1')} / {d.get('distinct_2')} |"
+        )
+    removed = prompts["filters"]["removed"]
+    lines += ["", "| filter | removed | by source | example |", "| --- | --- | --- | --- |"]
+    for reason, r in removed.items():
+        example = r["examples"][0] if r["examples"] else None
+        shown = f"{_cell(example['text'][:80])} ({_cell(example['detail'])})" if example else ""
+        by_source = ", ".join(f"{k} {v}" for k, v in r["by_source"].items())
+        lines.append(f"| {reason} | {r['count']} | {by_source} | {shown} |")
+    lines.append("")
+    if plot:
+        lines += [f"![training prompts by source]({plot})", ""]
+    for name, d in prompts["train"].items():
+        lines += [f"Examples ({name}):", "", *(f"- {_cell(e[:160])}" for e in d["examples"]), ""]
+    return lines
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def describe_requests(generate: dict) -> str:
+    """What the data cost in inference: requests sent to the verifier vs answered by the store."""
+    total = max(generate["requests"], 1)
+    share = generate["reused"] / total
+    return f"{generate['sent']} sent / {generate['reused']} reused from the store ({share:.0%} reused)"
+
+
+def parity_rows(parity: dict | None) -> list[tuple[str, str]]:
+    """The parity job's figures (none without one). Pure."""
+    if parity is None:
+        return []
+    verdict = "pass" if parity["verdict"] == "pass" else "GAP: " + ", ".join(f["check"] for f in parity["findings"])
+    return [
+        (
+            "replay of the served streams (parity)",
+            f"{parity['replay']['mean_acceptance_length']:.3f} (vLLM - replay {parity['gap']:+.3f}): {verdict}",
+        ),
+        (
+            "replay over every anchor (the training estimate's measure)",
+            f"{parity['replay_every_anchor']['mean_acceptance_length']:.3f}",
+        ),
+    ]
+
+
+def summary_rows(
+    report: dict, metrics: list[dict], quality: dict, vocab: dict, generate: dict, parity: dict | None = None
+) -> list[tuple[str, str]]:
+    """The headline numbers, shared by report.md and the HTML summary. Pure."""
+    spec, base = report["speculative"], report["baseline"]
+    best_eval = exported_eval(metrics)
+    return [
+        ("mean acceptance length", f"{spec['mean_acceptance_length']:.3f}"),
+        ("acceptance rate (accepted / drafted tokens)", f"{spec['acceptance_rate']:.3f}"),
+        ("per-position acceptance", " / ".join(f"{x:.3f}" for x in spec["per_position_acceptance"])),
+        ("output tokens/s without draft", f"{base['output_tokens_per_s']:.1f}"),
+        ("output tokens/s with draft", f"{spec['output_tokens_per_s']:.1f}"),
+        ("speedup", f"{report['speedup']:.2f}x"),
+        ("greedy outputs identical with and without draft", f"{report['outputs_identical_fraction']:.1%}"),
+        ("training estimate of acceptance length (best eval)", f"{best_eval['estimated_acceptance_length']:.3f}"),
+        *(
+            [
+                (
+                    "training estimate as vLLM counts (anchors it visits, eval split)",
+                    f"{best_eval['walk_acceptance_length']:.3f}",
+                )
+            ]
+            if best_eval.get("walk_acceptance_length") is not None
+            else []
+        ),
+        *parity_rows(parity),
+        ("best eval loss (exported draft)", f"{best_eval['loss']:.4f} at step {best_eval['step']}"),
+        ("samples / failed conversations", f"{quality['num_samples']} / {quality['request_errors']}"),
+        ("verifier requests of the last generate", describe_requests(generate)),
+        ("draft vocabulary coverage (train / eval)", f"{vocab['coverage_train']:.2%} / {vocab['coverage_eval']:.2%}"),
+    ]
+
+
+def describe_measurement(report: dict) -> str:
+    return (
+        f"Verifier `{report['verifier']}`, draft `{report['draft']}`, "
+        f"{report['prompts']['count']} held-out prompts (first turns), temperature 0, "
+        f"max {report['sampling']['max_tokens']} tokens, concurrency {report['sampling']['concurrency']}, "
+        f"{report['num_speculative_tokens']} speculative tokens. Measured by vLLM's own counters; "
+        f"the verifier alone: {report['baseline_measurement']}."
+    )
+
+
+def set_tables(report: dict) -> list[str]:
+    """A table per benchmark set (the eval split first): each temperature's mean acceptance
+    length, per-position acceptance and speedup, as markdown lines. Pure."""
+    lines = [
+        "## Benchmark sets",
+        "",
+        "Each set measured with the same server flags, at each temperature (above 0 sampled with the "
+        "seed shown); parity replays every set at temperature 0 (its checks on the eval split).",
+        "",
+    ]
+    by_set: dict[str, list[dict]] = {}
+    for cell in report["cells"].values():
+        by_set.setdefault(cell["set"], []).append(cell)
+    for name, cells in by_set.items():
+        source = report["set_sources"][name]
+        skipped = source["skipped_too_long"]
+        lines += [
+            f"### {name}",
+            "",
+            f"{source['source']}; {cells[0]['requests']} requests per temperature"
+            + (f"; {len(skipped)} conversations skipped: too long for server.max_model_len" if skipped else "")
+            + ".",
+            "",
+            "| temperature (seed) | mean acceptance length | per-position acceptance | speedup | identical outputs |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for c in sorted(cells, key=lambda c: c["temperature"]):
+            spec = c["speculative"]
+            seed = "" if c["seed"] is None else f" (seed {c['seed']})"
+            same = "" if c["outputs_identical_fraction"] is None else f"{c['outputs_identical_fraction']:.0%}"
+            lines.append(
+                f"| {c['temperature']:g}{seed} | {spec['mean_acceptance_length']:.3f} | "
+                + " / ".join(f"{x:.3f}" for x in spec["per_position_acceptance"])
+                + f" | {c['speedup']:.2f}x | {same} |"
+            )
+        lines.append("")
+    return lines
+
+
+def context_table(parity: dict | None, plot: str) -> list[str]:
+    """Acceptance by context length (parity's replay of every set's greedy streams): mean
+    acceptance length and drafts per bucket, over all sets and per set, the longest context
+    the draft was trained on beside it, and each set's replay next to vLLM's, as markdown
+    lines. Pure."""
+    if not parity or "context" not in parity:
+        return []
+    context, names = parity["context"], list(parity["context"]["sets"])
+    trained = context["trained"]
+    lines = [
+        "## Acceptance by context length",
+        "",
+        "Where each draft was proposed: the tokens the verifier had seen (prompt and output), from "
+        "parity's replay of every set's greedy streams (the anchors vLLM visits). The draft was "
+        f"trained on samples of up to {trained['longest_sample']} tokens (dataset.max_seq_len "
+        f"{trained['max_seq_len']}).",
+        "",
+        "| context (tokens) | drafts | all sets | " + " | ".join(names) + " |",
+        "| --- | --- | --- | " + " | ".join("---" for _ in names) + " |",
+    ]
+    edges = context["edges"]
+
+    def al(row: dict) -> str:
+        return "" if row["mean_acceptance_length"] is None else f"{row['mean_acceptance_length']:.3f}"
+
+    for i, row in enumerate(context["all"]):
+        label = bucket_label(edges[i], edges[i + 1], i == len(context["all"]) - 1)
+        per_set = " | ".join(al(context["sets"][n][i]) for n in names)
+        lines.append(f"| {label} | {row['num_drafts']} | {al(row)} | {per_set} |")
+    lines += ["", f"![acceptance by context length]({plot})", ""]
+    lines += [
+        "Each set's replay next to vLLM's acceptance at T = 0: "
+        + "; ".join(
+            f"{name} {r['replay']:.3f} / vLLM {r['vllm']:.3f} ({r['streams']} streams)"
+            for name, r in parity["sets"].items()
+        )
+        + ".",
+        "",
+    ]
+    return lines
+
+
+def parity_findings(parity: dict | None) -> list[str]:
+    """The parity checks that failed, with what to check, as markdown lines. Pure."""
+    if not parity or not parity["findings"]:
+        return []
+    lines = ["## Parity findings", ""]
+    lines += [f"- **{f['check']}**: {f['detail']}. Check: {f['what_to_check']}." for f in parity["findings"]]
+    return [*lines, ""]
+
+
+def render_markdown(
+    report: dict,
+    metrics: list[dict],
+    quality: dict,
+    vocab: dict,
+    generate: dict,
+    plots: dict[str, str],
+    parity: dict | None = None,
+    prompts: dict | None = None,
+) -> str:
+    last_eval = [m for m in metrics if m["split"] == "eval"][-1]
+    best_eval = exported_eval(metrics)
+    headline = {"mean acceptance length", "speedup"}
+    table = [
+        f"| {name} | **{value}** |" if name in headline else f"| {name} | {value} |"
+        for name, value in summary_rows(report, metrics, quality, vocab, generate, parity)
+    ]
+    lines = [
+        "# eagleflow benchmark report",
+        "",
+        describe_measurement(report),
+        "",
+        "| metric | value |",
+        "| --- | --- |",
+        *table,
+        "",
+        f"![per-position acceptance]({plots['acceptance']})",
+        "",
+        *set_tables(report),
+        *context_table(parity, plots["context"]),
+        *parity_findings(parity),
+        "## Training",
+        "",
+        f"Best eval loss {best_eval['loss']:.4f} at step {best_eval['step']} (exported); "
+        f"training-time estimate of acceptance length 1 + sum(full_acc_k) = "
+        f"{best_eval['estimated_acceptance_length']:.3f} (last eval: {last_eval['estimated_acceptance_length']:.3f}).",
+        "",
+        f"![training curves]({plots['training']})",
+        "",
+        "## Data",
+        "",
+        f"{quality['num_samples']} samples from {quality['num_prompts']} prompts; "
+        f"{quality['request_errors']} failed conversations. Defects: "
+        + ", ".join(f"{k} {v}" for k, v in quality["counts"].items())
+        + ".",
+        "",
+        f"Verifier requests of the last generate job: {describe_requests(generate)}"
+        + ("; no server was started." if not generate["sent"] else "."),
+        "",
+        f"![data quality]({plots['quality']})",
+        "",
+        f"Draft vocabulary {vocab['draft_vocab_size']} of {vocab['verifier_vocab_size']} tokens; "
+        f"covers {vocab['coverage_train']:.2%} of loss tokens in train, {vocab['coverage_eval']:.2%} in eval.",
+        "",
+        f"![vocabulary coverage]({plots['vocab']})",
+        "",
+        *prompt_section(prompts, plots.get("prompts")),
+    ]
+    return "\n".join(lines)
+
+
+def render_html(
+    report: dict, metrics: list[dict], quality: dict, vocab: dict, generate: dict, parity: dict | None = None
+) -> str:
+    """A self-contained summary table (what `snakemake --report` shows next to the plots)."""
+    rows = "\n".join(
+        f"<tr><td>{html.escape(n)}</td><td>{html.escape(v)}</td></tr>"
+        for n, v in summary_rows(report, metrics, quality, vocab, generate, parity)
+    )
+    return (
+        "<!DOCTYPE html><html><head><meta charset='utf-8'><title>eagleflow benchmark</title>"
+        "<style>body{font-family:sans-serif;margin:1em}td{padding:.2em "
+        ".8em;border-bottom:1px solid #ddd}</style></head><body>"
+        f"<p>{html.escape(describe_measurement(report))}</p><table>{rows}</table></body></html>\n"
+    )
+
+
+REPORT_OUTPUTS = (
+    "md",
+    "html",
+    "acceptance_png",
+    "context_png",
+    "training_png",
+    "quality_png",
+    "vocab_png",
+    "prompts_png",
+)
+
+
+def main(smk) -> None:
+    """The report rule's job (workflow/rules/report.smk)."""
+    with stage(smk):
+        i = smk.input
+        outputs = {name: smk.output[name] for name in REPORT_OUTPUTS}
+        parity = i.get("parity") or None
+        run_report(i.report, i.metrics, i.quality, i.vocab_stats, i.generate, outputs, parity, i.prompts)
+
+
+def run_report(
+    report_json: str,
+    metrics: str,
+    quality: str,
+    vocab_stats: str,
+    generate_stats: str,
+    out: dict[str, str],
+    parity_json: str | None = None,
+    prompts_json: str | None = None,
+) -> None:
+    """Write out['md'], out['html'] and the plots out['acceptance_png'], ['context_png'],
+    ['training_png'], ['quality_png'], ['vocab_png']; with `parity_json`, the replay next to
+    vLLM's figures and acceptance by context length; with `prompts_json` (prompts/stats.json),
+    the prompt set and out['prompts_png']."""
+    report = json.loads(Path(report_json).read_text())
+    parity = json.loads(Path(parity_json).read_text()) if parity_json else None
+    rows = read_jsonl(metrics)
+    quality_report = json.loads(Path(quality).read_text())
+    vocab = json.loads(Path(vocab_stats).read_text())
+    generate = json.loads(Path(generate_stats).read_text())
+    plot_acceptance(report, out["acceptance_png"], parity)
+    plot_context(parity, out["context_png"])
+    plot_training(rows, out["training_png"])
+    plot_quality(quality_report, out["quality_png"])
+    plot_vocab_coverage(vocab, out["vocab_png"])
+    prompts = json.loads(Path(prompts_json).read_text()) if prompts_json else None
+    if prompts is not None:
+        plot_prompts(prompts, out["prompts_png"])
+    md_dir = Path(out["md"]).parent
+    plots = {
+        k: str(Path(out[f"{k}_png"]).relative_to(md_dir))
+        for k in ("acceptance", "context", "training", "quality", "vocab", "prompts")
+        if k != "prompts" or prompts is not None
+    }
+    write_text(out["md"], render_markdown(report, rows, quality_report, vocab, generate, plots, parity, prompts))
+    write_text(out["html"], render_html(report, rows, quality_report, vocab, generate, parity))
+    log.info("wrote %s and %s", out["md"], out["html"])

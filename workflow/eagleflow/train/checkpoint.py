@@ -1,0 +1,285 @@
+"""Training checkpoints: everything a killed job needs to continue as if it had never stopped.
+
+A checkpoint is a directory `step-NNNNNNNN/` under a fingerprint directory:
+
+    model.safetensors      trainable draft parameters (frozen verifier rows are rebuilt)
+    best.safetensors       trainable parameters of the best draft so far (absent before the first validation)
+    optimizer.safetensors  every tensor of the optimizer state, keyed by its path in the state dict
+    rng.safetensors        torch CPU and CUDA generator states
+    state.json             step, data position, best eval loss, metrics rows so far, the
+                           optimizer state's non-tensor structure, python's RNG state
+
+Tensors go through safetensors only (no pickle: a checkpoint from an untrusted disk cannot
+run code). A directory appears under its final name only once complete (`atomic_path`), so
+a kill mid-write leaves the previous checkpoint as the newest one.
+
+The fingerprint directory is keyed by everything that determines training (the train config,
+the identity of the inputs, the code): a changed config never resumes a stale checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagleflow.common.atomic import atomic_path
+from eagleflow.common.fingerprint import value_fingerprint
+from eagleflow.common.identity import content_digest
+from eagleflow.hidden_states.shard_file import shard_content_digest
+
+log = logging.getLogger(__name__)
+
+# Keys of the train config that change when or how often something is written, not what is trained.
+NON_DETERMINING_KEYS = frozenset({"checkpoint_every", "keep_checkpoints", "gpus"})
+PREFIX = "step-"
+
+
+def training_fingerprint(
+    cfg: dict[str, Any],
+    index: str | None,
+    vocab_map: str,
+    shards: list[str],
+    code: str,
+    online: dict[str, Any] | None = None,
+    verifier: str | None = None,
+) -> str:
+    """What a checkpoint is valid for: train config, input identity and code fingerprint.
+
+    index.json and the vocab map are hashed by content (small files). A shard counts by its
+    name and the digest of what it holds, which its job writes into its header
+    (hidden_states.shard_file): hashing hundreds of GB on every start is too slow, and a
+    re-extraction that writes the same states is the same shard (early cut-off by content: no
+    draft is retrained for it). Online, the dataset's parquet files count by content, and the
+    settings the states are computed with. `verifier`: the verifier's content fingerprint
+    (training reads its embeddings and head, and online its states).
+    """
+
+    def file_sha(path: str) -> str:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+    def identity(path: str) -> list:
+        if path.endswith(".safetensors"):
+            return [Path(path).name, shard_content_digest(path)]
+        return [Path(path).name, content_digest(path)]
+
+    return value_fingerprint(
+        {
+            "train": {k: v for k, v in sorted(cfg.items()) if k not in NON_DETERMINING_KEYS},
+            "index": file_sha(index) if index else None,
+            "vocab_map": file_sha(vocab_map),
+            "shards": [identity(s) for s in shards],
+            "code": code,
+            **({"online": online} if online is not None else {}),
+            **({"verifier": verifier} if verifier is not None else {}),
+        }
+    )
+
+
+@dataclass
+class TrainState:
+    """The loop's position and history, apart from model and optimizer tensors."""
+
+    step: int = 0  # optimizer steps taken; the lr schedule is a pure function of it
+    epoch: int = 0  # data position: epoch and batch index of the next step
+    batch_index: int = 0
+    best_loss: float = float("inf")
+    best_step: int | None = None
+    rows: list[dict[str, Any]] = field(default_factory=list)  # metrics.jsonl rows so far
+    window: dict[str, float] = field(default_factory=dict)  # train metrics since the last logged row
+
+
+# --- optimizer state <-> (tensors, JSON structure) -------------------------------------------
+
+
+def flatten_state(obj: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
+    """Split a nested dict/list of tensors and plain values into a JSON-able skeleton and a
+    flat {path: tensor} dict; tensors are replaced by {"__tensor__": path}. Pure."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(o, path):
+        if isinstance(o, torch.Tensor):
+            tensors[path] = o.detach().cpu().contiguous()
+            return {"__tensor__": path}
+        if isinstance(o, dict):
+            # JSON keys are strings: remember which were ints (optimizer state is keyed by param index).
+            return {
+                "__dict__": [[k, isinstance(k, int), walk(v, f"{path}.{k}" if path else str(k))] for k, v in o.items()]
+            }
+        if isinstance(o, (list, tuple)):
+            return {
+                "__list__": [walk(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(o)],
+                "tuple": isinstance(o, tuple),
+            }
+        if o is None or isinstance(o, (bool, int, float, str)):
+            return o
+        raise TypeError(
+            f"cannot checkpoint a {type(o).__name__} at {path!r}: only tensors, dicts, lists and plain values"
+        )
+
+    return walk(obj, prefix), tensors
+
+
+def unflatten_state(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Inverse of flatten_state. Pure."""
+    if isinstance(skeleton, dict):
+        if "__tensor__" in skeleton:
+            return tensors[skeleton["__tensor__"]]
+        if "__dict__" in skeleton:
+            return {int(k) if is_int else k: unflatten_state(v, tensors) for k, is_int, v in skeleton["__dict__"]}
+        if "__list__" in skeleton:
+            items = [unflatten_state(v, tensors) for v in skeleton["__list__"]]
+            return tuple(items) if skeleton["tuple"] else items
+    return skeleton
+
+
+# --- RNG ---------------------------------------------------------------------------------------
+
+
+def rng_state() -> tuple[dict[str, torch.Tensor], Any]:
+    tensors = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"torch_cuda_{i}"] = s
+    version, internal, gauss = random.getstate()
+    return tensors, [version, list(internal), gauss]
+
+
+def set_rng_state(tensors: dict[str, torch.Tensor], python_state: Any) -> None:
+    torch.set_rng_state(tensors["torch_cpu"])
+    cuda = [tensors[k] for k in sorted(k for k in tensors if k.startswith("torch_cuda_"))]
+    if cuda and torch.cuda.is_available():
+        if len(cuda) != torch.cuda.device_count():
+            log.warning(
+                "checkpoint holds %d CUDA RNG states, this host has %d devices: restoring the overlap",
+                len(cuda),
+                torch.cuda.device_count(),
+            )
+        for i, s in enumerate(cuda[: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(s, i)
+    version, internal, gauss = python_state
+    random.setstate((version, tuple(internal), gauss))
+
+
+# --- save / load -------------------------------------------------------------------------------
+
+
+def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def save_checkpoint(
+    directory: Path,
+    fingerprint: str,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: TrainState,
+    best: dict[str, torch.Tensor] | None,
+    keep: int,
+) -> Path:
+    """Write checkpoint `step-<state.step>` atomically, then drop all but the newest `keep`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / f"{PREFIX}{state.step:08d}"
+    skeleton, opt_tensors = flatten_state(optimizer.state_dict())
+    rng_tensors, python_rng = rng_state()
+    with atomic_path(target) as tmp:
+        tmp.mkdir()
+        save_file({k: v.cpu().contiguous() for k, v in trainable_state(model).items()}, str(tmp / "model.safetensors"))
+        if best is not None:
+            save_file({k: v.cpu().contiguous() for k, v in best.items()}, str(tmp / "best.safetensors"))
+        save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+        save_file(rng_tensors, str(tmp / "rng.safetensors"))
+        (tmp / "state.json").write_text(
+            json.dumps(
+                {
+                    "fingerprint": fingerprint,
+                    "step": state.step,
+                    "epoch": state.epoch,
+                    "batch_index": state.batch_index,
+                    "best_loss": state.best_loss if best is not None else None,
+                    "best_step": state.best_step,
+                    "rows": state.rows,
+                    "window": state.window,
+                    "optimizer": skeleton,
+                    "python_rng": python_rng,
+                }
+            )
+        )
+        # A killed process loses nothing in the page cache; a crashed node does: sync before the rename.
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    for old in checkpoints(directory)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return target
+
+
+def checkpoints(directory: Path) -> list[Path]:
+    """Complete checkpoints in `directory`, oldest first (temporaries start with a dot)."""
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if p.name.startswith(PREFIX) and (p / "state.json").is_file())
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    state: TrainState
+    model: dict[str, torch.Tensor]
+    best: dict[str, torch.Tensor] | None
+    optimizer: dict[str, Any]
+    rng: tuple[dict[str, torch.Tensor], Any]
+
+
+def load_checkpoint(path: Path, fingerprint: str) -> Checkpoint:
+    meta = json.loads((path / "state.json").read_text())
+    if meta["fingerprint"] != fingerprint:
+        raise ValueError(
+            f"{path}: checkpoint fingerprint {meta['fingerprint']} != "
+            f"{fingerprint}: it belongs to another config, input or code; delete it"
+        )
+    best_file = path / "best.safetensors"
+    state = TrainState(
+        step=meta["step"],
+        epoch=meta["epoch"],
+        batch_index=meta["batch_index"],
+        best_loss=meta["best_loss"] if meta["best_loss"] is not None else float("inf"),
+        best_step=meta["best_step"],
+        rows=meta["rows"],
+        window=meta["window"],
+    )
+    return Checkpoint(
+        path=path,
+        state=state,
+        model=load_file(str(path / "model.safetensors")),
+        best=load_file(str(best_file)) if best_file.is_file() else None,
+        optimizer=unflatten_state(meta["optimizer"], load_file(str(path / "optimizer.safetensors"))),
+        rng=(load_file(str(path / "rng.safetensors")), meta["python_rng"]),
+    )
+
+
+def latest_checkpoint(directory: Path, fingerprint: str) -> Checkpoint | None:
+    found = checkpoints(directory)
+    return load_checkpoint(found[-1], fingerprint) if found else None
+
+
+def restore(ckpt: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load a checkpoint's tensors into a freshly built model and optimizer, and its RNG states."""
+    params = dict(model.named_parameters())
+    missing = set(trainable_state(model)) - set(ckpt.model)
+    if missing:
+        raise ValueError(f"{ckpt.path}: checkpoint lacks trainable parameters {sorted(missing)}")
+    with torch.no_grad():
+        for name, value in ckpt.model.items():
+            params[name].copy_(value)
+    optimizer.load_state_dict(ckpt.optimizer)
+    set_rng_state(*ckpt.rng)

@@ -1,0 +1,74 @@
+"""Where a training process runs: its device, rank and world size, autocast, and the draft's
+attention and loss implementations for that device."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from eagleflow.train.attention import DOC_SDPA
+from eagleflow.train.config import TrainConfig
+
+
+@dataclass(frozen=True)
+class Runtime:
+    rank: int
+    world_size: int
+    device: torch.device
+    attn_impl: str
+    loss_implementation: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def autocast(self):
+        # bf16 compute on GPUs, float32 master weights; CPUs without bf16 units take slow paths in bf16.
+        return torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else nullcontext()
+
+    def sum_(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+
+def resolve_impls(attn_impl: str, loss_implementation: str, cuda: bool, triton: bool) -> tuple[str, str]:
+    """("auto" resolved) attention and loss implementations for the device. Pure.
+
+    Flex attention has no CPU backward and the fused loss is a Triton kernel, so on CPU
+    "auto" means doc_sdpa (SDPA per packed sample, train.attention) and the eager loss;
+    asking for them explicitly there is an error.
+    """
+    attn = attn_impl if attn_impl != "auto" else ("simple_flex_attention" if cuda else DOC_SDPA)
+    loss = loss_implementation if loss_implementation != "auto" else ("fused" if cuda and triton else "eager")
+    if attn == "simple_flex_attention" and not cuda:
+        raise ValueError(
+            "train.attn_impl: simple_flex_attention needs CUDA (flex "
+            "attention has no CPU backward); use auto, sdpa or eager"
+        )
+    if loss == "fused" and not (cuda and triton):
+        raise ValueError("train.loss_implementation: fused needs CUDA and Triton; use auto or eager")
+    return attn, loss
+
+
+def init_runtime(cfg: TrainConfig) -> Runtime:
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    cuda = torch.cuda.is_available()
+    if cuda:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if cuda else "gloo")
+    attn, loss = resolve_impls(
+        cfg.attn_impl, cfg.loss_implementation, cuda, importlib.util.find_spec("triton") is not None
+    )
+    return Runtime(rank, world_size, device, attn, loss)

@@ -1,0 +1,382 @@
+"""The training loop, top to bottom: setup (data, model, optimizer), resume, the step loop
+(step, log, validate, checkpoint), export.
+
+Validation (train/evaluation.py) runs on the held-out split every `eval_every` steps and at
+the end of every epoch; the draft exported is the one with the lowest validation loss.
+
+Data parallel: under torchrun every rank runs this same loop. A step consumes `world_size`
+consecutive batches of the epoch's packing, one per rank; each rank scales its loss by
+1 / (batches in this step) and the gradients are summed across ranks, which is exactly
+gradient accumulation over those batches. Metrics are summed the same way; only rank 0
+writes metrics, checkpoints and the draft. With one process it is the plain loop.
+
+Resume: every `checkpoint_every` steps the full training state is checkpointed under
+`checkpoint_dir/<fingerprint>/`; a rerun with the same config, inputs and code continues
+from the newest one and produces the same metrics rows and weights as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+from tqdm import tqdm
+
+from eagleflow.common.atomic import atomic_path, write_jsonl
+from eagleflow.common.config import typed
+from eagleflow.common.fingerprint import code_fingerprint
+from eagleflow.common.identity import verifier_fingerprint
+from eagleflow.runtime.output_cache import OutputCache
+from eagleflow.train.checkpoint import (
+    TrainState,
+    latest_checkpoint,
+    restore,
+    save_checkpoint,
+    trainable_state,
+    training_fingerprint,
+)
+from eagleflow.train.config import TrainConfig, TrainJob
+from eagleflow.train.data import Sample, collate, load_shards, pack
+from eagleflow.train.device import Runtime, init_runtime
+from eagleflow.train.draft import build_draft, export_draft, take_precomputed_targets
+from eagleflow.train.evaluation import evaluate, metric_keys, summarise
+from eagleflow.train.online import TokenSample, VerifierStates, load_token_samples, open_verifier
+from eagleflow.train.steps import Window, lr_at, steps_in, train_step
+
+log = logging.getLogger(__name__)
+
+# Called with the step number once a step (and its checkpoint, if due) is done. Production
+# wires none; the resume tests wire one that kills the process there.
+StepCallback = Callable[[int], None]
+
+
+# --- device, attention and loss --------------------------------------------------------------
+
+
+# --- steps -----------------------------------------------------------------------------------
+
+
+# --- the loop --------------------------------------------------------------------------------
+
+
+def job_fingerprint(job: TrainJob, cfg: TrainConfig) -> str:
+    """What a training run is: its config, inputs and the code that trains (the checkpoints'
+    key, and with the named verifier the finished draft's)."""
+    return training_fingerprint(
+        dataclasses.asdict(cfg),
+        job.index,
+        job.vocab_map,
+        job.shards or job.dataset,
+        code_fingerprint("eagleflow.train.loop"),
+        online=job.online,
+        verifier=verifier_fingerprint(job.verifier_dir),
+    )
+
+
+def run_train(job: TrainJob, cfg: TrainConfig, on_step_end: StepCallback | None = None) -> None:
+    """Train a draft as `cfg` says on `job`'s inputs and export the best one."""
+    torch.set_num_threads(job.threads)
+    rt = init_runtime(cfg)
+    try:
+        trainer = Trainer.setup(job, cfg, rt)
+        trainer.resume()
+        trainer.fit(on_step_end)
+        trainer.export()
+    finally:
+        if rt.world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_from_json(spec: dict[str, Any], on_step_end: StepCallback | None = None) -> None:
+    """Entry for `python -m eagleflow.train SPEC.json` (and torchrun): TrainJob's
+    fields and the train config section under "cfg", as JSON."""
+    job = TrainJob(**{f.name: spec[f.name] for f in dataclasses.fields(TrainJob) if f.name in spec})
+    run_train(job, typed(TrainConfig, spec["cfg"], "train"), on_step_end)
+
+
+@dataclass
+class Trainer:
+    """A training run's model, data and position. `setup`, `resume`, `fit`, `export`."""
+
+    job: TrainJob
+    cfg: TrainConfig
+    rt: Runtime
+    model: torch.nn.Module
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    train: list[Sample] | list[TokenSample]  # token samples online: their states come per batch
+    evals: list[Sample]
+    epochs: list[list[list[int]]]  # the packing of every epoch: batches of sample indices
+    total_steps: int
+    fwd_kwargs: dict[str, Any]
+    keys: list[str]
+    fingerprint: str
+    checkpoint_dir: Path
+    state: TrainState = dataclasses.field(default_factory=TrainState)
+    best: dict[str, torch.Tensor] | None = None  # trainable weights of the best validation (rank 0)
+    states: VerifierStates | None = None  # online mode: the verifier that computes the states
+
+    @classmethod
+    def setup(cls, job: TrainJob, cfg: TrainConfig, rt: Runtime) -> Trainer:
+        """Data, draft model, optimizer and the step schedule."""
+        from speculators.losses import resolve_loss_config
+
+        torch.manual_seed(cfg.seed)
+        fingerprint = job_fingerprint(job, cfg)
+        # Data: the shards' samples, or (online) the dataset's tokens and the verifier.
+        states = None
+        vocab = load_file(job.vocab_map)
+        if job.online is None:
+            train, evals, aux_layer_ids = load_shards(job.shards, train_fraction=cfg.sample_fraction, t2d=vocab["t2d"])
+        else:
+            train, eval_tokens = load_token_samples(*job.dataset, train_fraction=cfg.sample_fraction)
+            states = open_verifier(job.verifier_dir, job.online, rt.device, job.log_path, rt.is_main)
+            evals, aux_layer_ids = states.samples(eval_tokens), states.aux_layer_ids
+        if not train or not evals:
+            where = "the dataset" if states else "the hidden-state shards"
+            raise ValueError(f"{where}: {len(train)} train and {len(evals)} eval samples; both must be non-empty")
+        model = build_draft(
+            job.verifier_dir,
+            vocab["d2t"],
+            vocab["t2d"],
+            num_layers=cfg.num_layers,
+            ttt_steps=cfg.ttt_steps,
+            aux_layer_ids=aux_layer_ids,
+            attn_impl=rt.attn_impl,
+            sliding_window=cfg.sliding_window,
+            attention=cfg.draft_attention,
+        ).to(rt.device)
+        if job.online is None and train[0].target_ids is not None:  # shards with the compact target
+            take_precomputed_targets(model)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        # The packing of every epoch is fixed up front (a pure function of the seed), so the
+        # schedule knows the exact number of steps and a resumed run sees the same batches.
+        epochs = [pack(train, cfg.batch_tokens, shuffle_seed=cfg.seed * 1000 + e) for e in range(cfg.epochs)]
+        fwd_kwargs = {
+            "ttt_steps": cfg.ttt_steps,
+            "ttt_step_loss_decay": cfg.ttt_step_loss_decay,
+            "loss_config": resolve_loss_config(cfg.loss, rt.loss_implementation),
+        }
+        trainer = cls(
+            job=job,
+            cfg=cfg,
+            rt=rt,
+            model=model,
+            params=params,
+            optimizer=optimizer,
+            train=train,
+            evals=evals,
+            epochs=epochs,
+            total_steps=sum(steps_in(len(b), rt.world_size) for b in epochs),
+            fwd_kwargs=fwd_kwargs,
+            keys=metric_keys(cfg.ttt_steps),
+            fingerprint=fingerprint,
+            checkpoint_dir=Path(job.checkpoint_dir) / fingerprint,
+            states=states,
+        )
+        if rt.is_main:
+            trainer.log_setup()
+        return trainer
+
+    def log_setup(self) -> None:
+        rt, root = self.rt, self.checkpoint_dir.parent
+        log.info(
+            "draft: %.2fM trainable params; %d train / %d eval samples (%d / %d tokens); %d steps on %d %s "
+            "process(es); attention %s, loss %s; checkpoints in %s",
+            sum(p.numel() for p in self.params) / 1e6,
+            len(self.train),
+            len(self.evals),
+            sum(map(len, self.train)),
+            sum(map(len, self.evals)),
+            self.total_steps,
+            rt.world_size,
+            rt.device.type,
+            rt.attn_impl,
+            rt.loss_implementation,
+            self.checkpoint_dir,
+        )
+        found = root.iterdir() if root.is_dir() else []
+        others = sorted(p.name for p in found if p.is_dir() and p.name != self.fingerprint)
+        if others:
+            log.info("not resuming checkpoints of other configs/inputs/code in %s: %s", root, ", ".join(others))
+
+    def resume(self) -> None:
+        """Continue from the newest checkpoint of this fingerprint, if there is one."""
+        rt = self.rt
+        ckpt = latest_checkpoint(self.checkpoint_dir, self.fingerprint)
+        if ckpt is not None:
+            restore(ckpt, self.model, self.optimizer)
+            self.state, self.best = ckpt.state, ckpt.best
+            if rt.is_main:
+                log.info(
+                    "resuming from step %d of %d (%s; epoch %d, batch %d; best eval loss %s)",
+                    self.state.step,
+                    self.total_steps,
+                    ckpt.path,
+                    self.state.epoch,
+                    self.state.batch_index,
+                    f"{self.state.best_loss:.4f}" if self.best is not None else "none yet",
+                )
+        elif rt.is_main:
+            log.info("starting at step 0 of %d (no checkpoint in %s)", self.total_steps, self.checkpoint_dir)
+        if rt.world_size > 1:
+            for p in self.params:  # identical seeds give identical weights; make it explicit
+                dist.broadcast(p.data, src=0)
+        if not rt.is_main:
+            self.best = None  # only rank 0 writes the draft
+
+    def fit(self, on_step_end: StepCallback | None = None) -> None:
+        """The step loop, from the resumed position to the last step."""
+        cfg, rt, state = self.cfg, self.rt, self.state
+        window = Window.restore(state.window, self.keys, rt.device)
+        self.model.train()
+        bar = tqdm(
+            total=self.total_steps,
+            initial=state.step,
+            desc="train",
+            unit="step",
+            mininterval=2.0,
+            disable=not rt.is_main,
+        )
+        for epoch in range(state.epoch, len(self.epochs)):
+            batches = self.epochs[epoch]
+            n_steps = steps_in(len(batches), rt.world_size)
+            for j in range(state.batch_index if epoch == state.epoch else 0, n_steps):
+                # Step: the world_size consecutive batches of this step, one per rank.
+                lr, grad_norm = self.step(batches[j * rt.world_size : (j + 1) * rt.world_size], window)
+                state.step += 1
+                state.epoch, state.batch_index = (epoch, j + 1) if j + 1 < n_steps else (epoch + 1, 0)
+                bar.update()
+                # Log: a train row every log_every steps and at the last.
+                if state.step % cfg.log_every == 0 or state.step == self.total_steps:
+                    row = self.train_row(epoch, lr, grad_norm, window)
+                    bar.set_postfix(
+                        loss=f"{row['loss']:.3f}",
+                        acc0=f"{row['full_acc_0']:.2f}",
+                        tok_s=f"{row['tokens_per_s']:.0f}",
+                        refresh=False,
+                    )
+                # Validate: at the end of every epoch and every eval_every steps.
+                end_of_epoch = j + 1 == n_steps
+                if end_of_epoch or (cfg.eval_every and state.step % cfg.eval_every == 0):
+                    with window.paused():  # tokens/s measures training, not validation
+                        self.validate(epoch, end_of_epoch)
+                # Checkpoint: every checkpoint_every steps; the last step's outputs are the draft.
+                if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0 and state.step < self.total_steps:
+                    self.checkpoint(window)
+                if on_step_end is not None:
+                    on_step_end(state.step)
+        bar.close()
+
+    def step(self, step_batches: list[list[int]], window: Window) -> tuple[float, torch.Tensor]:
+        """One optimizer step on this rank's batch of `step_batches`; adds its metrics to `window`."""
+        rt, cfg = self.rt, self.cfg
+        mine = step_batches[rt.rank] if rt.rank < len(step_batches) else None
+        batch = collate(self.samples(mine), cfg.batch_tokens) if mine is not None else None
+        lr = lr_at(self.state.step, self.total_steps, cfg.lr, cfg.warmup_steps)
+        grad_norm, reduced = train_step(
+            self.model,
+            self.params,
+            self.optimizer,
+            batch,
+            rt,
+            self.fwd_kwargs,
+            lr=lr,
+            loss_scale=1.0 / len(step_batches),
+            grad_clip=cfg.grad_clip,
+            keys=self.keys,
+        )
+        window.sums += reduced
+        window.tokens += sum(min(len(self.train[i]), cfg.batch_tokens) for b in step_batches for i in b)
+        return lr, grad_norm
+
+    def samples(self, indices: list[int]) -> list[Sample]:
+        """Training samples `indices` with their states (online: computed now)."""
+        items = [self.train[i] for i in indices]
+        return items if self.states is None else self.states.samples(items)
+
+    def train_row(self, epoch: int, lr: float, grad_norm: torch.Tensor, window: Window) -> dict[str, Any]:
+        """The metrics row of the steps since the last one; starts the next window."""
+        elapsed = time.monotonic() - window.started
+        row = {
+            "step": self.state.step,
+            "epoch": epoch,
+            "split": "train",
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+            "tokens": window.tokens,
+            "tokens_per_s": window.tokens / elapsed,
+            **summarise(dict(zip(self.keys, window.sums.tolist(), strict=True)), self.cfg.ttt_steps),
+        }
+        self.state.rows.append(row)
+        window.reset()
+        return row
+
+    def validate(self, epoch: int, end_of_epoch: bool) -> None:
+        """Validation metrics as a row; the best weights so far are kept for export."""
+        state = self.state
+        val = evaluate(self.model, self.evals, self.cfg.batch_tokens, self.fwd_kwargs, self.rt, self.keys)
+        state.rows.append(
+            {"step": state.step, "epoch": epoch, "split": "eval", "train_samples": len(self.train), **val}
+        )
+        if val["loss"] < state.best_loss:
+            state.best_loss, state.best_step = val["loss"], state.step
+            if self.rt.is_main:
+                self.best = {k: v.detach().clone() for k, v in trainable_state(self.model).items()}
+        if end_of_epoch and self.rt.is_main:
+            log.info(
+                "epoch %d: eval loss %.4f, estimated acceptance length %.3f",
+                epoch,
+                val["loss"],
+                val["estimated_acceptance_length"],
+            )
+
+    def checkpoint(self, window: Window) -> None:
+        """Rank 0 saves everything a rerun needs to continue from this step."""
+        if not self.rt.is_main:
+            return
+        self.state.window = window.saved(self.keys)
+        path = save_checkpoint(
+            self.checkpoint_dir,
+            self.fingerprint,
+            self.model,
+            self.optimizer,
+            self.state,
+            self.best,
+            self.cfg.keep_checkpoints,
+        )
+        log.info("checkpoint at step %d of %d: %s", self.state.step, self.total_steps, path)
+
+    def export(self) -> None:
+        """Rank 0 writes the best draft and the metrics rows, then drops this run's checkpoints."""
+        job, state = self.job, self.state
+        if self.rt.is_main:
+            if self.best is None:
+                raise RuntimeError("no validation ran, so there is no best draft to export")
+            final = {k: v.detach() for k, v in self.model.state_dict().items()} | self.best
+            with atomic_path(job.draft_out) as tmp_draft:
+                export_draft(self.model, final, tmp_draft, job.serve_verifier_path)
+            write_jsonl(job.metrics_out, state.rows)
+            log.info(
+                "exported the best draft (step %d, eval loss %.4f) to %s",
+                state.best_step,
+                state.best_loss,
+                job.draft_out,
+            )
+            if job.keep_as:
+                cache = OutputCache(job.keep_as["dir"], job.keep_as["slot"])
+                cache.keep(job.keep_as["key"], {"draft": job.draft_out, "metrics": job.metrics_out})
+            # Training is complete and its outputs are written and kept: the checkpoints are spent.
+            shutil.rmtree(self.checkpoint_dir, ignore_errors=True)
+        if self.rt.world_size > 1:
+            dist.barrier()

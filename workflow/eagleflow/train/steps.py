@@ -1,0 +1,110 @@
+"""One optimizer step, and the schedule around it: the learning rate at a step, the steps in
+an epoch, moving a batch to the device, summing gradients across ranks."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from eagleflow.hidden_states.targets import dense_targets
+from eagleflow.train.device import Runtime
+
+
+def lr_at(step: int, total: int, base_lr: float, warmup: int, min_ratio: float = 0.1) -> float:
+    """Linear warmup, then cosine decay to `min_ratio` * base_lr. Pure."""
+    if step < warmup:
+        return base_lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return base_lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def steps_in(num_batches: int, world_size: int) -> int:
+    return -(-num_batches // world_size)
+
+
+def metrics_vector(metrics: dict[str, torch.Tensor] | None, keys: list[str], device: torch.device) -> torch.Tensor:
+    if metrics is None:  # this rank had no batch in this step
+        return torch.zeros(len(keys), dtype=torch.float64, device=device)
+    return torch.stack(
+        [torch.ones((), device=device) if k == "num_batches" else metrics[k].detach().float().reshape(()) for k in keys]
+    ).double()
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device, model=None) -> dict[str, torch.Tensor]:
+    """A collated batch on `device`, as the draft's forward takes it: the compact target's
+    top-k pairs become dense logits on `model`'s draft vocabulary there (the host sends k
+    pairs per token, not a row of the vocabulary), in the final state's place
+    (train.draft.take_precomputed_targets)."""
+    out = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    if "target_ids" in out:
+        vocab = model.lm_head.weight.shape[0]
+        out["verifier_last_hidden_states"] = dense_targets(out.pop("target_ids"), out.pop("target_logits"), vocab)
+    return out
+
+
+def train_step(
+    model, params, optimizer, batch, rt: Runtime, fwd_kwargs, *, lr: float, loss_scale: float, grad_clip: float, keys
+):
+    """One optimizer step on this rank's `batch` (None: no batch for this rank in this step).
+
+    Returns (grad_norm, summed metrics vector over all ranks) as device tensors: nothing here
+    waits for the device.
+    """
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    metrics = None
+    if batch is not None:
+        with rt.autocast():
+            _, loss, metrics = model(**to_device(batch, rt.device, model), **fwd_kwargs)
+        (loss * loss_scale).backward()
+    if rt.world_size > 1:
+        all_reduce_grads(params)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, rt.sum_(metrics_vector(metrics, keys, rt.device))
+
+
+def all_reduce_grads(params: list[torch.nn.Parameter]) -> None:
+    """Sum gradients across ranks, in place (a rank without a batch adds zeros). One
+    asynchronous all-reduce per parameter: no flat copy of a large draft's gradients."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    handles = [dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, async_op=True) for p in params]
+    for h in handles:
+        h.wait()
+
+
+@dataclass
+class Window:
+    """Train metrics summed since the last train row, with the tokens and training wall time
+    they took (validation time excluded)."""
+
+    sums: torch.Tensor
+    tokens: int
+    started: float
+
+    @classmethod
+    def restore(cls, saved: dict[str, float], keys: list[str], device: torch.device) -> Window:
+        sums = torch.tensor([saved.get(k, 0.0) for k in keys], dtype=torch.float64, device=device)
+        return cls(sums, int(saved.get("tokens", 0)), time.monotonic())
+
+    def saved(self, keys: list[str]) -> dict[str, float]:
+        return {**dict(zip(keys, self.sums.tolist(), strict=True)), "tokens": self.tokens}
+
+    def reset(self) -> None:
+        self.sums.zero_()
+        self.tokens, self.started = 0, time.monotonic()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        paused_at = time.monotonic()
+        yield
+        self.started += time.monotonic() - paused_at

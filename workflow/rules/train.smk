@@ -1,0 +1,25 @@
+rule train:
+    input:
+        unpack(train_states),
+        verifier=VERIFIER_DIR,
+        vocab_map=draft_vocab("vocab_map.safetensors"),
+    output:
+        draft=directory(draft_results("draft")),
+        metrics=draft_results("train/metrics.jsonl"),
+    log:
+        logs("train.{draft}"),
+    benchmark:
+        benchmarks("train.{draft}")
+    conda:
+        "../envs/train.yaml"
+    threads: all_cores()
+    resources:
+        gpu=gpus("train"),
+    params:
+        train=draft_section("train"),
+        serve_verifier_path=serve_verifier_path,
+        checkpoint_dir=checkpoint_dir,
+        online=online_states(),
+        code=code("train"),
+    script:
+        "../eagleflow/entry/train.py"

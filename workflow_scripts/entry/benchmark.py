@@ -1,3 +1,0 @@
-from workflow_scripts.benchmark.run import main
-
-main(snakemake)

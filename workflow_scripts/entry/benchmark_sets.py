@@ -1,3 +1,0 @@
-from workflow_scripts.benchmark.set_job import main
-
-main(snakemake)

@@ -1,3 +1,0 @@
-from workflow_scripts.compare import main
-
-main(snakemake)

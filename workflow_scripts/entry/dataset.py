@@ -1,3 +1,0 @@
-from workflow_scripts.dataset import main
-
-main(snakemake)

@@ -1,3 +1,0 @@
-from workflow_scripts.generate.run import main
-
-main(snakemake)

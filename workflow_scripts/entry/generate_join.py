@@ -1,3 +1,0 @@
-from workflow_scripts.generate.join import main
-
-main(snakemake)

@@ -1,3 +1,0 @@
-from workflow_scripts.hidden_states.run import main
-
-main(snakemake)

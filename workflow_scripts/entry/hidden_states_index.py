@@ -1,3 +1,0 @@
-from workflow_scripts.hidden_states.shards import main
-
-main(snakemake)

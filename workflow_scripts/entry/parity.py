@@ -1,3 +1,0 @@
-from workflow_scripts.benchmark.parity import main
-
-main(snakemake)

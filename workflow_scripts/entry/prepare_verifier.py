@@ -1,3 +1,0 @@
-from workflow_scripts.prepare_verifier import main
-
-main(snakemake)

@@ -1,3 +1,0 @@
-from workflow_scripts.prompts.run import main
-
-main(snakemake)

@@ -1,3 +1,0 @@
-from workflow_scripts.report import main
-
-main(snakemake)

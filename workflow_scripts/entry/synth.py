@@ -1,3 +1,0 @@
-from workflow_scripts.synth.run import main
-
-main(snakemake)

@@ -1,3 +1,0 @@
-from workflow_scripts.train.launch import main
-
-main(snakemake)

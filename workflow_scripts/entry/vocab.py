@@ -1,3 +1,0 @@
-from workflow_scripts.vocab import main
-
-main(snakemake)

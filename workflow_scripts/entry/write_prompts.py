@@ -1,3 +1,0 @@
-from workflow_scripts.prompts.written import main
-
-main(snakemake)
