@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagleflow.common.atomic import read_jsonl
-from eagleflow.plan import load_merged_config
+from eagleflow.plan.needs import load_merged_config
 from eagleflow.train.loop import run_from_json
 
 

@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 from eagleflow.benchmark.parity import ParityConfig, extraction_job, run_parity
 from eagleflow.benchmark.run import BenchmarkConfig, run_benchmark
 from eagleflow.common.config import typed
-from eagleflow.plan import load_merged_config
+from eagleflow.plan.needs import load_merged_config
 from eagleflow.runtime.logs import configure_logging
 from eagleflow.runtime.spec import ServerConfig, ServerSpec
 

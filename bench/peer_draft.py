@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagleflow.common.atomic import atomic_path, write_jsonl, write_safetensors
 from eagleflow.hidden_states.shard_file import read_shard
-from eagleflow.plan import load_merged_config
+from eagleflow.plan.needs import load_merged_config
 from eagleflow.runtime.logs import configure_logging
 
 log = logging.getLogger("peer_draft")

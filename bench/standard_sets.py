@@ -35,7 +35,7 @@ from eagleflow.benchmark.set_job import conversation_tokens
 from eagleflow.benchmark.sets import SetSpec, build_sets
 from eagleflow.common.atomic import read_jsonl, write_json
 from eagleflow.common.config import typed
-from eagleflow.plan import load_merged_config
+from eagleflow.plan.needs import load_merged_config
 from eagleflow.runtime.logs import configure_logging
 from eagleflow.runtime.spec import ServerConfig, ServerSpec
 

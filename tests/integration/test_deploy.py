@@ -96,7 +96,7 @@ def snakemake(wf, *args) -> subprocess.CompletedProcess:
 def test_a_deployed_module_plans_every_stage_and_builds_a_target(tmp_path):
     wf = deploy(tmp_path / "deployed", DEPLOYED, "deployed")
     plan = snakemake(wf, "-n")
-    assert STAGES <= set(planned_jobs(plan.stdout)), plan.stdout[-3000:]
+    assert set(planned_jobs(plan.stdout)) >= STAGES, plan.stdout[-3000:]
     assert "Verifier loads this run takes:" in plan.stderr + plan.stdout
     snakemake(wf, "--cores", "2", "results/deployed/prompts/stats.json")
     assert (wf / "results/deployed/prompts/train.jsonl").stat().st_size > 0

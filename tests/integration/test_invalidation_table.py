@@ -8,7 +8,7 @@ import tempfile
 import yaml
 
 from eagleflow.common.fingerprint import ROOT, _module_file, module_digests
-from eagleflow.load_plan import planned_loads
+from eagleflow.plan.loads import planned_loads
 from tests.helpers import REPO
 
 DOC = REPO / "docs/invalidation.md"
@@ -61,7 +61,7 @@ def downstream() -> dict[str, set[str]]:
 
 def edit_cost(rerun: set[str], runs: set[str]) -> tuple[str, str, str, str]:
     """What an edit that changes the outputs of the rules in `runs` costs on the default config,
-    when the rules in `rerun` run again: verifier loads (load_plan.planned_loads), requests,
+    when the rules in `rerun` run again: verifier loads (plan.loads.planned_loads), requests,
     shard tokens extracted again, training steps run again."""
     config = yaml.safe_load((REPO / "config/config.yaml").read_text())
     jobs = {rule: config["hidden_states"]["num_shards"] if rule == "hidden_states" else 1 for rule in rerun}

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import yaml
 
-from eagleflow.load_plan import describe_planned, planned_loads
+from eagleflow.plan.loads import describe_planned, planned_loads
 from eagleflow.runtime.ledger import count_loads, read_loads, record_load
 from eagleflow.variants import merged
 from tests.helpers import REPO

@@ -11,10 +11,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from eagleflow.common.atomic import write_jsonl
-from eagleflow.load_plan import RunInfoLine
-from eagleflow.plan import load_merged_config, make_plan, planned_disk_line, render, summary_line
-from eagleflow.plan_sizes import Geometry, draft_export_bytes, draft_params, estimated_weight_bytes
-from eagleflow.plan_tokens import planned_tokens, tokens_from_prompts
+from eagleflow.plan.loads import RunInfoLine
+from eagleflow.plan.needs import load_merged_config, make_plan, planned_disk_line, render, summary_line
+from eagleflow.plan.sizes import Geometry, draft_export_bytes, draft_params, estimated_weight_bytes
+from eagleflow.plan.tokens import planned_tokens, tokens_from_prompts
 from eagleflow.train.draft import build_draft, export_draft
 from eagleflow.variants import merged
 from tests.helpers import REPO
@@ -112,7 +112,7 @@ def test_the_plan_counts_exact_tokens_once_the_dataset_exists(tmp_path, tiny_lla
 
 
 def test_a_run_that_does_not_fit_names_settings_that_would(tmp_path, tiny_llama_dir, monkeypatch):
-    import eagleflow.plan as plan_module
+    import eagleflow.plan.needs as plan_module
 
     config = plan_config(tmp_path, tiny_llama_dir)
     write_dataset(tmp_path, "t", [1000] * 10)

@@ -55,10 +55,11 @@ def test_every_module_is_on_exactly_one_side():
         for m in (
             "variants",
             "plan",
-            "plan_sizes",
-            "plan_tokens",
-            "plan_hours",
-            "load_plan",
+            "plan.needs",
+            "plan.sizes",
+            "plan.tokens",
+            "plan.hours",
+            "plan.loads",
             "__init__",
             "common.__init__",
         )

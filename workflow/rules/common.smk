@@ -10,8 +10,8 @@ from eagleflow.common.fingerprint import code_fingerprint
 from eagleflow.common.server_args import result_args, server_args
 from eagleflow.runtime.output_cache import plan_cache
 from eagleflow.runtime.spec import ServerConfig, ServerSpec
-from eagleflow.load_plan import RunInfoLine, describe_planned
-from eagleflow.plan import planned_disk_line
+from eagleflow.plan.loads import RunInfoLine, describe_planned
+from eagleflow.plan.needs import planned_disk_line
 from eagleflow.variants import (
     check_drafts_servable,
     draft_id,

@@ -5,7 +5,7 @@
 prints the tokens the hidden-state stage will see, the bytes each stage writes and the free
 space where they land, the GPU memory of the verifier and of the draft training, which
 settings would make a run fit that does not, and the hours each stage and the whole run to a
-served draft take for 1..N verifier replicas (`throughput`, plan_hours.py; `--samples 10000
+served draft take for 1..N verifier replicas (`throughput`, plan.hours; `--samples 10000
 100000` gives them at other sizes). `snakemake -n` prints its one-line summary
 (planned_disk_line).
 
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,8 +31,8 @@ import yaml
 from eagleflow.common.config import typed, validate_config
 from eagleflow.hidden_states.layers import default_aux_layer_ids
 from eagleflow.hidden_states.storage import FP8, num_stored_states, shard_bytes, target_topk, token_bytes
-from eagleflow.plan_hours import Rates, measured_rates, planned_work, render_hours
-from eagleflow.plan_sizes import (
+from eagleflow.plan.hours import Rates, measured_rates, planned_work, render_hours
+from eagleflow.plan.sizes import (
     Geometry,
     draft_export_bytes,
     draft_params,
@@ -43,7 +42,7 @@ from eagleflow.plan_sizes import (
     gpu_memory_bytes,
     weight_bytes_on_disk,
 )
-from eagleflow.plan_tokens import Tokens, planned_tokens
+from eagleflow.plan.tokens import Tokens, planned_tokens
 from eagleflow.runtime.output_cache import cache_bytes
 from eagleflow.variants import merged
 
@@ -60,7 +59,7 @@ class Plan:
     gpu_memory: int | None = None  # bytes per GPU on this host, when known
     suggestions: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    hours: str = ""  # plan_hours.render_hours' table
+    hours: str = ""  # hours.render_hours' table
 
 
 def verifier_dir(config: dict[str, Any], root: Path) -> Path:
@@ -347,7 +346,3 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(render(plan), end="")
     return 1 if plan.suggestions else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from eagleflow.plan.needs import main
+
+sys.exit(main())
