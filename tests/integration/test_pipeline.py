@@ -307,7 +307,7 @@ BENCHMARKS = {"baseline", "benchmark", "parity", "report", "compare"}
         ("train/loop.py", PER_DRAFT),
         ("benchmark/run.py", BENCHMARKS),
         ("benchmark/replay.py", {"parity", "report", "compare"}),
-        ("compare.py", {"compare"}),
+        ("report/compare.py", {"compare"}),
     ],
 )
 def test_editing_a_stage_module_restales_exactly_it_and_downstream(finished_run, module, expected):

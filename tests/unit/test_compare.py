@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from eagleflow.compare import fit_learning_curve, predict_k, recommend_k, run_compare
+from eagleflow.report.compare import fit_learning_curve, predict_k, recommend_k, run_compare
 
 
 def test_a_clean_log_curve_is_recovered_with_a_tight_interval():

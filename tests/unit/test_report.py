@@ -1,6 +1,6 @@
 """The report says what the data cost in inference: requests sent vs reused from the store."""
 
-from eagleflow.report import describe_requests, render_markdown
+from eagleflow.report.variant import describe_requests, render_markdown
 
 REPORT = {
     "speculative": {
@@ -66,7 +66,7 @@ def test_run_report_writes_the_markdown_html_and_four_plots(tmp_path):
     """The whole report job on small inputs: every output written, PNGs real, the markdown
     pointing at the plots by paths relative to itself."""
     from eagleflow.common.atomic import write_json, write_jsonl
-    from eagleflow.report import REPORT_OUTPUTS, run_report
+    from eagleflow.report.variant import REPORT_OUTPUTS, run_report
 
     metrics = [
         {"split": "train", "step": 5, "loss": 2.0, "full_acc_0": 0.3, "full_acc_1": 0.1},
@@ -170,7 +170,7 @@ def test_acceptance_by_context_is_a_table_per_bucket_beside_the_trained_length()
 
 
 def test_the_context_plot_is_drawn_with_and_without_a_parity_job(tmp_path):
-    from eagleflow.report import plot_context
+    from eagleflow.report.variant_plots import plot_context
 
     plot_context(parity_with_context(), str(tmp_path / "with.png"))
     plot_context(None, str(tmp_path / "without.png"))

@@ -5,6 +5,8 @@ from pathlib import Path
 
 from snakemake.logging import logger
 
+import eagleflow
+
 from eagleflow.common.config import validate_config
 from eagleflow.common.fingerprint import code_fingerprint
 from eagleflow.common.server_args import result_args, server_args
@@ -40,7 +42,10 @@ for line in (
 
 RUN = config["run"]
 VARIANTS = list(variant_overrides(config))
-SCRIPTS_DIR = Path(workflow.basedir) / "eagleflow"
+# The package the jobs run, as imported here: the checkout's (Snakemake puts the directory of
+# this workflow's Snakefile on sys.path, as a module too, where workflow.basedir is the
+# importing workflow's) or the installed one. Its code is fingerprinted from there.
+SCRIPTS_DIR = Path(eagleflow.__file__).resolve().parent
 VERIFIER_DIR = f"resources/verifier/{config['verifier']['name']}"
 # Before any job: a draft vLLM could not serve would otherwise fail at the benchmark.
 check_drafts_servable(config, VERIFIER_DIR)

@@ -1,3 +1,3 @@
-from eagleflow.compare import main
+from eagleflow.report.compare import main
 
 main(snakemake)

@@ -1,3 +1,3 @@
-from eagleflow.report import main
+from eagleflow.report.variant import main
 
 main(snakemake)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from eagleflow.report import pyplot, save_figure
+from eagleflow.report.figures import pyplot, save_figure
 
 
 def plot_acceptance_by_variant(rows: list[dict[str, Any]], out: str) -> None:
