@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from safetensors.torch import load_file, save_file
 
 from eagleflow.benchmark.parity import ParityConfig, extraction_job, run_parity
-from eagleflow.benchmark.run import BenchmarkConfig, run_benchmark
+from eagleflow.benchmark.run import run_benchmark
+from eagleflow.benchmark.workload import BenchmarkConfig
 from eagleflow.common.config import typed
 from eagleflow.plan.needs import load_merged_config
 from eagleflow.runtime.logs import configure_logging

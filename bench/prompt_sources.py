@@ -34,9 +34,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.standard_sets import measure_drafts, set_spec  # noqa: E402
-from eagleflow.benchmark.run import BenchmarkConfig  # noqa: E402
 from eagleflow.benchmark.set_job import conversation_tokens  # noqa: E402
 from eagleflow.benchmark.sets import SetSpec, build_sets  # noqa: E402
+from eagleflow.benchmark.workload import BenchmarkConfig  # noqa: E402
 from eagleflow.common.atomic import read_jsonl, write_json  # noqa: E402
 from eagleflow.common.config import typed  # noqa: E402
 from eagleflow.plan.needs import load_merged_config  # noqa: E402

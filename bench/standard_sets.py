@@ -30,9 +30,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eagleflow.benchmark.run import BenchmarkConfig, Workload, run_baseline, run_benchmark
+from eagleflow.benchmark.run import run_baseline, run_benchmark
 from eagleflow.benchmark.set_job import conversation_tokens
 from eagleflow.benchmark.sets import SetSpec, build_sets
+from eagleflow.benchmark.workload import BenchmarkConfig, Workload
 from eagleflow.common.atomic import read_jsonl, write_json
 from eagleflow.common.config import typed
 from eagleflow.plan.needs import load_merged_config

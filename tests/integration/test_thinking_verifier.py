@@ -299,7 +299,7 @@ def test_a_benchmark_row_above_temperature_zero_samples_the_same_again_with_its_
     request at a time, so the batches are the same too (this module's server, no draft)."""
     import asyncio
 
-    from eagleflow.benchmark.run import Workload, measure_cell
+    from eagleflow.benchmark.workload import Workload, measure_cell
     from eagleflow.runtime.client import ChatClient
 
     questions = {

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from eagleflow.benchmark.run import Workload, cell_report, measure_cell
+from eagleflow.benchmark.run import cell_report
 from eagleflow.benchmark.sets import (
     LONG_CONTEXT_INSTRUCTION,
     SetSpec,
@@ -16,6 +16,7 @@ from eagleflow.benchmark.sets import (
     fitting,
     read_set,
 )
+from eagleflow.benchmark.workload import Workload, measure_cell
 from eagleflow.prompts.standard_sets import HUMANEVAL_INSTRUCTION, PACKAGED, packaged_file
 
 

@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from eagleflow.benchmark.parity import (
+from eagleflow.benchmark.parity_checks import (
     ParityConfig,
     check_aux_layer_ids,
     check_d2t,

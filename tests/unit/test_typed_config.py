@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import yaml
 
-from eagleflow.benchmark.run import BenchmarkConfig
+from eagleflow.benchmark.workload import BenchmarkConfig
 from eagleflow.common.config import ConfigError, typed
 from eagleflow.dataset import DatasetConfig
 from eagleflow.hidden_states.backend import HiddenStatesConfig, VllmExtractionConfig
