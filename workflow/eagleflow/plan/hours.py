@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 HOUR = 3600.0
-# The standard sets' conversations and turns (prompts.standard_sets), for a whole set (`size: null`).
+# The standard sets' conversations and turns (prompts.packaged_sets), for a whole set (`size: null`).
 SET_CONVERSATIONS = {"mt_bench": 80, "humaneval": 164, "long_context": 164}
 SET_TURNS = {"mt_bench": 2}
 

@@ -21,7 +21,7 @@ from eagleflow.common.fingerprint import stable_fraction
 from eagleflow.prompts.config import PromptsConfig
 from eagleflow.prompts.filters import REASONS, BenchmarkIndex, apply_filters, words
 from eagleflow.prompts.load import conversation_key, load_prompts, normalise, split_prompts
-from eagleflow.prompts.standard_sets import read_prompt_set
+from eagleflow.prompts.packaged_sets import read_prompt_set
 from eagleflow.runtime.smk import stage
 
 log = logging.getLogger(__name__)

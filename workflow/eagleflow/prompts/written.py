@@ -27,7 +27,7 @@ from eagleflow.common.config import typed
 from eagleflow.common.requests import history_message, request_payload, sample_seed, server_identity
 from eagleflow.prompts.config import WrittenConfig
 from eagleflow.prompts.template import UserTurn, user_turn_of
-from eagleflow.runtime.answering import Client, StoreFront, answer
+from eagleflow.runtime.answering import Client, StoreFront, answer, verifier_access
 from eagleflow.runtime.client import RequestFailed
 from eagleflow.runtime.smk import stage
 from eagleflow.runtime.spec import ServerConfig, ServerSpec
@@ -147,7 +147,7 @@ def longest_request_tokens(cfg: WrittenConfig, replies: Replies | None) -> int:
 def main(smk) -> None:
     """The write_prompts rule's job (workflow/rules/prompts.smk)."""
     with stage(smk):
-        server = ServerConfig.from_section(smk.config["server"])
+        server, client = verifier_access(smk.config)
         run_write_prompts(
             smk.input.verifier,
             smk.params.store,
@@ -158,7 +158,7 @@ def main(smk) -> None:
             replies=Replies(**smk.params.replies) if smk.params.replies else None,
             chat_template_kwargs=smk.params.chat_template_kwargs,
             trust_remote_code=smk.params.trust_remote_code,
-            client=Client.of(smk.config["generate"], server),
+            client=client,
             server=server,
             server_log=smk.log.vllm,
         )

@@ -67,6 +67,13 @@ class Client:
         )
 
 
+def verifier_access(config: dict[str, Any]) -> tuple[ServerConfig, Client]:
+    """How a job that asks the verifier (generate, write_prompts) reaches it and sends its
+    requests: the `server` section, and the client settings of the `generate` section."""
+    server = ServerConfig.from_section(config["server"])
+    return server, Client.of(config["generate"], server)
+
+
 class StoreFront:
     """The store in front of the server: `ask` answers a request from the store, else from
     the server (storing the reply before returning it), else raises Missing (no server)."""

@@ -1,4 +1,5 @@
-"""The async OpenAI-compatible chat client that synth and benchmark share.
+"""The async OpenAI-compatible chat client of every stage that talks to a server: generate,
+write_prompts, benchmark, and the vllm backend of hidden_states.
 
 httpx2 (the client stack `openai` itself ships; httpx 0.28's connection pool spends CPU
 quadratic in the pool size per request, see BENCHMARKS.md) with explicit timeouts and a

@@ -1,8 +1,8 @@
 """Process groups: stop a whole group (a server and the workers it forked, torchrun and its
 ranks), and turn SIGTERM into a clean exit so `with` blocks that stop such groups run.
 
-Shared by every rule (through `common.smk`) and by the launchers; it holds no launcher, so
-editing how vLLM is started restales only the rules that start it.
+Used by the launchers and the training stage's torchrun; run-only like all of runtime/, so
+an edit restales nothing.
 """
 
 from __future__ import annotations

@@ -52,15 +52,18 @@ class Recovery:
         raise NotImplementedError
 
 
-class RestartDeadServer(Recovery):
-    """For a server this job launched: when it died (or lives on without a healthy engine:
-    /health is not 200), start it again, at most `max_restarts` times per job. The requests
-    in flight are sent again; nothing stored is lost."""
+class RestartServer(Recovery):
+    """Start a server again when it died (or lives on without a healthy engine: /health is
+    not 200), at most `max_restarts` times per job. The requests in flight are sent again;
+    nothing stored is lost. Subclasses say how to tell (`_trouble`), how to restart
+    (`_restart`) and how to give up (`_give_up`)."""
 
-    def __init__(self, server: VllmServer, max_restarts: int):
+    def __init__(self, server, max_restarts: int):
         self.server = server
         self.max_restarts = max_restarts
         self._lock = asyncio.Lock()
+
+    label = ""  # how the log names the server: "" or "the shared "
 
     async def recover(self, url: str, cause: str) -> bool:
         restarts = self.restarts
@@ -70,9 +73,9 @@ class RestartDeadServer(Recovery):
             trouble = await self._trouble(url)
             if trouble is None:
                 return False
-            what = f"{self.server.spec.name} ({self.server.spec.model}) {trouble}"
+            what = f"{self.label}{self.server.spec.name} ({self.server.spec.model}) {trouble}"
             if self.restarts >= self.max_restarts:
-                raise self.server._failure(
+                raise self._give_up(
                     f"{what}, after {self.restarts} restart(s) in this job (server.max_restarts: {self.max_restarts})"
                 )
             self.restarts += 1
@@ -85,12 +88,33 @@ class RestartDeadServer(Recovery):
                 self.server.log_path,
                 tail(self.server.log_path, 20),
             )
-            # Again on the same port, so clients keep their URL. The launch runs in this thread,
-            # the event loop's, which lives as long as the job (see VllmServer.launch).
-            await asyncio.to_thread(self.server.stop)
-            self.server.launch(kind="restart")
-            await asyncio.to_thread(self.server.wait_healthy)
+            await self._restart()
             return True
+
+    async def _trouble(self, url: str) -> str | None:
+        raise NotImplementedError
+
+    async def _restart(self) -> None:
+        raise NotImplementedError
+
+    def _give_up(self, message: str) -> Exception:
+        raise NotImplementedError
+
+
+class RestartDeadServer(RestartServer):
+    """RestartServer for a server this job launched."""
+
+    server: VllmServer
+
+    async def _restart(self) -> None:
+        # Again on the same port, so clients keep their URL. The launch runs in this thread,
+        # the event loop's, which lives as long as the job (see VllmServer.launch).
+        await asyncio.to_thread(self.server.stop)
+        self.server.launch(kind="restart")
+        await asyncio.to_thread(self.server.wait_healthy)
+
+    def _give_up(self, message: str) -> Exception:
+        return self.server._failure(message)
 
     async def _trouble(self, url: str) -> str | None:
         """None while /health answers 200; what is wrong once the server has exited, or has
@@ -136,41 +160,21 @@ class WaitForEndpoint(Recovery):
             )
 
 
-class RestartSharedServer(Recovery):
-    """RestartDeadServer for a shared server: whichever job sees it die first starts it
-    again (under the shared lock); the others find the new one on the same port."""
+class RestartSharedServer(RestartServer):
+    """RestartServer for a shared server: whichever job sees it die first starts it again
+    (under the shared lock); the others find the new one on the same port."""
 
-    def __init__(self, server: SharedServer, max_restarts: int):
-        self.server = server
-        self.max_restarts = max_restarts
-        self._lock = asyncio.Lock()
+    server: SharedServer
+    label = "the shared "
 
-    async def recover(self, url: str, cause: str) -> bool:
-        async with self._lock:
-            seen = self.server.state["pgid"]
-            trouble = await self._trouble(url)
-            if trouble is None:
-                return False
-            what = f"the shared {self.server.spec.name} ({self.server.spec.model}) {trouble}"
-            if self.restarts >= self.max_restarts:
-                raise ServerError(
-                    f"{what}, after {self.restarts} restart(s) in this job (server.max_restarts: "
-                    f"{self.max_restarts}). Last lines of {self.server.log_path}:\n{tail(self.server.log_path)}"
-                )
-            self.restarts += 1
-            log.warning(
-                "%s (a request saw: %s). Restart %d of %d; last lines of %s:\n%s",
-                what,
-                cause,
-                self.restarts,
-                self.max_restarts,
-                self.server.log_path,
-                tail(self.server.log_path, 20),
-            )
-            await asyncio.to_thread(self.server.restart, seen)
-            return True
+    async def _restart(self) -> None:
+        await asyncio.to_thread(self.server.restart, self._seen)
+
+    def _give_up(self, message: str) -> Exception:
+        return ServerError(f"{message}. Last lines of {self.server.log_path}:\n{tail(self.server.log_path)}")
 
     async def _trouble(self, url: str) -> str | None:
+        self._seen = self.server.state["pgid"]  # the server this request saw: restart only it
         grace = self.server.spec.stop_grace_s + 10
         deadline = time.monotonic() + grace
         while True:

@@ -174,6 +174,12 @@ def load_verifier_weights(model, verifier_dir: str, t2d: torch.Tensor) -> None:
         model.lm_head.weight.copy_(draft_head.to(dtype))
         model.verifier_lm_head.weight.copy_(draft_head.to(dtype))
         model.verifier_norm.weight.copy_(load_verifier_final_norm(verifier_dir).to(dtype))
+    freeze_verifier_parts(model)
+    model.embed_tokens.weight.requires_grad_(model.config.embed_requires_grad)
+
+
+def freeze_verifier_parts(model) -> None:
+    """The verifier's own tensors in the draft (embeddings, head, final norm) take no gradient."""
     for p in (
         model.embed_tokens.weight,
         model.lm_head.weight,
@@ -181,7 +187,6 @@ def load_verifier_weights(model, verifier_dir: str, t2d: torch.Tensor) -> None:
         model.verifier_norm.weight,
     ):
         p.requires_grad_(False)
-    model.embed_tokens.weight.requires_grad_(model.config.embed_requires_grad)
 
 
 def take_precomputed_targets(model) -> None:
@@ -346,13 +351,7 @@ def load_draft(draft_dir: str, verifier_dir: str | None = None, attn_impl: str |
     with torch.no_grad():
         model.verifier_lm_head.weight.copy_(rows.to(model.verifier_lm_head.weight.dtype))
         model.verifier_norm.weight.copy_(load_verifier_final_norm(verifier_dir).to(model.verifier_norm.weight.dtype))
-    for p in (
-        model.embed_tokens.weight,
-        model.lm_head.weight,
-        model.verifier_lm_head.weight,
-        model.verifier_norm.weight,
-    ):
-        p.requires_grad_(False)
+    freeze_verifier_parts(model)
     return model
 
 
