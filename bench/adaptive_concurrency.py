@@ -31,14 +31,15 @@ import httpx2 as httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "workflow"))  # the eagleflow package, installed or not
 
+from devkit.configs import server_config  # noqa: E402
 from eagleflow.common.atomic import read_jsonl, write_jsonl  # noqa: E402
 from eagleflow.common.replies import read_replies  # noqa: E402
 from eagleflow.generate.run import Client, Requests, run_generate  # noqa: E402
 from eagleflow.runtime.concurrency import parse_metrics  # noqa: E402
 from eagleflow.runtime.launch import VllmServer  # noqa: E402
 from eagleflow.runtime.spec import ServerSpec  # noqa: E402
-from tests.helpers import server_config  # noqa: E402
 
 VERIFIER = REPO / "resources/verifier/smollm2-135m-instruct"
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "workflow"))  # the eagleflow package, installed or not
 
 from eagleflow.common.atomic import parquet_rows, write_json, write_jsonl  # noqa: E402
 from eagleflow.generate.run import Shard  # noqa: E402

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/client_overhead.py [--quick] [--out bench_client.md]
 
-Starts tests/fake_openai.py in its own process, once replying instantly and once after 50 ms,
+Starts devkit/fake_openai.py in its own process, once replying instantly and once after 50 ms,
 so `time.process_time()` of this process is the client's CPU alone. For each concurrency in
 (1, 32, 128, 256) both clients send the same N requests, each call bounded by an
 asyncio.Semaphore(concurrency). The clients alternate A B B A on halves of N within one row so
@@ -32,9 +32,10 @@ from openai import AsyncOpenAI
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "workflow"))  # the eagleflow package, installed or not
 
+from devkit.fake_openai import fake_openai_server as fake_openai  # noqa: E402
 from eagleflow.runtime.client import ChatClient  # noqa: E402
-from tests.helpers import fake_openai  # noqa: E402
 
 CONCURRENCIES = (1, 32, 128, 256)
 LATENCIES_S = (0.0, 0.05)

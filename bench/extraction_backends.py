@@ -34,6 +34,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "workflow"))  # the eagleflow package, installed or not
 
 from eagleflow.hidden_states.shard_file import read_shard  # noqa: E402
 
@@ -96,9 +97,10 @@ def tiny(family: str, tmp: Path, num_samples: int = 12) -> dict:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from devkit.configs import hidden_states_config, lean_server_config
+    from devkit.verifiers import VERIFIER_BUILDERS
     from eagleflow.common.verifier_config import CPU_MLA_ROPE_ARGS, is_mla, read_text_config
     from eagleflow.hidden_states.run import run_shard
-    from tests.helpers import VERIFIER_BUILDERS, hidden_states_config, lean_server_config
 
     verifier = VERIFIER_BUILDERS[family](tmp / family)
     config = read_text_config(str(verifier))

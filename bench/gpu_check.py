@@ -46,6 +46,7 @@ from safetensors.torch import save_file
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "workflow"))  # the eagleflow package, installed or not
 sys.path.insert(0, str(REPO / "bench"))
 
 from hidden_states_overhead import plain  # noqa: E402 (a sibling bench script)
@@ -282,9 +283,10 @@ def check_backends(geometry: dict, num_samples: int, max_len: int, tmp: Path, de
     import pyarrow.parquet as pq
     from transformers import LlamaForCausalLM
 
+    from devkit.configs import hidden_states_config, lean_server_config
+    from devkit.verifiers import TINY_VOCAB, char_tokenizer
     from eagleflow.hidden_states.run import run_shard
     from eagleflow.hidden_states.shard_file import read_shard
-    from tests.helpers import TINY_VOCAB, char_tokenizer, hidden_states_config, lean_server_config
 
     cuda = device.type == "cuda"
     dtype = "bfloat16" if cuda else "float32"

@@ -20,8 +20,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))  # the eagleflow package
 
-from tests.helpers import planned_jobs
+from devkit.runs import planned_jobs
 
 EDIT = "\n_PARSER_FIX_BENCHMARK = 1\n"
 

@@ -52,6 +52,7 @@ import torch
 from safetensors import safe_open
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))  # the eagleflow package
 
 from eagleflow.common.atomic import atomic_path, write_jsonl, write_safetensors
 from eagleflow.hidden_states.shard_file import read_shard

@@ -32,6 +32,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "workflow"))  # the eagleflow package, installed or not
 
 from bench.standard_sets import measure_drafts, set_spec  # noqa: E402
 from eagleflow.benchmark.set_job import conversation_tokens  # noqa: E402

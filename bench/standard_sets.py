@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))  # the eagleflow package
 
 from eagleflow.benchmark.run import run_baseline, run_benchmark
 from eagleflow.benchmark.set_job import conversation_tokens

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, VERIFIER_BUILDERS, save_tiny_llama
+from devkit.verifiers import VERIFIER_BUILDERS, save_tiny_llama
+from tests.helpers import REPO
 
 # The verifier fingerprint remembers file digests (common.identity); the suite's own, in a
 # directory of its own, never the user's ~/.cache. Every job and server a test starts inherits it.

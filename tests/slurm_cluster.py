@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import REPO, START_CLUSTER, merged, run_start_cluster
+from devkit.configs import merged
+from tests.helpers import REPO, START_CLUSTER, run_start_cluster
 
 PROFILE = REPO / "profiles/slurm/config.yaml"
 SMALL = REPO / "tests/config/small.yaml"
@@ -84,7 +85,7 @@ def copy_for_cluster(finished_run: Path, tmp_path_factory, name: str) -> tuple[P
     copy_finished_run) with the production profile made fit for the cluster in it, under
     `profiles/slurm-test`. Returns (the copy, the profile's folder, the environment to run
     Snakemake in)."""
-    from tests.helpers import copy_finished_run
+    from devkit.runs import copy_finished_run
 
     partition = start_cluster()
     wf = tmp_path_factory.mktemp(name) / "wf"

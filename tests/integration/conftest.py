@@ -12,17 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from devkit.runs import copy_finished_run, copy_workflow
 from eagleflow.runtime.process import group_members, parent_pid
 from eagleflow.runtime.spec import ServerSpec
-from tests.helpers import (
-    REPO,
-    SNAKEMAKE,
-    copy_finished_run,
-    copy_workflow,
-    run_start_cluster,
-    stored_replies,
-    vllm_available,
-)
+from tests.helpers import REPO, SNAKEMAKE, run_start_cluster, stored_replies, vllm_available
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -10,7 +10,8 @@ import sys
 
 import yaml
 
-from tests.helpers import REPO, planned_jobs
+from devkit.runs import planned_jobs
+from tests.helpers import REPO
 
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 STAGES = {

@@ -10,6 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from devkit.configs import hidden_states_config, train_config
+from devkit.verifiers import VERIFIER_BUILDERS
 from eagleflow.common.verifier_config import draft_attention_geometry, read_text_config
 from eagleflow.common.verifier_weights import load_verifier_embeddings, load_verifier_lm_head
 from eagleflow.hidden_states.run import run_shard
@@ -17,7 +19,6 @@ from eagleflow.hidden_states.shards import write_index
 from eagleflow.train.config import TrainJob
 from eagleflow.train.draft import draft_layer_config, load_draft
 from eagleflow.train.loop import run_train
-from tests.helpers import VERIFIER_BUILDERS, hidden_states_config, train_config
 
 TRAIN_CFG = {
     "num_layers": 1,

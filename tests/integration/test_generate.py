@@ -15,6 +15,8 @@ from pathlib import Path
 import httpx2
 import pytest
 
+from devkit.configs import server_config
+from devkit.fake_openai import fake_openai_server as fake_openai
 from eagleflow.common.atomic import write_jsonl
 from eagleflow.common.replies import read_replies
 from eagleflow.generate.join import join_shards
@@ -23,7 +25,7 @@ from eagleflow.runtime.client import RetryPolicy
 from eagleflow.runtime.launch import free_port
 from eagleflow.runtime.spec import ServerError
 from eagleflow.runtime.store import ResponseStore, StoreError
-from tests.helpers import REPO, fake_openai, server_config, stored_replies
+from tests.helpers import REPO, stored_replies
 
 REQUESTS = Requests(model="verifier", sampling={"max_tokens": 12, "temperature": 0.0}, chat_template_kwargs={})
 CLIENT = Client(

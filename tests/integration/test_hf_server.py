@@ -11,13 +11,13 @@ import pyarrow.parquet as pq
 import torch
 from safetensors import safe_open
 
+from devkit.configs import hidden_states_config
 from eagleflow.hidden_states.forward import extract, load_verifier
 from eagleflow.hidden_states.run import run_shard
 from eagleflow.hidden_states.shards import write_index
 from eagleflow.hidden_states.storage import shard_bytes
 from eagleflow.runtime.ledger import read_loads
 from eagleflow.runtime.shared import SharedDir
-from tests.helpers import hidden_states_config
 
 SETTINGS = {"backend": "hf", "batch_tokens": 32, "dtype": "bfloat16", "device": "cpu", "compute_dtype": "auto"}
 

@@ -4,7 +4,8 @@ run redoes that shard and what depends on it, never the shards that finished."""
 import subprocess
 import sys
 
-from tests.helpers import REPO, copy_workflow
+from devkit.runs import copy_workflow
+from tests.helpers import REPO
 
 SNAKEMAKE = [sys.executable, "-m", "snakemake", "--configfile", str(REPO / "tests/config/small.yaml")]
 

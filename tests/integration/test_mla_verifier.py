@@ -22,11 +22,13 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from devkit.runs import copy_workflow
+from devkit.verifiers import char_tokenizer, save_tiny_kimi
 from eagleflow.common.atomic import write_jsonl
 from eagleflow.common.verifier_config import CPU_MLA_ROPE_ARGS, read_text_config
 from eagleflow.runtime.ledger import count_loads, read_loads
 from eagleflow.runtime.vllm_cpu import cpu_has_amx, draft_backend_problem
-from tests.helpers import REPO, SNAKEMAKE, char_tokenizer, copy_workflow, save_tiny_kimi, vllm_available
+from tests.helpers import REPO, SNAKEMAKE, vllm_available
 
 pytestmark = [
     pytest.mark.vllm,

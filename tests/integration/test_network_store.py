@@ -20,9 +20,10 @@ from pathlib import Path
 
 import pytest
 
+from devkit.fake_openai import fake_openai_server as fake_openai
 from eagleflow.common.replies import read_replies
 from eagleflow.runtime.store import ResponseStore, StoreError, filesystem_type, resolve_locking
-from tests.helpers import REPO, fake_openai
+from tests.helpers import REPO
 from tests.integration.test_generate import finish, join, shard_job, shards_of, synth_job, write_prompts
 
 TWO_HOSTS = REPO / "tests/network_fs/two_hosts.sh"

@@ -4,8 +4,9 @@ stage, a refactor of the extraction code) restore the draft instead of training 
 
 import subprocess
 
+from devkit.runs import copy_finished_run, planned_jobs
 from eagleflow.hidden_states.shard_file import shard_content_digest
-from tests.helpers import REPO, SNAKEMAKE, copy_finished_run, planned_jobs
+from tests.helpers import REPO, SNAKEMAKE
 
 CONFIG = ["--configfile", str(REPO / "tests/config/small.yaml")]
 

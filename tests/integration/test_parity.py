@@ -15,8 +15,9 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
+from devkit.configs import config_section
 from eagleflow.benchmark.parity import ParityConfig, ParityError, extraction_job, run_parity
-from tests.helpers import REPO, config_section, vllm_available
+from tests.helpers import REPO, vllm_available
 
 pytestmark = [
     pytest.mark.vllm,
@@ -148,10 +149,10 @@ def test_a_draft_trained_without_the_verifier_norm_is_caught(run, tmp_path, monk
     """Training's targets become lm_head(h / rms(h)) instead of lm_head(norm(h)): the draft
     learns tokens the verifier does not produce, and training estimates its acceptance against
     those same targets."""
+    from devkit.configs import train_config
     from eagleflow.train import draft as draft_module
     from eagleflow.train.config import TrainJob
     from eagleflow.train.loop import run_train
-    from tests.helpers import train_config
 
     # The weight a fresh draft's verifier_norm has when nothing is loaded into it.
     monkeypatch.setattr(draft_module, "load_verifier_final_norm", lambda verifier_dir: torch.ones(576))

@@ -12,17 +12,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from devkit.configs import merged
+from devkit.runs import copy_finished_run, planned_jobs
 from eagleflow.common.atomic import read_jsonl
 from eagleflow.runtime.ledger import count_loads, read_loads
-from tests.helpers import (
-    REPO,
-    SNAKEMAKE,
-    copy_finished_run,
-    merged,
-    planned_jobs,
-    vllm_available,
-    vllm_processes,
-)
+from tests.helpers import REPO, SNAKEMAKE, vllm_available, vllm_processes
 
 pytestmark = [
     pytest.mark.vllm,

@@ -9,6 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from devkit.configs import config_section
+from devkit.runs import copy_workflow
 from eagleflow.common.atomic import write_json, write_jsonl
 from eagleflow.common.config import typed
 from eagleflow.common.replies import write_replies
@@ -16,7 +18,6 @@ from eagleflow.dataset import DatasetConfig, QualityGateError, run_dataset
 from eagleflow.synth.assemble import parse_completion
 from eagleflow.synth.quality import quality_report
 from eagleflow.synth.run import SAMPLES
-from tests.helpers import config_section, copy_workflow
 
 
 def reasoning_dropped_samples(n: int) -> list[dict]:

@@ -14,12 +14,12 @@ import time
 import httpx2
 import pytest
 
+from devkit.configs import server_config
 from eagleflow.runtime.launch import VllmServer, free_port
 from eagleflow.runtime.leases import Lease
 from eagleflow.runtime.process import group_alive, group_members, parent_pid, start_time
 from eagleflow.runtime.recovery import RestartDeadServer
 from eagleflow.runtime.spec import ServerError, ServerSpec
-from tests.helpers import server_config
 
 # A stand-in for vLLM's process tree: a parent serving /health, plus a forked worker that
 # ignores SIGTERM (as a wedged engine worker does), so the SIGKILL path is exercised too.

@@ -3,7 +3,7 @@ shared run: two shard jobs, each its own sbatch, one SIGKILLed mid-way by `scanc
 resubmits that shard alone, which sends only the requests its store file lacks, and the
 joined replies equal one job's, request for request.
 
-The requests go to tests/fake_openai.py: a shard must still be sending when it is killed,
+The requests go to devkit/fake_openai.py: a shard must still be sending when it is killed,
 and the fake server's exact latency (1 s a reply, two requests in flight) holds each shard
 on the one-node cluster for several seconds, where the small verifier in vLLM answers all of
 them at once. The replies' path through the store, the shards and the join is the same for any
@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from devkit.fake_openai import fake_openai_server as fake_openai
 from eagleflow.common.replies import read_replies
-from tests.helpers import SNAKEMAKE, fake_openai, stored_replies
+from tests.helpers import SNAKEMAKE, stored_replies
 from tests.slurm_cluster import SMALL, copy_for_cluster
 
 RUN = "results/small"

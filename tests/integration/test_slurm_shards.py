@@ -13,13 +13,7 @@ import torch
 import yaml
 
 from eagleflow.runtime.ledger import read_loads
-from tests.helpers import (
-    MAX_STEPPED,
-    SNAKEMAKE,
-    shards_beside_transformers,
-    storage_steps,
-    vllm_processes,
-)
+from tests.helpers import MAX_STEPPED, SNAKEMAKE, shards_beside_transformers, storage_steps, vllm_processes
 from tests.slurm_cluster import (
     SMALL,
     copy_for_cluster,

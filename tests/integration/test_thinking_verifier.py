@@ -14,12 +14,14 @@ import pytest
 import yaml
 from transformers import AutoTokenizer
 
+from devkit.configs import lean_server_config
+from devkit.runs import copy_workflow, planned_jobs
 from eagleflow.common.atomic import write_jsonl
 from eagleflow.generate.run import Client, Requests, run_generate
 from eagleflow.runtime.launch import VllmServer
 from eagleflow.runtime.spec import ServerSpec
 from eagleflow.synth.run import Parsing, run_synth
-from tests.helpers import SNAKEMAKE, copy_workflow, lean_server_config, planned_jobs, vllm_available
+from tests.helpers import SNAKEMAKE, vllm_available
 
 pytestmark = [
     pytest.mark.vllm,

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from devkit.train_inputs import make_train_inputs
 from eagleflow.common.atomic import read_jsonl
 from eagleflow.runtime.ledger import read_loads
 from eagleflow.train.checkpoint import (
@@ -35,7 +36,6 @@ from eagleflow.train.launch import run_stage
 from eagleflow.train.loop import run_from_json
 from eagleflow.train.steps import lr_at, steps_in
 from tests.helpers import MAX_STEPPED, REPO, storage_steps
-from tests.train_inputs import make_train_inputs
 
 TRAIN_LENGTHS = [30, 25, 40, 20, 35, 28, 33, 22, 38, 26, 31, 24]
 EVAL_LENGTHS = [30, 35, 25]

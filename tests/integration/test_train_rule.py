@@ -9,9 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from devkit.runs import copy_workflow
+from devkit.train_inputs import make_train_inputs
+from devkit.verifiers import save_tiny_llama
 from eagleflow.common.atomic import read_jsonl
-from tests.helpers import REPO, copy_workflow, save_tiny_llama
-from tests.train_inputs import make_train_inputs
+from tests.helpers import REPO
 
 OVERRIDES = """\
 run: t

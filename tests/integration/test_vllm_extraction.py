@@ -21,10 +21,11 @@ import pytest
 import torch
 import yaml
 
+from devkit.runs import copy_finished_run
 from eagleflow.runtime.ledger import read_loads
 from eagleflow.runtime.process import group_members, parent_pid
 from eagleflow.runtime.shared import SharedDir
-from tests.helpers import REPO, SNAKEMAKE, copy_finished_run, shards_beside_transformers
+from tests.helpers import REPO, SNAKEMAKE, shards_beside_transformers
 
 SMALL = REPO / "tests/config/small.yaml"
 INDEX = "results/small/hidden_states/index.json"

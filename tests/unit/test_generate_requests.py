@@ -3,6 +3,7 @@
 import json
 import shutil
 
+from devkit.configs import server_config
 from eagleflow.common.identity import verifier_fingerprint
 from eagleflow.common.requests import (
     history_message,
@@ -12,7 +13,6 @@ from eagleflow.common.requests import (
     server_identity,
 )
 from eagleflow.runtime.spec import ServerSpec
-from tests.helpers import server_config
 
 PAYLOAD = {"model": "verifier", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 

@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from devkit.configs import hidden_states_config, server_config
 from eagleflow.hidden_states.backend import BACKENDS, open_backend
 from eagleflow.hidden_states.client import (
     HiddenStatesFileError,
@@ -32,7 +33,6 @@ from eagleflow.hidden_states.layers import (
 from eagleflow.hidden_states.run import run_shard
 from eagleflow.hidden_states.shards import check_disk_space
 from eagleflow.hidden_states.vllm import extraction_server_args
-from tests.helpers import hidden_states_config, server_config
 
 
 def known_states(ids: list[int], num_states: int, hidden: int) -> torch.Tensor:

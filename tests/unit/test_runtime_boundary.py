@@ -4,10 +4,10 @@ it can change a result reaches the keys as data (common/server_args.py)."""
 
 import ast
 
+from devkit.configs import server_config
 from eagleflow.common.fingerprint import ROOT, _module_file, is_runtime, module_digests
 from eagleflow.common.server_args import RUN_ONLY_FLAGS, result_args
 from eagleflow.runtime.spec import ServerSpec
-from tests.helpers import server_config
 
 PACKAGE = "eagleflow"
 
@@ -75,9 +75,9 @@ def test_every_module_is_on_exactly_one_side():
 def test_one_list_of_run_only_flags_decides_both_keys(tmp_path):
     """generate's store key and the shard cache's key take the launcher's argv through
     result_args: a result flag changes both, a run-only setting neither."""
+    from devkit.configs import hidden_states_config
     from eagleflow.common.requests import server_identity
     from eagleflow.hidden_states.run import content_settings
-    from tests.helpers import hidden_states_config
 
     verifier = tmp_path / "verifier"
     verifier.mkdir()

@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 import yaml
 
+from devkit.configs import config_section
 from eagleflow.benchmark.workload import BenchmarkConfig
 from eagleflow.common.config import ConfigError, typed
 from eagleflow.dataset import DatasetConfig
@@ -15,7 +16,7 @@ from eagleflow.runtime.spec import ServerConfig
 from eagleflow.synth.run import Parsing
 from eagleflow.train.config import TrainConfig
 from eagleflow.vocab import VocabConfig
-from tests.helpers import REPO, config_section
+from tests.helpers import REPO
 
 SECTIONS = {
     "server": ServerConfig,

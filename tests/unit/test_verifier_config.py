@@ -6,6 +6,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from devkit.configs import server_config
 from eagleflow.common.verifier_config import (
     CPU_MLA_ROPE_ARGS,
     safetensors_weight_map,
@@ -20,7 +21,6 @@ from eagleflow.runtime.vllm_cpu import (
     draft_backend_problem,
     requested_attention_backend,
 )
-from tests.helpers import server_config
 
 DEEPSEEK_V3 = {
     "model_type": "deepseek_v3",

@@ -1,7 +1,7 @@
 """A local OpenAI-compatible chat server for what vLLM cannot be made to do: injected
 faults, exact latencies, malformed replies.
 
-    python -m tests.fake_openai --latency 0.05 --fault-rate 0.3 --lifetime 120
+    python -m devkit.fake_openai --latency 0.05 --fault-rate 0.3 --lifetime 120
 
 Binds 127.0.0.1 on a free port (or --port), prints `READY <port>` and serves until
 --lifetime seconds or --max-requests requests have passed, then exits by itself. Replies are
@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
 import random
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 from aiohttp import web
 
@@ -183,6 +186,24 @@ def main(argv: list[str] | None = None) -> None:
         serve(a.port, a.lifetime, a.max_requests, FakeServer(a.latency, a.fault_rate, a.seed, a.hang, a.capacity))
     )
     sys.exit(0)
+
+
+@contextlib.contextmanager
+def fake_openai_server(*args: str):
+    """Start this server in its own process; yield its base URL; stop it."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "devkit.fake_openai", *args],
+        cwd=Path(__file__).resolve().parents[1],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("READY"), f"fake server did not start: {line!r}"
+        yield f"http://127.0.0.1:{int(line.split()[1])}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
 
 
 if __name__ == "__main__":
