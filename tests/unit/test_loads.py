@@ -62,3 +62,16 @@ def test_launches_are_counted_by_stage_and_kind(tmp_path):
     record_load(tmp_path, Path("logs/generate.vllm.log"), "m", "restart", False)
     record_load(tmp_path, Path("logs/hidden_states.server.log"), "m", "start", True)
     assert count_loads(read_loads(tmp_path)) == {"generate": {"start": 1, "restart": 1}, "hidden_states": {"start": 1}}
+
+
+def test_rules_imported_under_a_prefix_count_as_eagleflows():
+    from eagleflow.plan.loads import by_eagleflow_rule
+
+    config = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    assert by_eagleflow_rule({"eagleflow_hidden_states": 2, "eagleflow_hidden_states_index": 1}) == {
+        "hidden_states": 2,
+        "eagleflow_hidden_states_index": 1,
+    }
+    assert planned_loads({"eagleflow_generate": 1, "eagleflow_baseline": 1}, config) == planned_loads(
+        {"generate": 1, "baseline": 1}, config
+    )

@@ -12,24 +12,23 @@ import pytest
 import torch
 
 from eagleflow.common import cache_keys
-from eagleflow.runtime import output_cache
-from eagleflow.runtime.output_cache import (
+from eagleflow.runtime import cache_plan, output_cache
+from eagleflow.runtime.cache_plan import (
     MARKS,
-    OutputCache,
     PlannedJob,
-    cache_bytes,
+    cached_rule,
     describe_cache_plan,
     mark_planned_jobs,
-    prune,
     restore_blockers,
 )
+from eagleflow.runtime.output_cache import OutputCache, cache_bytes, prune
 
 
 @pytest.fixture
 def workdir(tmp_path, monkeypatch):
     """A workflow directory: the plan's marks live under its .snakemake/."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv(output_cache.SWITCH, raising=False)
+    monkeypatch.delenv(cache_plan.SWITCH, raising=False)
     return tmp_path
 
 
@@ -151,14 +150,19 @@ def test_the_switch_turns_restores_off(workdir, monkeypatch):
     outputs = outputs_in(workdir)
     cache = OutputCache(workdir / ".done", "slot")
     cache.keep("k", outputs)
-    monkeypatch.setenv(output_cache.SWITCH, "off")
+    monkeypatch.setenv(cache_plan.SWITCH, "off")
     assert not cache.restore("k", outputs)
-    monkeypatch.setenv(output_cache.SWITCH, "on")
+    monkeypatch.setenv(cache_plan.SWITCH, "on")
     assert cache.restore("k", outputs)
 
 
+def test_cached_rules_are_known_under_a_module_prefix():
+    assert cached_rule("hidden_states") == "hidden_states" and cached_rule("eagleflow_train") == "train"
+    assert cached_rule("hidden_states_index") is None and cached_rule("count_prompts") is None
+
+
 def test_the_dry_run_line_says_what_recomputes_and_what_may_be_restored(monkeypatch):
-    monkeypatch.delenv(output_cache.SWITCH, raising=False)
+    monkeypatch.delenv(cache_plan.SWITCH, raising=False)
     line = describe_cache_plan(
         [
             PlannedJob("hidden_states", ("a",), ("forced (-R/--forcerun/--forceall/-f)",)),

@@ -10,7 +10,7 @@ import eagleflow
 from eagleflow.common.config import validate_config
 from eagleflow.common.fingerprint import code_fingerprint
 from eagleflow.common.server_args import result_args, server_args
-from eagleflow.runtime.output_cache import plan_cache
+from eagleflow.runtime.cache_plan import plan_cache
 from eagleflow.runtime.spec import ServerConfig, ServerSpec
 from eagleflow.plan.loads import RunInfoLine, describe_planned
 from eagleflow.plan.needs import planned_disk_line

@@ -165,22 +165,28 @@ def _cpu() -> dict[str, Any]:
     return {"machine": platform.machine(), "features": cpu_features(text)}
 
 
-@cache
-def _gpus() -> tuple[str, ...]:
-    """Names and compute capabilities of this host's NVIDIA GPUs (none without nvidia-smi)."""
+def nvidia_smi(query: str) -> list[str]:
+    """The lines nvidia-smi answers `--query-gpu=<query>` with, one per visible GPU; none on a
+    host without NVIDIA GPUs or nvidia-smi."""
     if shutil.which("nvidia-smi") is None:
-        return ()
+        return []
     try:
         out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,compute_cap", "--format=csv,noheader"],
+            ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits"],
             capture_output=True,
             text=True,
             timeout=30,
             check=True,
         ).stdout
     except (OSError, subprocess.SubprocessError):
-        return ()
-    return tuple(sorted({line.strip() for line in out.splitlines() if line.strip()}))
+        return []
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+@cache
+def _gpus() -> tuple[str, ...]:
+    """Names and compute capabilities of this host's NVIDIA GPUs."""
+    return tuple(sorted(set(nvidia_smi("name,compute_cap"))))
 
 
 def local_device() -> str:

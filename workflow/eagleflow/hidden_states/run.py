@@ -26,7 +26,8 @@ from eagleflow.hidden_states.shards import (
 )
 from eagleflow.hidden_states.storage import extraction_dtype, num_stored_states, torch_dtype
 from eagleflow.hidden_states.targets import TopkHead, head_device
-from eagleflow.runtime.output_cache import OutputCache, clear_mark
+from eagleflow.runtime.cache_plan import clear_mark
+from eagleflow.runtime.output_cache import OutputCache
 from eagleflow.runtime.smk import stage
 from eagleflow.runtime.spec import ServerConfig, ServerSpec
 

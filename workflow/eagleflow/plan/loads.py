@@ -16,6 +16,19 @@ from typing import Any
 SHARED = {"hidden_states": "shard", "parity": "parity"}
 
 
+LOADING_RULES = ("write_prompts", "generate", "hidden_states", "train", "baseline", "benchmark", "parity")
+
+
+def by_eagleflow_rule(jobs: dict[str, int]) -> dict[str, int]:
+    """`jobs` with the names a workflow gave eagleflow's rules when it imported them as a module
+    under a prefix (`use rule * from eagleflow as eagleflow_*`) back to eagleflow's own. Pure."""
+    out: dict[str, int] = {}
+    for name, n in jobs.items():
+        rule = next((r for r in LOADING_RULES if name == r or name.endswith("_" + r)), name)
+        out[rule] = out.get(rule, 0) + n
+    return out
+
+
 def planned_loads(jobs: dict[str, int], config: dict[str, Any]) -> dict[str, int]:
     """Loads per rule for a run of `jobs` (rule -> job count, as Snakemake plans them). Pure.
 
@@ -23,6 +36,7 @@ def planned_loads(jobs: dict[str, int], config: dict[str, Any]) -> dict[str, int
     parity jobs (the replay's states, computed by the same backend). A stage that
     uses an already running server (`server.endpoint`, `hidden_states.vllm.endpoint`) loads
     nothing. Online (`hidden_states.mode: online`) every train job loads the verifier itself."""
+    jobs = by_eagleflow_rule(jobs)
     hs = config["hidden_states"]
     extraction_endpoint = hs["backend"] == "vllm" and hs["vllm"]["endpoint"]
     own_server = not config["server"]["endpoint"]
@@ -43,6 +57,7 @@ def planned_loads(jobs: dict[str, int], config: dict[str, Any]) -> dict[str, int
 
 def describe_planned(jobs: dict[str, int], config: dict[str, Any]) -> str:
     """The line `snakemake -n` prints. Pure."""
+    jobs = by_eagleflow_rule(jobs)
     loads = planned_loads(jobs, config)
     parts = [
         f"{rule} {n}" + (f" (shared by {jobs[rule]} {SHARED[rule]} jobs)" if rule in SHARED else "")

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eagleflow.common.cache_keys import nvidia_smi
 from eagleflow.common.verifier_config import draft_attention_geometry, text_config
 
 
@@ -146,15 +146,5 @@ def free_bytes(path: Path) -> int:
 
 def gpu_memory_bytes() -> int | None:
     """The smallest visible GPU's memory, from nvidia-smi; None without GPUs."""
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    sizes = [int(x) * 2**20 for x in out.split()]
+    sizes = [int(x) * 2**20 for x in nvidia_smi("memory.total")]
     return min(sizes) if sizes else None

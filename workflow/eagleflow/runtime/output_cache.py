@@ -35,31 +35,22 @@ import shutil
 import stat
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from eagleflow.common.cache_keys import job_key
+from eagleflow.runtime.cache_plan import SWITCH, cache_enabled, clear_mark, recompute_reason
 
 log = logging.getLogger(__name__)
 
 MANIFEST = ".manifest.json"  # in an entry: each kept file's sha256 and the outputs it restores
-SWITCH = "EAGLEFLOW_OUTPUT_CACHE"  # "off": recompute every planned job (entries are still kept)
-# Where the plan marks the jobs that must recompute, relative to the workflow's working directory
-# (shared with the jobs, on a cluster too: .snakemake sits there).
-MARKS = Path(".snakemake/eagleflow/recompute")
-# Rules whose jobs keep their outputs here (the plan marks only those).
-CACHED_RULES = frozenset({"hidden_states", "train", "baseline", "benchmark", "parity"})
 # errnos of a hard link that cannot be made where a copy can: another filesystem, a filesystem
 # without hard links (FUSE, object-store mounts), too many links.
 NO_LINK = frozenset({errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS})
 FICLONE = 0x40049409  # linux/fs.h: share the source's extents (btrfs, XFS, bcachefs)
 READ_ONLY = ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH)
-
-
-def cache_enabled() -> bool:
-    return os.environ.get(SWITCH, "on").strip().lower() not in ("off", "0", "false", "no")
 
 
 class OutputCache:
@@ -125,112 +116,6 @@ class OutputCache:
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         _remove(entry)
         os.replace(tmp, entry)
-
-
-# --- the plan's marks: forced and deleted outputs recompute --------------------------------
-
-
-def _mark_path(outputs: Iterable[str | os.PathLike]) -> Path:
-    first = sorted(os.path.normpath(str(o)) for o in outputs)[0]
-    return MARKS / hashlib.sha256(first.encode()).hexdigest()[:24]
-
-
-def recompute_reason(outputs: Iterable[str | os.PathLike]) -> str | None:
-    """Why the plan said this job (by its outputs) must recompute, or None."""
-    path = _mark_path(outputs)
-    try:
-        return path.read_text().strip() or "marked by the plan"
-    except FileNotFoundError:
-        return None
-
-
-def clear_mark(outputs: Iterable[str | os.PathLike]) -> None:
-    """The job recomputed its outputs: a later plan decides afresh."""
-    _mark_path(outputs).unlink(missing_ok=True)
-
-
-def restore_blockers(reason: Any) -> list[str]:
-    """Why a job Snakemake planned must not be restored, from its Snakemake `reason`: the user
-    forced it, or an output is missing (deleted, or removed with a failed job). Other reasons
-    (an input rewritten, code, params or software env changed) leave it to the key. Pure."""
-    why = []
-    if getattr(reason, "forced", False):
-        why.append("forced (-R/--forcerun/--forceall/-f)")
-    missing = getattr(reason, "missing_output", None)
-    if missing:
-        why.append("output missing: " + ", ".join(sorted(map(str, missing))[:2]))
-    incomplete = getattr(reason, "incomplete_output", None)
-    if incomplete:
-        why.append("output incomplete: " + ", ".join(sorted(map(str, incomplete))[:2]))
-    return why
-
-
-@dataclass(frozen=True)
-class PlannedJob:
-    rule: str
-    outputs: tuple[str, ...]
-    blockers: tuple[str, ...]
-
-
-def planned_cache_jobs(dag: Any) -> list[PlannedJob]:
-    """The jobs of cached rules that Snakemake's `dag` will run, with what blocks a restore."""
-    jobs = []
-    for job in dag.needrun_jobs():
-        if job.rule.name in CACHED_RULES:
-            blockers = restore_blockers(dag.reason(job))
-            jobs.append(PlannedJob(job.rule.name, tuple(map(str, job.output)), tuple(blockers)))
-    return jobs
-
-
-def mark_planned_jobs(jobs: Iterable[PlannedJob]) -> None:
-    """Mark (or unmark) each planned job: only this plan decides whether it may be restored."""
-    for job in jobs:
-        path = _mark_path(job.outputs)
-        if job.blockers or not cache_enabled():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text("; ".join(job.blockers) or f"{SWITCH}=off")
-        else:
-            path.unlink(missing_ok=True)
-
-
-def describe_cache_plan(jobs: list[PlannedJob]) -> str | None:
-    """The line `snakemake -n` prints: which planned jobs recompute and which may be restored
-    (restored when their key, computed in the job from its inputs, matches an entry). Pure."""
-    if not jobs:
-        return None
-    restorable: dict[str, int] = {}
-    recompute: dict[str, list[str]] = {}
-    for job in jobs:
-        if job.blockers or not cache_enabled():
-            recompute.setdefault(job.rule, []).append(job.blockers[0].split(":")[0] if job.blockers else "cache off")
-        else:
-            restorable[job.rule] = restorable.get(job.rule, 0) + 1
-    parts = []
-    if recompute:
-        parts.append(
-            "recomputed: "
-            + ", ".join(f"{rule} {len(why)} ({'; '.join(sorted(set(why)))})" for rule, why in recompute.items())
-        )
-    if restorable:
-        parts.append(
-            "restored if their key matches an entry: " + ", ".join(f"{rule} {n}" for rule, n in restorable.items())
-        )
-    return "Output cache: " + "; ".join(parts)
-
-
-def plan_cache(dag: Any, mark: bool) -> str | None:
-    """Called once Snakemake has planned its jobs (workflow/rules/common.smk): the line that says
-    which jobs recompute and which may be restored, and with `mark` (a real run, not a dry
-    one) the marks the jobs read. A plan that cannot be marked switches the cache off for
-    this run's jobs rather than let a forced job be restored."""
-    jobs = planned_cache_jobs(dag)
-    if mark:
-        try:
-            mark_planned_jobs(jobs)
-        except OSError as exc:
-            log.warning("cannot mark the planned jobs in %s (%s): output cache off for this run", MARKS, exc)
-            os.environ[SWITCH] = "off"
-    return describe_cache_plan(jobs)
 
 
 # --- the job side --------------------------------------------------------------------------

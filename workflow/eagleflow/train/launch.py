@@ -20,7 +20,8 @@ from eagleflow.common.atomic import write_text
 from eagleflow.common.cache_keys import TRAIN_PACKAGES, stack_identity
 from eagleflow.common.config import typed
 from eagleflow.common.fingerprint import value_fingerprint
-from eagleflow.runtime.output_cache import OutputCache, clear_mark
+from eagleflow.runtime.cache_plan import clear_mark
+from eagleflow.runtime.output_cache import OutputCache
 from eagleflow.runtime.process import kill_group, package_env
 from eagleflow.runtime.smk import stage
 from eagleflow.train.config import TrainConfig, TrainJob
