@@ -320,3 +320,22 @@ def test_a_benchmark_row_above_temperature_zero_samples_the_same_again_with_its_
     assert all(out[0] for out in first.values()), first
     assert asyncio.run(sampled(7)) == first
     assert asyncio.run(sampled(8)) != first
+
+
+def test_an_endpoint_that_is_not_the_server_the_keys_assume_is_refused(server):
+    """What a real vLLM reports (/version, /v1/models) matches the launch the keys assume;
+    another maximum length, another served name or another vLLM version is refused by name."""
+    from eagleflow.runtime.endpoint_identity import EndpointMismatch, Expected, check_endpoint, local_vllm_version
+
+    version = local_vllm_version()
+    reported = check_endpoint(server, Expected(SERVER.served_model_name, SERVER.max_model_len, version))
+    assert reported["version"] and reported["version"].split("+")[0] == version.split("+")[0]
+    (model,) = reported["models"]
+    assert model["max_model_len"] == SERVER.max_model_len and model["root"]
+    for expected, named in (
+        (Expected(SERVER.served_model_name, 1024, version), "max_model_len is 512"),
+        (Expected("other", SERVER.max_model_len, version), "not 'other'"),
+        (Expected(SERVER.served_model_name, SERVER.max_model_len, "0.1.0"), "the keys assume 0.1.0"),
+    ):
+        with pytest.raises(EndpointMismatch, match=named):
+            check_endpoint(server, expected)
