@@ -1,4 +1,4 @@
-"""Which server flags reach the cache keys (common/server_args.py), by common/vllm_flags.py's
+"""Which server flags reach the cache keys (common/server_args.py), by common/vllm_flags/'s
 table, and whether that table still describes the vLLM that is installed."""
 
 import argparse
@@ -205,7 +205,7 @@ def test_the_table_classifies_every_option_vllm_defines():
     known = {name for flag, spec in FLAGS.items() for name in (flag, *spec.aliases)}
     unclassified = sorted({s for canonical, _, aliases, _, _ in options for s in (canonical, *aliases)} - known)
     assert not unclassified, (
-        f"vLLM {vllm.__version__} defines server flags that workflow/eagleflow/common/vllm_flags.py "
+        f"vLLM {vllm.__version__} defines server flags that workflow/eagleflow/common/vllm_flags/ "
         f"(made from {vllm_flags.VLLM_VERSION}) does not classify: {unclassified}. Classify each "
         "there as RESULT or RUN_ONLY (its group's comment says the rule), with its arity and aliases."
     )
@@ -215,9 +215,9 @@ def test_the_table_classifies_every_option_vllm_defines():
         if (FLAGS[canonical].arity, FLAGS[canonical].aliases, FLAGS[canonical].json, FLAGS[canonical].repeats)
         != (arity, aliases, json_valued, repeats)
     ]
-    assert not wrong, f"vllm_flags.py disagrees with vLLM {vllm.__version__} on: {wrong}"
+    assert not wrong, f"vllm_flags/ disagrees with vLLM {vllm.__version__} on: {wrong}"
     stale = sorted(set(FLAGS) - {o[0] for o in options})
-    assert not stale, f"vllm_flags.py classifies flags vLLM {vllm.__version__} no longer defines: {stale}"
+    assert not stale, f"vllm_flags/ classifies flags vLLM {vllm.__version__} no longer defines: {stale}"
 
 
 @pytest.mark.parametrize(
