@@ -129,6 +129,9 @@ def test_forced_and_deleted_outputs_block_a_restore_and_rewritten_inputs_do_not(
     assert restore_blockers(Reason(forced=True)) == ["forced (-R/--forcerun/--forceall/-f)"]
     assert restore_blockers(Reason(missing_output={"results/x/draft"})) == ["output missing: results/x/draft"]
     assert restore_blockers(Reason(incomplete_output={"a"}))
+    # EAGLEFLOW_OUTPUT_CACHE=missing: after a failed SLURM group, its finished shards come back.
+    assert restore_blockers(Reason(missing_output={"s"}), missing_blocks=False) == []
+    assert restore_blockers(Reason(forced=True, missing_output={"s"}), missing_blocks=False)
     # Snakemake's own reruns (an input rewritten, code, params, software env): the key decides.
     assert restore_blockers(Reason(code_changed=True, params_changed=True)) == []
 

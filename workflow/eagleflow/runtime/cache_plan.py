@@ -18,7 +18,11 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-SWITCH = "EAGLEFLOW_OUTPUT_CACHE"  # "off": recompute every planned job (entries are still kept)
+# "off": recompute every planned job (entries are still kept); "missing": a missing output may
+# be restored too (a rerun after a failed SLURM group job, whose finished shards Snakemake
+# removed with the failed one); anything else: forced jobs and missing outputs recompute.
+SWITCH = "EAGLEFLOW_OUTPUT_CACHE"
+RESTORE_MISSING = "missing"
 # Where the plan marks the jobs that must recompute, relative to the workflow's working directory
 # (shared with the jobs, on a cluster too: .snakemake sits there).
 MARKS = Path(".snakemake/eagleflow/recompute")
@@ -28,6 +32,10 @@ CACHED_RULES = frozenset({"hidden_states", "train", "baseline", "benchmark", "pa
 
 def cache_enabled() -> bool:
     return os.environ.get(SWITCH, "on").strip().lower() not in ("off", "0", "false", "no")
+
+
+def restores_missing() -> bool:
+    return os.environ.get(SWITCH, "on").strip().lower() == RESTORE_MISSING
 
 
 def cached_rule(name: str) -> str | None:
@@ -58,15 +66,16 @@ def clear_mark(outputs: Iterable[str | os.PathLike]) -> None:
     _mark_path(outputs).unlink(missing_ok=True)
 
 
-def restore_blockers(reason: Any) -> list[str]:
+def restore_blockers(reason: Any, missing_blocks: bool = True) -> list[str]:
     """Why a job Snakemake planned must not be restored, from its Snakemake `reason`: the user
-    forced it, or an output is missing (deleted, or removed with a failed job). Other reasons
-    (an input rewritten, code, params or software env changed) leave it to the key. Pure."""
+    forced it, or (with `missing_blocks`) an output is missing: deleted, or removed with a
+    failed job. Other reasons (an input rewritten, code, params or software env changed)
+    leave it to the key. Pure."""
     why = []
     if getattr(reason, "forced", False):
         why.append("forced (-R/--forcerun/--forceall/-f)")
     missing = getattr(reason, "missing_output", None)
-    if missing:
+    if missing and missing_blocks:
         why.append("output missing: " + ", ".join(sorted(map(str, missing))[:2]))
     incomplete = getattr(reason, "incomplete_output", None)
     if incomplete:
@@ -87,7 +96,7 @@ def planned_cache_jobs(dag: Any) -> list[PlannedJob]:
     for job in dag.needrun_jobs():
         rule = cached_rule(job.rule.name)
         if rule is not None:
-            blockers = restore_blockers(dag.reason(job))
+            blockers = restore_blockers(dag.reason(job), missing_blocks=not restores_missing())
             jobs.append(PlannedJob(rule, tuple(map(str, job.output)), tuple(blockers)))
     return jobs
 
