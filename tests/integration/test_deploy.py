@@ -14,26 +14,16 @@ from devkit.runs import planned_jobs
 from tests.helpers import REPO
 
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
+# Every rule of eagleflow's DAG but the optional write_prompts, read from its rule files.
 STAGES = {
-    "prepare_verifier",
-    "prompts",
-    "generate",
-    "generate_join",
-    "synth",
-    "dataset",
-    "vocab",
-    "hidden_states",
-    "hidden_states_index",
-    "train",
-    "benchmark_sets",
-    "baseline",
-    "benchmark",
-    "parity",
-    "report",
-    "compare",
-}
+    line.split()[1].rstrip(":")
+    for smk in (REPO / "workflow/rules").glob("*.smk")
+    for line in smk.read_text().splitlines()
+    if line.startswith("rule ")
+} - {"write_prompts"}
 
-DEPLOYED = f"""\
+# What snakedeploy writes, with the checkout's path in place of github(...).
+MODULE = f"""\
 configfile: "config/config.yaml"
 
 
@@ -42,23 +32,20 @@ module eagleflow:
         "{REPO / "workflow/Snakefile"}"
     config:
         config
-
+"""
+DEPLOYED = (
+    MODULE
+    + """
 
 use rule * from eagleflow
 """
+)
 
 # The user's own pipeline: eagleflow's rules under a prefix, and a rule of its own that
 # reads one of eagleflow's outputs.
-EXTENDED = f"""\
-configfile: "config/config.yaml"
-
-
-module eagleflow:
-    snakefile:
-        "{REPO / "workflow/Snakefile"}"
-    config:
-        config
-
+EXTENDED = (
+    MODULE
+    + """
 
 rule all:
     input:
@@ -74,8 +61,9 @@ rule count_prompts:
     output:
         "results/extended/prompt_count.txt",
     shell:
-        "wc -l < {{input}} > {{output}}"
+        "wc -l < {input} > {output}"
 """
+)
 
 
 def deploy(dst, snakefile: str, run: str):
