@@ -1,4 +1,5 @@
 # Helpers shared by every rule: config validation, paths, code fingerprints, variants.
+import os
 import re
 import sys
 from pathlib import Path
@@ -44,8 +45,14 @@ RUN = config["run"]
 VARIANTS = list(variant_overrides(config))
 # The package the jobs run, as imported here: the checkout's (Snakemake puts the directory of
 # this workflow's Snakefile on sys.path, as a module too, where workflow.basedir is the
-# importing workflow's) or the installed one. Its code is fingerprinted from there.
+# importing workflow's) or the installed one. Its code is fingerprinted from there, and every
+# job imports it from there too: first on the PYTHONPATH the jobs inherit (a job's own
+# sys.path would put an installed eagleflow, an editable install's included, before it).
 SCRIPTS_DIR = Path(eagleflow.__file__).resolve().parent
+if os.environ.get("PYTHONPATH", "").split(os.pathsep)[0] != str(SCRIPTS_DIR.parent):
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(SCRIPTS_DIR.parent), os.environ.get("PYTHONPATH")])
+    )
 VERIFIER_DIR = f"resources/verifier/{config['verifier']['name']}"
 # Before any job: a draft vLLM could not serve would otherwise fail at the benchmark.
 check_drafts_servable(config, VERIFIER_DIR)
