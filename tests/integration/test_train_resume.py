@@ -212,8 +212,9 @@ def test_fingerprint_tracks_what_determines_training(inputs, tmp_path):
     other_index.write_text(Path(inputs["index"]).read_text().replace('"num_samples"', '"num_samples" ', 1))
     assert fp != training_fingerprint(CFG, str(other_index), inputs["vocab_map"], inputs["shards"], "code1")
     assert fp != training_fingerprint(CFG, inputs["index"], inputs["vocab_map"], inputs["shards"][:1], "code1")
-    # A shard is the key it was made from: linked back from the shard cache with a fresh mtime
-    # it is the same shard; made from other inputs it is another.
+    # A shard is what it holds (the content digest in its header): linked back with a fresh
+    # mtime, or extracted again under another key with the same states, it is the same shard;
+    # with other states it is another. The verifier's content counts too.
     from eagleflow.hidden_states.shard_file import ShardMeta, write_shard
 
     shard = tmp_path / "shard-00000.safetensors"
@@ -223,8 +224,13 @@ def test_fingerprint_tracks_what_determines_training(inputs, tmp_path):
     keyed = training_fingerprint(CFG, inputs["index"], inputs["vocab_map"], [str(shard)], "code1")
     os.utime(shard, (1, 1))
     assert keyed == training_fingerprint(CFG, inputs["index"], inputs["vocab_map"], [str(shard)], "code1")
-    write_shard(shard, [sample], states, ShardMeta(["a"], [0, 1, 2], 3, 2, made_from="k2"))
+    write_shard(shard, [sample], states, ShardMeta(["a"], [0, 1, 2], 3, 2, backend="vllm", made_from="k2"))
+    assert keyed == training_fingerprint(CFG, inputs["index"], inputs["vocab_map"], [str(shard)], "code1")
+    write_shard(shard, [sample], [(torch.ones(2, 6), torch.zeros(2, 2))], ShardMeta(["a"], [0, 1, 2], 3, 2))
     assert keyed != training_fingerprint(CFG, inputs["index"], inputs["vocab_map"], [str(shard)], "code1")
+    assert keyed != training_fingerprint(
+        CFG, inputs["index"], inputs["vocab_map"], [str(shard)], "code1", verifier="another verifier"
+    )
 
 
 # --- checkpoint round trip -------------------------------------------------------------------

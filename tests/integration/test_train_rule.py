@@ -76,7 +76,7 @@ def test_killed_torchrun_job_resumes_on_rerun(tmp_path, clean_env):
     log = wf / "results/t/logs/train.default.log"
 
     # The copy's package runs (PYTHONPATH), and its ranks kill themselves once step 3 is done.
-    env = clean_env | {"PYTHONPATH": str(wf)}
+    env = clean_env | {"PYTHONPATH": str(wf / "workflow")}
     rank_main = wf / "workflow/eagleflow/train/__main__.py"
     rank_main.write_text(KILLED_AFTER_STEP_3)
     killed = snakemake(wf, env)
