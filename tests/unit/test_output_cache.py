@@ -290,3 +290,13 @@ def test_endpoint_reports_that_differ_from_the_keys_are_named():
     shorter = mismatches({**good, "models": [{"id": "verifier", "max_model_len": 1024}]}, expected)
     assert len(shorter) == 1 and "max_model_len is 1024" in shorter[0]
     assert "not 'verifier'" in mismatches({**good, "models": [{"id": "other"}]}, expected)[0]
+
+
+def test_a_key_does_not_depend_on_what_an_import_set_in_the_environment(monkeypatch):
+    """Importing vLLM sets torch variables in its own process; the key reads the environment
+    the process started with."""
+    before = cache_keys.stack_identity(cache_keys.SERVER_PACKAGES, "cpu")
+    monkeypatch.setenv("TORCH_SOMETHING_AN_IMPORT_SET", "1")
+    assert cache_keys.stack_identity(cache_keys.SERVER_PACKAGES, "cpu") == before
+    assert cache_keys.server_stack({}) == cache_keys.server_stack({})
+    assert cache_keys.server_stack({"VLLM_ATTENTION_BACKEND": "X"}) != cache_keys.server_stack({})

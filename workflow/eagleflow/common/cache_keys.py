@@ -18,6 +18,7 @@ import subprocess
 from collections.abc import Iterable, Mapping
 from functools import cache
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 from eagleflow.common.identity import content_digest, verifier_fingerprint
@@ -76,6 +77,9 @@ RUN_ONLY_ENV = frozenset(
         "VLLM_CPU_KVCACHE_SPACE",
         "VLLM_SERVER_DEV_MODE",
         "TORCHINDUCTOR_CACHE_DIR",
+        # vLLM sets these two in its own process when it is imported: not a user's choice.
+        "TORCHINDUCTOR_COMPILE_THREADS",
+        "PYTORCH_NVML_BASED_CUDA_CHECK",
         "TORCH_HOME",
         "TORCH_LOGS",
         "TORCH_COMPILE_DEBUG",
@@ -131,6 +135,18 @@ def software(packages: Iterable[str]) -> dict[str, str | None]:
         except metadata.PackageNotFoundError:
             versions[name] = None
     return versions
+
+
+def initial_environment() -> dict[str, str]:
+    """The environment this process was started with (Linux: /proc/self/environ), not what
+    imported libraries set in it since (importing vLLM sets variables of torch's): a key must
+    not depend on whether a module was imported before it was computed."""
+    try:
+        raw = Path("/proc/self/environ").read_bytes()
+    except OSError:
+        return dict(os.environ)
+    pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+    return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
 
 
 def result_environment(env: Mapping[str, str]) -> dict[str, str]:
@@ -210,7 +226,7 @@ def stack_identity(packages: Iterable[str], device: str, env: Mapping[str, str] 
         "key_version": KEY_VERSION,
         "software": software(packages),
         "hardware": hardware(device),
-        "env": result_environment(os.environ if env is None else env),
+        "env": result_environment(initial_environment() if env is None else env),
     }
 
 
@@ -237,7 +253,7 @@ def resolved_device(setting: str) -> str:
 def server_stack(server_env: Mapping[str, str]) -> dict[str, Any]:
     """The stack of a vLLM server started here: vLLM and what it runs on, this host's device,
     and the environment it is started with (this job's, with `server.env` over it)."""
-    return stack_identity(SERVER_PACKAGES, local_device(), {**os.environ, **server_env})
+    return stack_identity(SERVER_PACKAGES, local_device(), {**initial_environment(), **server_env})
 
 
 def extraction_stack(backend: str, device: str, server_env: Mapping[str, str] | None) -> dict[str, Any]:
