@@ -300,3 +300,12 @@ def test_a_key_does_not_depend_on_what_an_import_set_in_the_environment(monkeypa
     assert cache_keys.stack_identity(cache_keys.SERVER_PACKAGES, "cpu") == before
     assert cache_keys.server_stack({}) == cache_keys.server_stack({})
     assert cache_keys.server_stack({"VLLM_ATTENTION_BACKEND": "X"}) != cache_keys.server_stack({})
+
+
+def test_thread_counts_are_not_results():
+    """Snakemake sets MKL_NUM_THREADS per job from its threads: a job on a SLURM node with other
+    CPUs than this machine must find the replies stored here."""
+    assert cache_keys.result_environment({"MKL_NUM_THREADS": "2"}) == cache_keys.result_environment(
+        {"MKL_NUM_THREADS": "16"}
+    )
+    assert cache_keys.result_environment({"MKL_CBWR": "COMPATIBLE"}) != {}

@@ -77,6 +77,12 @@ RUN_ONLY_ENV = frozenset(
         "VLLM_CPU_KVCACHE_SPACE",
         "VLLM_SERVER_DEV_MODE",
         "TORCHINDUCTOR_CACHE_DIR",
+        # Thread counts (Snakemake sets them per job from its threads; like OMP_NUM_THREADS, which
+        # is no family of these) and tracing.
+        "MKL_NUM_THREADS",
+        "MKL_DYNAMIC",
+        "ONEDNN_VERBOSE",
+        "DNNL_VERBOSE",
         # vLLM sets these two in its own process when it is imported: not a user's choice.
         "TORCHINDUCTOR_COMPILE_THREADS",
         "PYTORCH_NVML_BASED_CUDA_CHECK",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import re
 from dataclasses import dataclass
@@ -167,6 +168,10 @@ def run_generate(
     spec = ServerSpec.from_config(server, verifier_dir)
     own = shard_store(store_path, shard.index, shard.count)
     older = older_stores(store_path, shard.count)
+    identity = server_identity(verifier_dir, spec.command(0), spec.env)
+    # What every store key of this job holds besides the request: a rerun whose replies miss the
+    # store can be compared line by line.
+    log.info("server identity of the store keys: %s", json.dumps(identity, sort_keys=True))
     with ResponseStore(own, client.store_locking, older=older) as store:
         entries_before = len(store)
         answered = answer(
@@ -174,7 +179,7 @@ def run_generate(
             lambda p: p["id"],
             lambda prompt, front: walk_conversation(prompt, requests, front),
             store=store,
-            identity=server_identity(verifier_dir, spec.command(0), spec.env),
+            identity=identity,
             spec=spec,
             server=server,
             server_log=server_log,
