@@ -1,5 +1,4 @@
 # Helpers shared by every rule: config validation, paths, code fingerprints, variants.
-import os
 import re
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ from eagleflow.common.config import validate_config
 from eagleflow.common.fingerprint import code_fingerprint
 from eagleflow.common.server_args import result_args, server_args
 from eagleflow.runtime.cache_plan import plan_cache
+from eagleflow.runtime.process import first_on_pythonpath
 from eagleflow.runtime.spec import ServerConfig, ServerSpec
 from eagleflow.plan.loads import RunInfoLine, describe_planned
 from eagleflow.plan.needs import planned_disk_line
@@ -49,10 +49,7 @@ VARIANTS = list(variant_overrides(config))
 # job imports it from there too: first on the PYTHONPATH the jobs inherit (a job's own
 # sys.path would put an installed eagleflow, an editable install's included, before it).
 SCRIPTS_DIR = Path(eagleflow.__file__).resolve().parent
-if os.environ.get("PYTHONPATH", "").split(os.pathsep)[0] != str(SCRIPTS_DIR.parent):
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(SCRIPTS_DIR.parent), os.environ.get("PYTHONPATH")])
-    )
+first_on_pythonpath(str(SCRIPTS_DIR.parent))
 VERIFIER_DIR = f"resources/verifier/{config['verifier']['name']}"
 # Before any job: a draft vLLM could not serve would otherwise fail at the benchmark.
 check_drafts_servable(config, VERIFIER_DIR)

@@ -84,6 +84,14 @@ def start_time(pid: int) -> int | None:
     return int(fields[19]) if fields else None
 
 
+def first_on_pythonpath(directory: str) -> None:
+    """Put `directory` first on this process's PYTHONPATH, which every job it starts inherits
+    (rules/common.smk: the jobs import the package the DAG fingerprinted)."""
+    parts = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if parts[0] != directory:
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [directory, *parts]))
+
+
 def package_env(env: dict[str, str]) -> dict[str, str]:
     """`env` with the directory holding eagleflow first on PYTHONPATH: for the
     `python -m eagleflow...` processes a job starts (conda envs do not install it)."""
