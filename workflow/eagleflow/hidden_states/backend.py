@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
+import os
 import socket
 import tempfile
 from collections.abc import Callable
@@ -87,9 +89,11 @@ def sharing(job: ExtractionJob) -> Sharing:
 
 def storage_dir(parent: str | None, key: str) -> Path:
     """Where the server writes per-sample states files: named after the server (`key`) and
-    its host (one server per host shares a phase), so that every job sharing it reads from the
-    same place and no other server's stop removes it (ServerSpec.scratch_dirs)."""
-    path = Path(parent or tempfile.gettempdir()) / f"eagleflow-hs-{key}-{socket.gethostname()}"
+    its host (one server per host shares a phase) and the workflow directory it serves (two
+    runs of one config in two directories run two servers), so that every job sharing it reads
+    from the same place and no other server's stop removes it (ServerSpec.scratch_dirs)."""
+    workdir = hashlib.sha256(os.getcwd().encode()).hexdigest()[:8]
+    path = Path(parent or tempfile.gettempdir()) / f"eagleflow-hs-{key}-{workdir}-{socket.gethostname()}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
