@@ -347,11 +347,10 @@ def test_a_copy_elsewhere_plans_nothing_and_a_fix_that_changes_no_byte_costs_no_
     loads_before = len(read_loads(run / "logs/servers"))
     generate = moved / "workflow/eagleflow/generate/run.py"
     generate.write_text(generate.read_text() + "\n_EAGLEFLOW_TEST_EDIT = 1\n")
-    # The draft names the verifier it is served with: in this copy that would be the copy's
-    # own (another path, so another draft); keep naming the original's, as the draft does.
-    pinned = tmp_path / "serve_path.yaml"
-    pinned.write_text(json.dumps({"verifier": {"serve_path": draft["speculators_config"]["verifier"]["name_or_path"]}}))
-    configs = [str(REPO / "tests/config/small.yaml"), str(pinned)]
+    # The draft's key holds the verifier path as configured (here the prepared directory,
+    # relative to the workdir), not where the run sits: the copy restores the original's draft,
+    # which names the verifier the original prepared.
+    configs = [str(REPO / "tests/config/small.yaml")]
     stale = set(
         planned_jobs(
             subprocess.run(
