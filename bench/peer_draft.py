@@ -28,11 +28,17 @@ way a user of speculators 0.9.0 would, through its console entry points:
    run's own draft. With the default OUT, `bench/standard_sets.py --draft speculators`
    measures it on the standard sets.
 
+The training budget is eagleflow's: the tokens the run's own draft saw (the sum of its
+`train/metrics.jsonl`) set the epochs, counted over the 90% of the rows speculators trains on
+(`--epochs N` sets them instead; speculators' own default is 20). The trainer's wall time, the
+epochs and the tokens go to OUT/peer.json.
+
 A rerun resumes: prepare-data skips a dataset it already wrote, only missing state files are
 written, and speculators resumes from its last checkpoint. speculators' trainer has no device
-flag and moves the draft to device 0: on a machine without an accelerator it stops there with
-torch's error, after the data is prepared (docs/facts.md, "speculators 0.9.0"). Nothing under
-DIR is written except OUT (default: results/<run>/drafts/speculators/).
+flag and moves the draft to device 0: on a machine without an accelerator the script runs it
+through `bench/speculators_on_cpu.py`, which hands it the CPU, with the flags a CPU needs
+(`--loss-implementation eager --draft-attn-impl sdpa --num-workers 0 --save-best`). Nothing
+under DIR is written except OUT (default: results/<run>/drafts/speculators/).
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ import logging
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -67,22 +74,38 @@ def tokens_key(input_ids: np.ndarray) -> bytes:
     return hashlib.blake2b(np.asarray(input_ids, dtype=np.int64).tobytes(), digest_size=16).digest()
 
 
+BENCH = Path(__file__).resolve().parent
+TRAIN_DATA_RATIO = 0.9  # speculators' default share of the rows it trains on (the rest validates)
+CPU_TRAIN_FLAGS = ("--loss-implementation", "eager", "--draft-attn-impl", "sdpa", "--num-workers", "0", "--save-best")
+
+
 def speculators(*args: str, cwd: Path) -> None:
-    """Run a `speculators` command with this interpreter; its output goes to ours, a failure
-    stops the script with its exit status."""
+    """Run a `speculators` command with this interpreter (`train` without an accelerator through
+    the CPU adapter); its output goes to ours, a failure stops the script with its exit status."""
     cmd = [sys.executable, "-m", "speculators", *args]
+    if args[0] == "train" and torch.accelerator.current_accelerator() is None:
+        cmd = [sys.executable, str(BENCH / "speculators_on_cpu.py"), *args[1:], *CPU_TRAIN_FLAGS]
     log.info("running: %s", " ".join(cmd))
     rc = subprocess.run(cmd, cwd=cwd).returncode
     if rc:
         raise SystemExit(f"speculators {args[0]} failed with exit status {rc} (its output is above)")
 
 
-def write_train_rows(train_parquet: Path, out: Path) -> int:
+def write_train_rows(train_parquet: Path, out: Path) -> tuple[int, int]:
     """The run's train rows as prepare-data reads pre-tokenized rows (JSONL of `input_ids`,
-    `loss_mask`); returns the longest row's length."""
+    `loss_mask`); returns the longest row's length and the rows' tokens."""
     table = pq.read_table(train_parquet, columns=["input_ids", "loss_mask"]).to_pylist()
     write_jsonl(out, table)
-    return max(len(row["input_ids"]) for row in table)
+    lengths = [len(row["input_ids"]) for row in table]
+    return max(lengths), sum(lengths)
+
+
+def tokens_seen(metrics: Path) -> int:
+    """The tokens a finished eagleflow training stepped on: the sum of its train rows'."""
+    if not metrics.exists():
+        raise SystemExit(f"{metrics} is missing: train the run's default draft first (or pass --epochs)")
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return sum(row["tokens"] for row in rows if row.get("split") == "train")
 
 
 def shard_index(run: Path) -> dict:
@@ -153,6 +176,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path("."))
     parser.add_argument("--configfile", nargs="*", default=[])
     parser.add_argument("--out", type=Path, help="default: results/<run>/drafts/speculators under the workdir")
+    parser.add_argument("--epochs", type=int, help="default: the tokens eagleflow's default draft saw")
     args = parser.parse_args()
     configure_logging(sys.stderr)
     workdir = args.workdir.resolve()
@@ -164,7 +188,10 @@ def main() -> None:
     index = shard_index(run)
     data = out / "data"
 
-    max_len = write_train_rows(run / "dataset/train.parquet", out / "train.jsonl")
+    max_len, train_tokens = write_train_rows(run / "dataset/train.parquet", out / "train.jsonl")
+    budget = tokens_seen(run / "drafts/default/train/metrics.jsonl") if args.epochs is None else None
+    epochs = args.epochs or max(1, round(budget / (TRAIN_DATA_RATIO * train_tokens)))
+    log.info("%d epochs over %d train tokens (eagleflow's draft saw %s)", epochs, train_tokens, budget)
     speculators(
         "prepare-data",
         *("--model", verifier, "--data", str(out / "train.jsonl"), "--output", str(data)),
@@ -172,17 +199,22 @@ def main() -> None:
         cwd=out,
     )
     write_state_files(data, run, index)
-    if torch.accelerator.current_accelerator() is None:
-        log.warning("no accelerator: speculators train moves the draft to device 0 and will stop there")
+    started = time.monotonic()
     speculators(
         "train",
         *("--verifier-name-or-path", verifier, *remote_code, "--data-path", str(data)),
         *("--save-path", str(out / "checkpoints"), "--target-layer-ids", *map(str, index["aux_layer_ids"])),
         *("--num-layers", str(config["train"]["num_layers"])),
         *("--draft-vocab-size", str(draft_vocab_size(run / "vocab/default/vocab_map.safetensors"))),
+        *("--epochs", str(epochs)),
         cwd=out,
     )
+    wall_s = time.monotonic() - started
     export_draft(out / "checkpoints", out / "draft")
+    summary = {"epochs": epochs, "train_tokens": train_tokens, "eagleflow_tokens_seen": budget, "train_wall_s": wall_s}
+    with atomic_path(out / "peer.json") as tmp:
+        tmp.write_text(json.dumps(summary, indent=1) + "\n")
+    log.info("speculators train: %.0f s; %s", wall_s, out / "peer.json")
 
 
 if __name__ == "__main__":
