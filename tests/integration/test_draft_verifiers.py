@@ -241,6 +241,25 @@ def test_mla_draft_trains_and_exports_as_vllm_loads_it(family, tmp_path):
         draft_layer_config(str(VERIFIER_BUILDERS["llama"](tmp_path / "llama")), 1, "sdpa", attention="mla")
 
 
+def test_the_optional_norms_train_export_and_reload(tmp_path):
+    """train.norm_before_fc and train.norm_output (speculators' defaults): the draft trains with
+    an RMSNorm over its aux states, exports it and both flags where vLLM reads them, and
+    reloads with equal weights; vLLM's MLA draft has no norm before fc, so that is refused."""
+    verifier = VERIFIER_BUILDERS["llama"](tmp_path / "verifier")
+    draft_dir, _ = train_tiny_draft(verifier, False, tmp_path, norm_before_fc=True, norm_output=True)
+    config = json.loads((draft_dir / "config.json").read_text())
+    assert config["norm_before_fc"] is True and config["norm_output"] is True
+    saved = load_file(str(draft_dir / "model.safetensors"))
+    assert not torch.equal(saved["input_norm.weight"].float(), torch.ones_like(saved["input_norm.weight"].float()))
+    state = load_draft(str(draft_dir)).state_dict()
+    for name, tensor in saved.items():
+        assert torch.equal(state[name].to(tensor.dtype), tensor), name
+    mla = VERIFIER_BUILDERS["deepseek_v3"](tmp_path / "mla")
+    (tmp_path / "mla-run").mkdir()
+    with pytest.raises(ValueError, match="train.norm_before_fc"):
+        train_tiny_draft(mla, False, tmp_path / "mla-run", draft_attention="mla", norm_before_fc=True)
+
+
 def test_draft_targets_are_the_verifiers_own_logits(tiny_verifier, tmp_path):
     """The trainer's target logits, verifier_lm_head(verifier_norm(final pre-norm state)), must
     be the verifier's logits on the draft vocabulary. The verifier's final norm gets random

@@ -34,6 +34,11 @@ class TrainConfig:
     nproc_per_node: int
     seed: int
     gpus: int
+    # EAGLE-3's optional norms (speculators' norm_before_fc and norm_output): an RMSNorm over the
+    # concatenated aux states before the fc projection, and the draft's recurrent state taken
+    # after its final norm instead of before it. vLLM reads both from the draft's config.
+    norm_before_fc: bool = False
+    norm_output: bool = False
 
 
 @dataclass(frozen=True)

@@ -212,6 +212,8 @@ def build_draft(
     norm_before_residual: bool = True,
     sliding_window: int | None = None,
     attention: str = "llama",
+    norm_before_fc: bool = False,
+    norm_output: bool = False,
 ):
     """A freshly initialised draft with the verifier's embeddings and lm_head rows loaded.
 
@@ -221,6 +223,8 @@ def build_draft(
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
 
+    if norm_before_fc and attention == "mla":
+        raise ValueError("train.norm_before_fc: vLLM's MLA draft layer has no norm before fc; set it to false")
     register_mla_draft_layer()
     register_attention()
     layer_config = draft_layer_config(
@@ -230,6 +234,8 @@ def build_draft(
         transformer_layer_config=layer_config,
         draft_vocab_size=int(d2t.shape[0]),
         norm_before_residual=norm_before_residual,
+        norm_before_fc=norm_before_fc,
+        norm_output=norm_output,
         eagle_aux_hidden_state_layer_ids=list(aux_layer_ids),
         speculators_config=SpeculatorsConfig(
             algorithm="eagle3",
@@ -285,6 +291,7 @@ def mla_draft_config(model) -> dict[str, Any]:
         "draft_vocab_size": int(model.config.draft_vocab_size),
         "target_hidden_size": int(layer["hidden_size"]),
         "norm_before_residual": bool(model.config.norm_before_residual),
+        "norm_output": bool(model.config.norm_output),
         "eagle_aux_hidden_state_layer_ids": ids,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids},
     }

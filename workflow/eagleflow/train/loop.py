@@ -154,6 +154,8 @@ class Trainer:
             attn_impl=rt.attn_impl,
             sliding_window=cfg.sliding_window,
             attention=cfg.draft_attention,
+            norm_before_fc=cfg.norm_before_fc,
+            norm_output=cfg.norm_output,
         ).to(rt.device)
         if job.online is None and train[0].target_ids is not None:  # shards with the compact target
             take_precomputed_targets(model)
