@@ -30,8 +30,8 @@ way a user of speculators 0.9.0 would, through its console entry points:
 
 The training budget is eagleflow's: the tokens the run's own draft saw (the sum of its
 `train/metrics.jsonl`) set the epochs, counted over the 90% of the rows speculators trains on
-(`--epochs N` sets them instead; speculators' own default is 20). The trainer's wall time, the
-epochs and the tokens go to OUT/peer.json.
+(`--epochs N` sets them instead; speculators' own default is 20). The trainer's wall and CPU time,
+the epochs and the tokens go to OUT/peer.json.
 
 A rerun resumes: prepare-data skips a dataset it already wrote, only missing state files are
 written, and speculators resumes from its last checkpoint. speculators' trainer has no device
@@ -47,6 +47,7 @@ import argparse
 import hashlib
 import json
 import logging
+import resource
 import shutil
 import subprocess
 import sys
@@ -200,6 +201,7 @@ def main() -> None:
     )
     write_state_files(data, run, index)
     started = time.monotonic()
+    cpu_before = sum(getattr(resource.getrusage(resource.RUSAGE_CHILDREN), f) for f in ("ru_utime", "ru_stime"))
     speculators(
         "train",
         *("--verifier-name-or-path", verifier, *remote_code, "--data-path", str(data)),
@@ -210,8 +212,10 @@ def main() -> None:
         cwd=out,
     )
     wall_s = time.monotonic() - started
+    cpu_s = sum(getattr(resource.getrusage(resource.RUSAGE_CHILDREN), f) for f in ("ru_utime", "ru_stime")) - cpu_before
     export_draft(out / "checkpoints", out / "draft")
-    summary = {"epochs": epochs, "train_tokens": train_tokens, "eagleflow_tokens_seen": budget, "train_wall_s": wall_s}
+    summary = {"epochs": epochs, "train_tokens": train_tokens, "eagleflow_tokens_seen": budget}
+    summary |= {"train_wall_s": wall_s, "train_cpu_s": cpu_s}
     with atomic_path(out / "peer.json") as tmp:
         tmp.write_text(json.dumps(summary, indent=1) + "\n")
     log.info("speculators train: %.0f s; %s", wall_s, out / "peer.json")
