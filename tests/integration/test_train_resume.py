@@ -62,6 +62,8 @@ CFG = dict(
     seed=0,
     gpus=0,
     sample_fraction=1.0,
+    norm_before_fc=False,
+    norm_output=False,
 )
 NONDETERMINISTIC = {"tokens_per_s"}
 
