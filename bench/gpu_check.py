@@ -18,7 +18,7 @@
    the states' relative L2 distance. `--no-vllm` leaves it out (CI runs the rest in --tiny).
 4. With `--peer-workdir DIR` (a copy of the workflow with a finished run, e.g. the demo's): the
    peer's draft, speculators' own `speculators train` with its defaults on that run's data
-   (bench/peer_draft.py; it cannot run on a CPU), then both drafts on the standard sets
+   (bench/peer_draft.py; on a CPU it runs through bench/speculators_on_cpu.py), then both drafts on the standard sets
    (bench/standard_sets.py --draft speculators default, one baseline), their reports under `peer`.
 
 Only the embedding, lm_head and final-norm tensors of the 8B verifier are written (the draft reads
