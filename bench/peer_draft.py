@@ -101,6 +101,12 @@ def write_train_rows(train_parquet: Path, out: Path) -> tuple[int, int]:
     return max(lengths), sum(lengths)
 
 
+def children_cpu_s() -> float:
+    """CPU seconds (user and system) of this process's finished children."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def tokens_seen(metrics: Path) -> int:
     """The tokens a finished eagleflow training stepped on: the sum of its train rows'."""
     if not metrics.exists():
@@ -201,7 +207,7 @@ def main() -> None:
     )
     write_state_files(data, run, index)
     started = time.monotonic()
-    cpu_before = sum(getattr(resource.getrusage(resource.RUSAGE_CHILDREN), f) for f in ("ru_utime", "ru_stime"))
+    cpu_before = children_cpu_s()
     speculators(
         "train",
         *("--verifier-name-or-path", verifier, *remote_code, "--data-path", str(data)),
@@ -212,7 +218,7 @@ def main() -> None:
         cwd=out,
     )
     wall_s = time.monotonic() - started
-    cpu_s = sum(getattr(resource.getrusage(resource.RUSAGE_CHILDREN), f) for f in ("ru_utime", "ru_stime")) - cpu_before
+    cpu_s = children_cpu_s() - cpu_before
     export_draft(out / "checkpoints", out / "draft")
     summary = {"epochs": epochs, "train_tokens": train_tokens, "eagleflow_tokens_seen": budget}
     summary |= {"train_wall_s": wall_s, "train_cpu_s": cpu_s}

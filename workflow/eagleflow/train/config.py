@@ -37,8 +37,8 @@ class TrainConfig:
     # EAGLE-3's optional norms (speculators' norm_before_fc and norm_output): an RMSNorm over the
     # concatenated aux states before the fc projection, and the draft's recurrent state taken
     # after its final norm instead of before it. vLLM reads both from the draft's config.
-    norm_before_fc: bool = False
-    norm_output: bool = False
+    norm_before_fc: bool
+    norm_output: bool
 
 
 @dataclass(frozen=True)
