@@ -5,6 +5,7 @@ import yaml
 
 from eagleflow.common.config import ConfigError
 from eagleflow.variants import (
+    check_drafts_servable,
     draft_id,
     merged,
     validate_variants,
@@ -52,6 +53,22 @@ def test_a_bad_variant_is_named(config):
     config["variants"] = {"lc-25": {"train": {"lr": 0.1}}}
     with pytest.raises(ConfigError, match="learning curve already names a variant lc-25"):
         variant_overrides(config)
+
+
+def test_settings_vllm_cannot_serve_are_refused_before_any_job(config, tmp_path):
+    """An MLA draft with a sliding window or a norm before fc (vLLM's MLA draft layer has
+    neither) is refused by the config check, every variant's setting named, before a job would
+    extract and train for a draft the benchmark cannot load; without the MLA layer both are fine."""
+    config["train"]["sliding_window"] = 64
+    config["variants"]["norms"] = {"train": {"norm_before_fc": True}}
+    check_drafts_servable(config, str(tmp_path))  # the Llama-shaped draft has both
+    config["train"]["draft_attention"] = "mla"
+    with pytest.raises(ConfigError) as refused:
+        check_drafts_servable(config, str(tmp_path))
+    message = str(refused.value)
+    assert "default: train.sliding_window" in message
+    assert "variants.norms: train.norm_before_fc" in message and "variants.norms: train.sliding_window" in message
+    assert "variants.k2: train.norm_before_fc" not in message
 
 
 def test_merged_overrides_key_by_key():

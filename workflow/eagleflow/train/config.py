@@ -4,6 +4,7 @@ run reads and writes (TrainJob)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,20 @@ class TrainConfig:
     # after its final norm instead of before it. vLLM reads both from the draft's config.
     norm_before_fc: bool
     norm_output: bool
+
+
+def unservable_settings(train: Mapping[str, Any]) -> list[str]:
+    """What in a `train` section vLLM cannot serve as an EAGLE-3 draft, one message per setting
+    (empty: nothing). vLLM's MLA draft layer (`draft_attention: mla`) has no sliding window and
+    no norm before fc. Checked before any job (the config check) and when a draft is built. Pure."""
+    if train["draft_attention"] != "mla":
+        return []
+    problems = []
+    if train["sliding_window"] is not None:
+        problems.append("train.sliding_window: vLLM's MLA draft layer has no sliding window; set it to null")
+    if train["norm_before_fc"]:
+        problems.append("train.norm_before_fc: vLLM's MLA draft layer has no norm before fc; set it to false")
+    return problems
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from transformers import LlamaConfig
 from eagleflow.common.verifier_config import draft_attention_geometry, is_mla, read_text_config
 from eagleflow.common.verifier_weights import load_verifier_embeddings, load_verifier_final_norm
 from eagleflow.train.attention import register as register_attention
+from eagleflow.train.config import unservable_settings
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +57,11 @@ def draft_layer_config(
     verifier_dir: str, num_layers: int, attn_impl: str, sliding_window: int | None = None, attention: str = "llama"
 ):
     """The draft decoder's config. `sliding_window` None: full attention in every draft layer;
-    an int: that window in every layer (speculators' own trainer defaults to 2048)."""
+    an int: that window in every layer (speculators' own trainer defaults to 2048; vLLM's MLA
+    draft layer has none, and build_draft refuses one there)."""
     v = read_text_config(verifier_dir)
     if attention == "mla":
-        return mla_layer_config(v, num_layers, attn_impl, sliding_window)
+        return mla_layer_config(v, num_layers, attn_impl)
     if attention != "llama":
         raise ValueError(f"train.draft_attention must be one of {DRAFT_ATTENTIONS}, not {attention!r}")
     heads, kv_heads, head_dim = draft_attention_geometry(v)
@@ -84,7 +86,7 @@ def draft_layer_config(
     return config
 
 
-def mla_layer_config(v: dict[str, Any], num_layers: int, attn_impl: str, sliding_window: int | None):
+def mla_layer_config(v: dict[str, Any], num_layers: int, attn_impl: str):
     """A DeepSeek-V3 layer config with the verifier's MLA geometry (heads, q/kv LoRA ranks,
     nope/rope/v head dims) and a dense MLP in every layer, as vLLM's EAGLE-3 MLA draft has.
     Plain rope at the verifier's theta, as for the Llama-shaped draft. Pure."""
@@ -95,8 +97,6 @@ def mla_layer_config(v: dict[str, Any], num_layers: int, attn_impl: str, sliding
             f"train.draft_attention: mla needs a verifier with multi-head latent attention (kv_lora_rank in its "
             f"config.json); this one ({v.get('model_type')}) has none: use draft_attention: llama"
         )
-    if sliding_window is not None:
-        raise ValueError("train.sliding_window: vLLM's MLA draft layer has no sliding window; set it to null")
     config = DeepseekV3Config(
         vocab_size=v["vocab_size"],
         hidden_size=v["hidden_size"],
@@ -223,8 +223,9 @@ def build_draft(
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
 
-    if norm_before_fc and attention == "mla":
-        raise ValueError("train.norm_before_fc: vLLM's MLA draft layer has no norm before fc; set it to false")
+    settings = {"draft_attention": attention, "sliding_window": sliding_window, "norm_before_fc": norm_before_fc}
+    if problems := unservable_settings(settings):
+        raise ValueError("; ".join(problems))
     register_mla_draft_layer()
     register_attention()
     layer_config = draft_layer_config(

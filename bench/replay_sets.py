@@ -1,0 +1,86 @@
+"""Drafts screened on served greedy streams: each draft's acceptance per set, replayed as the
+parity rule replays it, with one extraction of the verifier's states for every draft.
+
+    .venv/bin/python bench/replay_sets.py --workdir DIR --streams KEEP/LABEL.streams.jsonl
+        [--configfile my.yaml ...] [--draft default [OTHER_ID | [LABEL=]PATH ...]] [-k 3]
+
+At T = 0 the verifier's reply does not depend on the draft, so the greedy streams one draft's
+benchmark served (`bench/standard_sets.py --out KEEP` keeps them, every set's) are what any
+other draft would be served. The parity rule's replay reproduces vLLM's acceptance on such
+streams (gap 0.005 on the demo, BENCHMARKS.md), so replaying each draft over them ranks drafts
+in minutes where a vLLM benchmark takes a server and about 12 minutes per draft for MT-Bench and
+HumanEval. A screen, not a measurement: figures that land in BENCHMARKS.md come from vLLM
+(`bench/standard_sets.py`); this says which drafts are worth measuring there.
+
+The verifier's states come from the run's hidden-state backend (`hidden_states.backend`, the
+server section for vllm), rounded through its storage dtype, as training read them. Prints a
+Markdown row per draft and set: the replay's mean acceptance length (the anchors vLLM visits)
+and per position.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))  # the eagleflow package
+
+from bench.standard_sets import draft_dirs
+from eagleflow.benchmark.parity import extraction_job, replay_streams, stream_samples
+from eagleflow.common.acceptance import context_edges
+from eagleflow.common.atomic import read_jsonl
+from eagleflow.plan.needs import load_merged_config
+from eagleflow.runtime.logs import configure_logging
+
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--workdir", type=Path, default=Path("."))
+parser.add_argument("--configfile", nargs="*", default=[])
+parser.add_argument("--streams", type=Path, required=True, help="greedy streams a benchmark served (one JSON per line)")
+parser.add_argument(
+    "--draft", nargs="*", default=["default"], help="the run's draft ids or [LABEL=]PATH to draft directories"
+)
+parser.add_argument("-k", type=int, default=3, help="speculative tokens per step")
+
+
+def main() -> None:
+    args = parser.parse_args()
+    configure_logging(sys.stderr)
+    from eagleflow.train.draft import load_draft
+
+    workdir = args.workdir.resolve()
+    config = load_merged_config(args.configfile, workdir)
+    run = workdir / "results" / config["run"]
+    verifier = str(workdir / "resources/verifier" / config["verifier"]["name"])
+    # Streams too short to hold a draft step carry nothing to replay (as in parity).
+    streams = [s for s in read_jsonl(args.streams) if len(s["token_ids"]) >= 2]
+    drafts = draft_dirs(args.draft, run)
+    with tempfile.TemporaryDirectory(prefix="replay-sets-") as tmp:
+        extraction = extraction_job(
+            verifier,
+            config["hidden_states"],
+            config["server"] if config["hidden_states"]["backend"] == "vllm" else None,
+            config["verifier"]["trust_remote_code"],
+            log_path=str(Path(tmp) / "extraction.log"),
+            threads=os.cpu_count() or 1,
+            gpus=int(config["hidden_states"]["gpus"]),
+        )
+        samples = stream_samples(extraction, streams)
+    edges = context_edges(int(config["server"]["max_model_len"]))
+    print("| draft | set | streams | replayed mean acceptance length | per position |")
+    print("| --- | --- | --- | --- | --- |")
+    for label, directory in drafts.items():
+        draft = load_draft(str(directory), verifier, attn_impl="sdpa").float().eval()
+        for name, replay in sorted(replay_streams(draft, samples, streams, args.k, edges).items()):
+            summary = replay.visited.summary()
+            per_pos = " / ".join(f"{x:.3f}" for x in summary["per_position_acceptance"])
+            print(f"| {label} | {name} | {replay.streams} | {summary['mean_acceptance_length']:.3f} | {per_pos} |")
+        logging.info("replayed %s", label)
+
+
+if __name__ == "__main__":
+    main()
