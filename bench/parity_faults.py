@@ -30,11 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))  # the
 
 from safetensors.torch import load_file, save_file
 
+from devkit.runs import FinishedRun
 from eagleflow.benchmark.parity import ParityConfig, extraction_job, run_parity
 from eagleflow.benchmark.run import run_benchmark
 from eagleflow.benchmark.workload import BenchmarkConfig
 from eagleflow.common.config import typed
-from eagleflow.plan.needs import load_merged_config
 from eagleflow.runtime.logs import configure_logging
 from eagleflow.runtime.spec import ServerConfig, ServerSpec
 
@@ -75,10 +75,8 @@ def main() -> None:
     parser.add_argument("--faults", nargs="*", default=list(FAULTS), choices=list(FAULTS))
     args = parser.parse_args()
     configure_logging(sys.stderr)
-    workdir = args.workdir.resolve()
-    config = load_merged_config(args.configfile, workdir)
-    run = workdir / "results" / config["run"]
-    verifier = str(workdir / "resources/verifier" / config["verifier"]["name"])
+    finished = FinishedRun.of(args.workdir, args.configfile)
+    config, run, verifier = finished.config, finished.run, finished.verifier
     server = ServerConfig.from_section(config["server"])
     bench = typed(BenchmarkConfig, config["benchmark"], "benchmark")
     cfg = typed(ParityConfig, config["parity"], "parity")

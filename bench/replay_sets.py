@@ -31,10 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))  # the eagleflow package
 
 from bench.standard_sets import draft_dirs
+from devkit.runs import FinishedRun
 from eagleflow.benchmark.parity import extraction_job, replay_streams, stream_samples
 from eagleflow.common.acceptance import context_edges
 from eagleflow.common.atomic import read_jsonl
-from eagleflow.plan.needs import load_merged_config
 from eagleflow.runtime.logs import configure_logging
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -52,13 +52,11 @@ def main() -> None:
     configure_logging(sys.stderr)
     from eagleflow.train.draft import load_draft
 
-    workdir = args.workdir.resolve()
-    config = load_merged_config(args.configfile, workdir)
-    run = workdir / "results" / config["run"]
-    verifier = str(workdir / "resources/verifier" / config["verifier"]["name"])
+    finished = FinishedRun.of(args.workdir, args.configfile)
+    config, verifier = finished.config, finished.verifier
     # Streams too short to hold a draft step carry nothing to replay (as in parity).
     streams = [s for s in read_jsonl(args.streams) if len(s["token_ids"]) >= 2]
-    drafts = draft_dirs(args.draft, run)
+    drafts = draft_dirs(args.draft, finished.run)
     with tempfile.TemporaryDirectory(prefix="replay-sets-") as tmp:
         extraction = extraction_job(
             verifier,

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -20,6 +22,26 @@ def planned_jobs(dry_run_stdout: str) -> dict[str, str]:
         elif rule and line.strip().startswith("reason:"):
             plan[rule] = line.strip().removeprefix("reason: ")
     return plan
+
+
+@dataclass(frozen=True)
+class FinishedRun:
+    """A finished run as the bench scripts read it: the workflow directory, its config merged
+    over config/config.yaml with the given config files, results/<run>, the prepared verifier."""
+
+    workdir: Path
+    config: dict[str, Any]
+    run: Path
+    verifier: str
+
+    @classmethod
+    def of(cls, workdir: Path, configfiles: list[str]) -> FinishedRun:
+        from eagleflow.plan.needs import load_merged_config
+
+        workdir = workdir.resolve()
+        config = load_merged_config(configfiles, workdir)
+        verifier = str(workdir / "resources/verifier" / config["verifier"]["name"])
+        return cls(workdir, config, workdir / "results" / config["run"], verifier)
 
 
 # What a run directory holds of the repository.
