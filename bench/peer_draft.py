@@ -62,9 +62,9 @@ from safetensors import safe_open
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))  # the eagleflow package
 
+from devkit.runs import FinishedRun
 from eagleflow.common.atomic import atomic_path, write_jsonl, write_safetensors
 from eagleflow.hidden_states.shard_file import read_shard
-from eagleflow.plan.needs import load_merged_config
 from eagleflow.runtime.logs import configure_logging
 
 log = logging.getLogger("peer_draft")
@@ -186,11 +186,9 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, help="default: the tokens eagleflow's default draft saw")
     args = parser.parse_args()
     configure_logging(sys.stderr)
-    workdir = args.workdir.resolve()
-    config = load_merged_config(args.configfile, workdir)
-    run = workdir / "results" / config["run"]
+    finished = FinishedRun.of(args.workdir, args.configfile)
+    config, run, verifier = finished.config, finished.run, finished.verifier
     out = (args.out or run / "drafts/speculators").resolve()
-    verifier = str(workdir / "resources/verifier" / config["verifier"]["name"])
     remote_code = ["--trust-remote-code"] if config["verifier"]["trust_remote_code"] else []
     index = shard_index(run)
     data = out / "data"

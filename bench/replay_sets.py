@@ -8,9 +8,10 @@ At T = 0 the verifier's reply does not depend on the draft, so the greedy stream
 benchmark served (`bench/standard_sets.py --out KEEP` keeps them, every set's) are what any
 other draft would be served. The parity rule's replay reproduces vLLM's acceptance on such
 streams (gap 0.005 on the demo, BENCHMARKS.md), so replaying each draft over them ranks drafts
-in minutes where a vLLM benchmark takes a server and about 12 minutes per draft for MT-Bench and
-HumanEval. A screen, not a measurement: figures that land in BENCHMARKS.md come from vLLM
-(`bench/standard_sets.py`); this says which drafts are worth measuring there.
+in about a minute each where a vLLM benchmark takes a server and about 10 minutes per draft for
+MT-Bench and HumanEval at T = 0 (21 at 0 and 0.7). A screen, not a measurement: figures that
+land in BENCHMARKS.md come from vLLM (`bench/standard_sets.py`); this says which drafts are
+worth measuring there.
 
 The verifier's states come from the run's hidden-state backend (`hidden_states.backend`, the
 server section for vllm), rounded through its storage dtype, as training read them. Prints a

@@ -31,13 +31,13 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))  # the eagleflow package
 
+from devkit.runs import FinishedRun
 from eagleflow.benchmark.run import run_baseline, run_benchmark
 from eagleflow.benchmark.set_job import conversation_tokens
 from eagleflow.benchmark.sets import SetSpec, build_sets
 from eagleflow.benchmark.workload import BenchmarkConfig, Workload
 from eagleflow.common.atomic import read_jsonl, write_json
 from eagleflow.common.config import typed
-from eagleflow.plan.needs import load_merged_config
 from eagleflow.runtime.logs import configure_logging
 from eagleflow.runtime.spec import ServerConfig, ServerSpec
 
@@ -121,13 +121,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="keep sets, baseline and each draft's report.json in this directory")
     args = parser.parse_args()
     configure_logging(sys.stderr)
-    workdir = args.workdir.resolve()
-    config = load_merged_config(args.configfile, workdir)
+    finished = FinishedRun.of(args.workdir, args.configfile)
+    config, run, verifier = finished.config, finished.run, finished.verifier
     bench = config["benchmark"] | {"sets": [], "temperatures": args.temperatures}
     cfg = typed(BenchmarkConfig, bench, "benchmark")
-    run = workdir / "results" / config["run"]
     drafts = draft_dirs(args.draft, run)
-    verifier = str(workdir / "resources/verifier" / config["verifier"]["name"])
     kwargs = config["generate"]["chat_template_kwargs"]
     sets = build_sets(
         read_jsonl(run / "prompts/eval.jsonl"),
