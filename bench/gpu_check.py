@@ -7,7 +7,10 @@
    4096, 32 heads / 8 KV heads, vocab 128256; draft vocab 32000, 1 layer, 3 TTT steps) on
    random hidden states, through the project's own `train_step` (bf16 autocast, and "auto"
    attention/loss, which on CUDA + Triton are flex attention and the fused loss). Reports
-   tokens/s and peak GPU memory per batch size.
+   tokens/s and peak GPU memory per batch size. Then the production config's draft: Kimi-K2.5's
+   geometry (config/verifiers/kimi-k2.5.json, MLA, vocab 163840) with each draft layer eagleflow
+   trains for it (`llama`, `mla`), at its 16K-token steps and 32K. `--tiny` trains a small MLA
+   draft too.
 2. Extraction: a randomly initialised 1B-class Llama verifier (hidden 2048, 16 layers,
    vocab 128256) in bf16; tokens/s of the hf backend's capture path (`hidden_states.extract`)
    against a plain forward of the same batches (capture overhead as a ratio).
@@ -21,13 +24,17 @@
    (bench/peer_draft.py; on a CPU it runs through bench/speculators_on_cpu.py), then both drafts on the standard sets
    (bench/standard_sets.py --draft speculators default, one baseline), their reports under `peer`.
 
-Only the embedding, lm_head and final-norm tensors of the 8B verifier are written (the draft reads
-nothing else); nothing is downloaded. Results go to --out as JSON and to stdout.
+Only the embedding, lm_head and final-norm tensors of the verifiers are written (the draft reads
+nothing else); nothing is downloaded. Each check runs on when another fails (`failed` in the
+report, exit status 1), and the report is rewritten after each, so a run cut short keeps what
+it measured; `--only` picks checks and their order, `--batch-tokens` the training step sizes.
+Results go to --out as JSON and to stdout.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import logging
@@ -38,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -108,23 +116,42 @@ def llama_config(geometry: dict, **extra):
     )
 
 
-def embeddings_only_verifier(out: Path, geometry: dict) -> Path:
+def embeddings_only_verifier(out: Path, config) -> Path:
     """config.json plus the tensors a draft takes from its verifier (embeddings, lm_head,
-    final norm), random, bf16."""
+    final norm), random, bf16 (drawn on the GPU where there is one: Kimi's are 2.3 GB each)."""
     out.mkdir(parents=True, exist_ok=True)
-    config = llama_config(geometry)
-    config.architectures = ["LlamaForCausalLM"]
     config.save_pretrained(out)
-    shape = (geometry["vocab_size"], geometry["hidden_size"])
+    shape = (config.vocab_size, config.hidden_size)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def rand(*size):
+        return torch.randn(size, dtype=torch.bfloat16, device=device).cpu()
+
     save_file(
         {
-            "model.embed_tokens.weight": torch.randn(shape, dtype=torch.bfloat16) * 0.02,
-            "lm_head.weight": torch.randn(shape, dtype=torch.bfloat16) * 0.02,
-            "model.norm.weight": 1 + 0.1 * torch.randn(geometry["hidden_size"], dtype=torch.bfloat16),
+            "model.embed_tokens.weight": rand(*shape) * 0.02,
+            "lm_head.weight": rand(*shape) * 0.02,
+            "model.norm.weight": 1 + 0.1 * rand(config.hidden_size),
         },
         str(out / "model.safetensors"),
     )
     return out
+
+
+def llama_verifier(out: Path, geometry: dict) -> Path:
+    config = llama_config(geometry)
+    config.architectures = ["LlamaForCausalLM"]
+    return embeddings_only_verifier(out, config)
+
+
+def mla_verifier(out: Path, text_config: dict) -> Path:
+    """A DeepSeek-V3 (MLA) verifier of `text_config`'s geometry, as transformers knows it: the
+    draft reads the geometry by name, so Kimi-K2.5's own (custom-code) config builds the same draft."""
+    from transformers import DeepseekV3Config
+
+    config = DeepseekV3Config(**{k: v for k, v in text_config.items() if k != "model_type"})
+    config.architectures = ["DeepseekV3ForCausalLM"]
+    return embeddings_only_verifier(out, config)
 
 
 def draft_vocab(vocab_size: int, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,14 +186,18 @@ def sync(device: torch.device) -> None:
 
 
 def check_training(
-    geometry: dict, draft_vocab_size: int, batch_sizes: list[int], steps: int, workdir: Path
+    verifier: Path, draft_vocab_size: int, batch_sizes: list[int], steps: int, attention: str = "llama"
 ) -> list[dict]:
+    """The draft of `verifier` with `train.draft_attention: attention`, the workflow's train
+    defaults otherwise; tokens/s and peak memory per batch size (tokens per step)."""
     from speculators.losses import resolve_loss_config
+
+    from eagleflow.common.verifier_config import read_text_config
 
     section = yaml.safe_load((REPO / "config/config.yaml").read_text())["train"]
     cfg = typed(TrainConfig, section | {"attn_impl": "auto", "loss_implementation": "auto"}, "train")
     rt = init_runtime(cfg)
-    verifier = embeddings_only_verifier(workdir / "verifier-8b", geometry)
+    geometry = read_text_config(str(verifier))
     d2t, t2d = draft_vocab(geometry["vocab_size"], draft_vocab_size)
     aux = default_aux_layer_ids(geometry["num_hidden_layers"])
     model = build_draft(
@@ -178,6 +209,7 @@ def check_training(
         aux_layer_ids=aux,
         attn_impl=rt.attn_impl,
         sliding_window=None,
+        attention=attention,
     ).to(rt.device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95))
@@ -189,7 +221,8 @@ def check_training(
     keys = metric_keys(cfg.ttt_steps)
     rows = []
     print(
-        f"training: draft {sum(p.numel() for p in params) / 1e6:.0f}M trainable params, attention {rt.attn_impl}, "
+        f"training {verifier.name} ({attention} layer): draft {sum(p.numel() for p in params) / 1e6:.0f}M "
+        f"trainable params, attention {rt.attn_impl}, "
         f"loss {rt.loss_implementation}, device {rt.device}",
         flush=True,
     )
@@ -225,7 +258,16 @@ def check_training(
             optimizer.zero_grad(set_to_none=True)
         if rt.device.type == "cuda":
             row["peak_memory_gib"] = torch.cuda.max_memory_allocated(rt.device) / 2**30
-        rows.append(row | {"attn_impl": rt.attn_impl, "loss_implementation": rt.loss_implementation})
+        rows.append(
+            row
+            | {
+                "verifier": verifier.name,
+                "draft_attention": attention,
+                "trainable_params_m": sum(p.numel() for p in params) / 1e6,
+                "attn_impl": rt.attn_impl,
+                "loss_implementation": rt.loss_implementation,
+            }
+        )
         print(f"  {row}", flush=True)
     return rows
 
@@ -389,11 +431,60 @@ def check_peer(workdir: Path, out: Path) -> dict:
     return result
 
 
+# Kimi-K2.5's language model as the production config serves it (config/kimi-k2.5-8xgpu.yaml).
+KIMI_K25 = json.loads((REPO / "config/verifiers/kimi-k2.5.json").read_text())["text_config"]
+TINY_MLA = {
+    "vocab_size": 4096,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 64,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 64,
+    "kv_lora_rank": 128,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 32,
+    "v_head_dim": 32,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1,
+    "rope_theta": 50000.0,
+}
+
+
+def sections(
+    tiny: bool, steps: int, vllm: bool, tmp: Path, device: torch.device, batch_tokens: list[int] | None
+) -> dict:
+    """Each check by name, run in this order; a GPU host runs them at real sizes."""
+    if tiny:
+        return {
+            "training": lambda: check_training(llama_verifier(tmp / "llama", TINY), 1024, [1024], 3),
+            "training_mla": lambda: check_training(mla_verifier(tmp / "mla", TINY_MLA), 1024, [1024], 3, "mla"),
+            "extraction": lambda: check_extraction(TINY, 1024, 4, 1, device),
+            **({"backends": lambda: check_backends(TINY, 8, 256, tmp, device)} if vllm else {}),
+        }
+    # The production config's draft: Kimi-K2.5's geometry, draft vocabulary and step size,
+    # with each draft layer eagleflow can train for it (llama, the default; mla).
+    kimi = functools.cache(lambda: mla_verifier(tmp / "kimi-k2.5", KIMI_K25))
+    return {
+        "training": lambda: check_training(
+            llama_verifier(tmp / "llama-8b", LLAMA_8B), 32000, batch_tokens or [8192, 16384, 32768], steps
+        ),
+        "training_kimi": lambda: check_training(kimi(), 32000, batch_tokens or [16384, 32768], steps),
+        "training_kimi_mla": lambda: check_training(kimi(), 32000, batch_tokens or [16384, 32768], steps, "mla"),
+        "extraction": lambda: check_extraction(LLAMA_1B, 32768, 48, 2, device),
+        **({"backends": lambda: check_backends(LLAMA_1B, 256, 4096, tmp, device)} if vllm else {}),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--tiny", action="store_true", help="small sizes, for a CPU smoke run of the same code")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--only", nargs="+", help="these checks alone, in this order (names as in the report)")
+    ap.add_argument("--batch-tokens", type=int, nargs="+", help="the training checks' step sizes (tokens)")
     ap.add_argument("--no-vllm", action="store_true", help="leave out the backend comparison (it starts vLLM)")
     ap.add_argument(
         "--peer-workdir", type=Path, help="a finished run's workflow copy: train and measure the peer draft"
@@ -401,30 +492,42 @@ def main() -> None:
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "torch": torch.__version__,
         "python": platform.python_version(),
         "device": torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu",
         "triton": importlib.util.find_spec("triton") is not None,
         "tiny": args.tiny,
+        "failed": [],
     }
     print(report, flush=True)
     with tempfile.TemporaryDirectory(prefix="eagleflow-gpu-check-") as tmp:
-        if args.tiny:
-            report["training"] = check_training(TINY, 1024, [1024], 3, Path(tmp))
-            report["extraction"] = check_extraction(TINY, 1024, 4, 1, device)
-            if not args.no_vllm:
-                report["backends"] = check_backends(TINY, 8, 256, Path(tmp), device)
-        else:
-            report["training"] = check_training(LLAMA_8B, 32000, [8192, 16384, 32768], args.steps, Path(tmp))
-            report["extraction"] = check_extraction(LLAMA_1B, 32768, 48, 2, device)
-            if not args.no_vllm:
-                report["backends"] = check_backends(LLAMA_1B, 256, 4096, Path(tmp), device)
+        # One failing check does not cost the others (a lent GPU's minutes are few); the
+        # report is rewritten after each, so a run cut short still leaves what it measured.
+        checks = sections(args.tiny, args.steps, not args.no_vllm, Path(tmp), device, args.batch_tokens)
+        if unknown := set(args.only or []) - set(checks):
+            sys.exit(f"--only: no check named {', '.join(sorted(unknown))} (there are {', '.join(checks)})")
+        for name in args.only or list(checks):
+            check = checks[name]
+            started = time.perf_counter()
+            try:
+                report[name] = check()
+            except Exception:
+                report[name] = {"error": traceback.format_exc()[-4000:]}
+                report["failed"].append(name)
+                print(f"{name} FAILED:\n{report[name]['error']}", flush=True)
+            report.setdefault("wall_s", {})[name] = round(time.perf_counter() - started, 1)
+            if cuda:
+                torch.cuda.empty_cache()
+            out.write_text(json.dumps(report, indent=2) + "\n")
     if args.peer_workdir:
-        report["peer"] = check_peer(args.peer_workdir.resolve(), Path(args.out).resolve().parent)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        report["peer"] = check_peer(args.peer_workdir.resolve(), out.resolve().parent)
+    out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")
+    if report["failed"]:
+        sys.exit(f"failed: {', '.join(report['failed'])}")
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ def plain(model, samples, batch_tokens):
         for row, i in enumerate(batch):
             ids[row, : lengths[i]] = torch.tensor(samples[i]["input_ids"])
             mask[row, : lengths[i]] = 1
-        base(input_ids=ids, attention_mask=mask, use_cache=False)
+        base(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), use_cache=False)
 
 
 def main() -> None:

@@ -18,9 +18,12 @@ def test_gpu_check_script_runs_end_to_end_in_tiny_mode(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    (training,) = report["training"]
-    assert training["finite_metrics"] and training["tokens_per_s"] > 0 and training["steps"] == 3
-    assert training["attn_impl"] in ("doc_sdpa", "simple_flex_attention")
+    assert report["failed"] == []
+    for name, layer in (("training", "llama"), ("training_mla", "mla")):
+        (training,) = report[name]
+        assert training["finite_metrics"] and training["tokens_per_s"] > 0 and training["steps"] == 3
+        assert training["attn_impl"] in ("doc_sdpa", "simple_flex_attention")
+        assert training["draft_attention"] == layer and training["trainable_params_m"] > 0
     extraction = report["extraction"]
     assert extraction["plain_tokens_per_s"] > 0 and extraction["capture_tokens_per_s"] > 0
     assert extraction["capture_over_plain_time"] > 0

@@ -29,7 +29,7 @@ from eagleflow.train.checkpoint import (
     unflatten_state,
 )
 from eagleflow.train.data import collate, load_shards, pack
-from eagleflow.train.device import Runtime, resolve_impls
+from eagleflow.train.device import Runtime, resolve_impls, untie_fused_loss_autotuners
 from eagleflow.train.draft import build_draft
 from eagleflow.train.evaluation import evaluate, metric_keys
 from eagleflow.train.launch import run_stage
@@ -184,6 +184,17 @@ def test_resolve_impls_auto_and_refusals():
         resolve_impls("simple_flex_attention", "eager", cuda=False, triton=False)
     with pytest.raises(ValueError, match="loss_implementation"):
         resolve_impls("sdpa", "fused", cuda=False, triton=True)
+
+
+def test_fused_loss_kernels_get_a_configs_list_each():
+    """speculators' fused loss shares one autotune configs list between its forward and backward
+    kernels; Dynamo refuses that inside the compiled draft forward (seen on an H200)."""
+    from speculators.losses import fused
+
+    untie_fused_loss_autotuners()
+    forward, backward = fused.loss_forward_kernel.configs, fused.loss_backward_kernel.configs
+    assert forward is not backward
+    assert [c.kwargs for c in forward] == [c.kwargs for c in backward] and forward
 
 
 def test_steps_in_rounds_up():

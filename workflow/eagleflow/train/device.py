@@ -56,6 +56,21 @@ def resolve_impls(attn_impl: str, loss_implementation: str, cuda: bool, triton: 
     return attn, loss
 
 
+def untie_fused_loss_autotuners() -> None:
+    """Give speculators' fused-loss forward and backward kernels a configs list each.
+
+    speculators 0.9 decorates both kernels with one `triton.autotune`, so their autotuners
+    share one configs list; Dynamo (torch 2.11, on an H200) traces the forward and the backward
+    inside the compiled draft forward and stops with "ListVariable(length=21) is already
+    tracked for mutation". Copies of the list are the same configs under two identities.
+    Idempotent."""
+    from speculators.losses import fused
+
+    for kernel in (fused.loss_forward_kernel, fused.loss_backward_kernel):
+        if isinstance(getattr(kernel, "configs", None), list):
+            kernel.configs = list(kernel.configs)
+
+
 def init_runtime(cfg: TrainConfig) -> Runtime:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -71,4 +86,6 @@ def init_runtime(cfg: TrainConfig) -> Runtime:
     attn, loss = resolve_impls(
         cfg.attn_impl, cfg.loss_implementation, cuda, importlib.util.find_spec("triton") is not None
     )
+    if loss == "fused":
+        untie_fused_loss_autotuners()
     return Runtime(rank, world_size, device, attn, loss)
