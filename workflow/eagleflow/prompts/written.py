@@ -24,7 +24,13 @@ from typing import Any
 
 from eagleflow.common.atomic import write_json, write_jsonl
 from eagleflow.common.config import typed
-from eagleflow.common.requests import history_message, request_payload, sample_seed, server_identity
+from eagleflow.common.requests import (
+    history_message,
+    request_payload,
+    sample_seed,
+    samples_with_seed,
+    server_identity,
+)
 from eagleflow.prompts.config import WrittenConfig
 from eagleflow.prompts.template import UserTurn, user_turn_of
 from eagleflow.runtime.answering import Client, StoreFront, answer, verifier_access
@@ -190,7 +196,9 @@ def run_write_prompts(
     def encode(text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False)
 
-    spec = ServerSpec.from_config(server, verifier_dir)
+    # Written turns are sampled with a seed each (completion_payload); replies may be too.
+    seeded = cfg.temperature > 0 or (replies is not None and samples_with_seed(replies.sampling))
+    spec = ServerSpec.from_config(server, verifier_dir, seeded_sampling=seeded)
     with ResponseStore(store_path, client.store_locking) as store:
         answered = answer(
             list(range(cfg.count)),

