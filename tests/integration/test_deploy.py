@@ -1,12 +1,16 @@
 """eagleflow deployed the way the Snakemake workflow catalog deploys a workflow: a directory
-of the user's own with a `config/` and a Snakefile that imports eagleflow as a `module`
-(what `snakedeploy deploy-workflow` writes, with the checkout's path in place of github()).
-The dry run plans every stage, a cheap target builds, and a second workflow that uses
-eagleflow's rules beside a rule of its own runs both."""
+of the user's own with a `config/` and a `workflow/Snakefile` that imports eagleflow as a
+`module` (what `snakedeploy deploy-workflow` writes, with the checkout's path in place of
+github()), and a config of the user's own (their prompt file). The dry run plans every stage,
+a cheap target builds from the user's prompts, and a second workflow that uses eagleflow's
+rules beside a rule of its own runs both. The package installed from a wheel, as the README's
+`pip install` gives it to a deployed workflow, finds its config schema."""
 
+import json
 import shutil
 import subprocess
 import sys
+import zipfile
 
 import yaml
 
@@ -66,14 +70,28 @@ rule count_prompts:
 )
 
 
+USER_PROMPTS = 40
+
+
 def deploy(dst, snakefile: str, run: str):
-    """The user's directory: config/ as snakedeploy copies it, with a run name of its own."""
+    """The user's directory: config/ as snakedeploy copies it, then made the user's own (a run
+    name and a prompt file of theirs, a path relative to their directory)."""
     shutil.copytree(REPO / "config", dst / "config")
+    mine = [
+        {"id": f"mine-{i:03d}", "category": "mine", "turns": [f"What is {i} plus {i}?"]} for i in range(USER_PROMPTS)
+    ]
+    (dst / "config/prompts/mine.jsonl").write_text("".join(json.dumps(p) + "\n" for p in mine))
     config = yaml.safe_load((dst / "config/config.yaml").read_text())
     config["run"] = run
+    config["prompts"]["source"] = "config/prompts/mine.jsonl"
     (dst / "config/config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    (dst / "Snakefile").write_text(snakefile)
+    (dst / "workflow").mkdir()
+    (dst / "workflow/Snakefile").write_text(snakefile)
     return dst
+
+
+def prompt_ids(path) -> list[str]:
+    return [json.loads(line)["id"] for line in path.read_text().splitlines()]
 
 
 def snakemake(wf, *args) -> subprocess.CompletedProcess:
@@ -88,7 +106,9 @@ def test_a_deployed_module_plans_every_stage_and_builds_a_target(tmp_path):
     assert set(planned_jobs(plan.stdout)) >= STAGES, plan.stdout[-3000:]
     assert "Verifier loads this run takes:" in plan.stderr + plan.stdout
     snakemake(wf, "--cores", "2", "results/deployed/prompts/stats.json")
-    assert (wf / "results/deployed/prompts/train.jsonl").stat().st_size > 0
+    prompts = wf / "results/deployed/prompts"
+    ids = prompt_ids(prompts / "train.jsonl") + prompt_ids(prompts / "eval.jsonl")
+    assert sorted(ids) == [f"mine-{i:03d}" for i in range(USER_PROMPTS)]  # the user's prompts, all of them
     assert (wf / "results/deployed/logs/prompts.log").exists()  # the user's directory, not the checkout
     assert not (REPO / "results/deployed").exists()
 
@@ -101,3 +121,41 @@ def test_a_workflow_uses_eagleflows_rules_beside_its_own(tmp_path):
     snakemake(wf, "--cores", "2")
     count = int((wf / "results/extended/prompt_count.txt").read_text())
     assert count == len((wf / "results/extended/prompts/train.jsonl").read_text().splitlines()) > 0
+
+
+def test_the_installed_package_finds_its_config_schema(tmp_path):
+    """A deployed workflow imports eagleflow from where pip put it, not from a checkout: the
+    wheel carries the schema the Snakefile validates every config against at parse time."""
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", tmp_path, REPO],
+        check=True,
+        cwd=tmp_path,
+        capture_output=True,
+        timeout=600,
+    )
+    (wheel,) = tmp_path.glob("eagleflow-*.whl")
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    assert not (site / "eagleflow/config.schema.yaml").is_symlink()
+    check = (
+        "import sys, yaml, eagleflow\n"
+        "from eagleflow.common.config import ConfigError, validate_config\n"
+        "assert eagleflow.__file__.startswith(sys.argv[1]), eagleflow.__file__\n"
+        "config = yaml.safe_load(open(sys.argv[2]))\n"
+        "validate_config(config)\n"
+        "config['train']['epochs'] = 'eight'\n"
+        "try:\n"
+        "    validate_config(config)\n"
+        "except ConfigError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", check, str(site), str(REPO / "config/config.yaml")],
+        cwd=tmp_path,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(site)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "refused:" in proc.stdout and "epochs" in proc.stdout

@@ -20,7 +20,9 @@ from typing import Any, TypeVar
 import yaml
 from jsonschema import Draft202012Validator
 
-SCHEMA_PATH = Path(__file__).resolve().parents[2] / "schemas" / "config.schema.yaml"
+# workflow/schemas/config.schema.yaml (the catalog's place), reached through the package's link
+# to it, which an installed package carries as the file itself (pyproject's package data).
+SCHEMA_PATH = Path(__file__).parents[1] / "config.schema.yaml"
 
 
 class ConfigError(ValueError):

@@ -7,7 +7,7 @@ connection pool sized to the concurrency limit;
 retries with exponential backoff and jitter on connection errors, timeouts, 429 and 5xx.
 With a `Concurrency` (runtime.concurrency) each attempt holds one of its slots and reports
 how it went, and while the client is open the limit watches the server's /metrics; with a
-`Recovery` (runtime.launch) a dropped connection first asks whether the
+`Recovery` (runtime.recovery) a dropped connection first asks whether the
 server died, and a request that waited for its restart does not spend an attempt.
 The API key comes from an environment variable named in config and is never logged.
 """
