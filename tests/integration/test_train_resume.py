@@ -221,9 +221,18 @@ def test_fingerprint_tracks_what_determines_training(inputs, tmp_path):
         {**CFG, "nproc_per_node": 2}, inputs["index"], inputs["vocab_map"], inputs["shards"], "code1"
     )
     assert fp != training_fingerprint(CFG, inputs["index"], inputs["vocab_map"], inputs["shards"], "code2")
+    index = json.loads(Path(inputs["index"]).read_text())
     other_index = tmp_path / "index.json"
-    other_index.write_text(Path(inputs["index"]).read_text().replace('"num_samples"', '"num_samples" ', 1))
-    assert fp != training_fingerprint(CFG, str(other_index), inputs["vocab_map"], inputs["shards"], "code1")
+
+    def key_with(**changes):
+        other_index.write_text(json.dumps(index | changes))
+        return training_fingerprint(CFG, str(other_index), inputs["vocab_map"], inputs["shards"], "code1")
+
+    assert fp != key_with(aux_layer_ids=[0, 1, 2]) and fp != key_with(num_tokens=index.get("num_tokens", 0) + 1)
+    # Where the shards and the verifier were, and which backend wrote them, do not count: the
+    # shards' content digests say whether the data is the same.
+    moved = [{**h, "path": f"elsewhere/{h.get('path')}", "backend": "other"} for h in index.get("shards", [])]
+    assert fp == key_with(verifier="/elsewhere/verifier", backends=["other"], shards=moved)
     assert fp != training_fingerprint(CFG, inputs["index"], inputs["vocab_map"], inputs["shards"][:1], "code1")
     # A shard is what it holds (the content digest in its header): linked back with a fresh
     # mtime, or extracted again under another key with the same states, it is the same shard;

@@ -201,6 +201,24 @@ def test_prune_drops_entries_of_gone_slots_then_the_oldest_over_the_bound(workdi
     assert [p.name for p in (results / "run/hidden_states/.done").iterdir()] == ["shard-00001.k1"]
 
 
+def test_prune_finds_the_outputs_from_any_directory(workdir, monkeypatch):
+    """The manifest names outputs relative to the workflow's directory; `prune` run from
+    elsewhere (or a moved run) must not take live entries for gone slots."""
+    out = workdir / "results/run/hidden_states/shard-00000.safetensors"
+    out.parent.mkdir(parents=True)
+    out.write_bytes(b"x")
+    OutputCache(out.parent / ".done", "shard-00000").keep("k0", {"shard": out.relative_to(workdir)})
+    elsewhere = workdir / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert prune(workdir / "results", dry_run=True) == []
+    moved = workdir.parent / f"{workdir.name}-moved"
+    workdir.rename(moved)
+    assert prune(moved / "results") == [] and (moved / "results/run/hidden_states/.done/shard-00000.k0").exists()
+    (moved / "results/run/hidden_states/shard-00000.safetensors").unlink()
+    assert [e.path.name for e in prune(moved / "results")] == ["shard-00000.k0"]
+
+
 # --- keys -------------------------------------------------------------------------------------
 
 
@@ -254,6 +272,34 @@ def test_a_draft_trained_on_a_cpu_is_not_a_draft_trained_on_a_gpu(monkeypatch):
     gpu = cache_keys.stack_identity(cache_keys.TRAIN_PACKAGES, "cuda")
     assert cpu["hardware"] != gpu["hardware"] and gpu["hardware"]["gpus"] == ["NVIDIA H200, 9.0"]
     assert cache_keys.local_device() == "cuda" and cache_keys.resolved_device("auto") == "cuda"
+
+
+def test_kernel_libraries_count_on_a_gpu_only_and_a_version_bump_misses_every_job_key(monkeypatch):
+    real = cache_keys.metadata.version
+    versions = {"triton": "3.6.0"}
+
+    def version(name):
+        if name in versions:
+            return versions[name]
+        if name in cache_keys.GPU_KERNEL_PACKAGES:
+            raise cache_keys.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(cache_keys.metadata, "version", version)
+    monkeypatch.setattr(cache_keys, "_gpus", lambda: ("NVIDIA H200, 9.0",))
+    gpu = cache_keys.stack_identity(cache_keys.TRAIN_PACKAGES, "cuda")
+    cpu = cache_keys.stack_identity(cache_keys.TRAIN_PACKAGES, "cpu")
+    assert gpu["software"]["triton"] == "3.6.0" and "xformers" not in gpu["software"]  # installed ones only
+    assert "triton" not in cpu["software"]  # a CPU's keys do not move with a GPU library
+
+    def key(device="cuda"):
+        return cache_keys.job_key({}, {"code": "c"}, cache_keys.stack_identity(cache_keys.TRAIN_PACKAGES, device))
+
+    base, base_cpu = key(), key("cpu")
+    versions["triton"] = "3.7.0"
+    assert key() != base and key("cpu") == base_cpu
+    versions["speculators"] = "9.9.9"
+    assert key("cpu") != base_cpu
 
 
 # --- shards by content --------------------------------------------------------------------------

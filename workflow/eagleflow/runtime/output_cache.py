@@ -247,12 +247,28 @@ def entries(results: str | os.PathLike) -> list[Entry]:
             manifest = _read_manifest(entry) if entry.is_dir() else None
             if manifest is None:
                 continue
-            outputs = tuple(Path(o) for o in manifest["outputs"].values())
+            outputs = tuple(_output_path(entry, o) for o in manifest["outputs"].values())
             exclusive = sum((entry / rel).stat().st_size for rel in manifest["files"] if _nlink(entry / rel) == 1)
             found.append(
                 Entry(entry, outputs, float(manifest.get("kept_at", 0)), exclusive, all(o.exists() for o in outputs))
             )
     return found
+
+
+def _output_path(entry: Path, output: str) -> Path:
+    """Where an output an entry restores to is, wherever `prune` runs: the manifest holds it as
+    the job named it, relative to the workflow's directory, and the entry lies inside that
+    directory's tree (`results/<run>/.../.done/<entry>` for `results/<run>/...`). So the
+    workflow's directory is the parent of the entry's nearest ancestor named as the output's
+    first component. Pure."""
+    path = Path(output)
+    if path.is_absolute():
+        return path
+    top = path.parts[0]
+    for ancestor in entry.parents:
+        if ancestor.name == top:
+            return ancestor.parent / path
+    return path  # not under its own tree: as named, from here
 
 
 def _nlink(path: Path) -> int:

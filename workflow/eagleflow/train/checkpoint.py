@@ -44,6 +44,31 @@ NON_DETERMINING_KEYS = frozenset({"checkpoint_every", "keep_checkpoints", "gpus"
 PREFIX = "step-"
 
 
+# What training reads of the shards' index.json; the rest names paths and backends, which the
+# shards' content digests make irrelevant (a re-extraction by the other backend that writes the
+# same states is the same data).
+INDEX_LAYOUT_KEYS = (
+    "aux_layer_ids",
+    "final_layer_id",
+    "vllm_layer_ids",
+    "num_layers",
+    "hidden_size",
+    "dtype",
+    "target_topk",
+    "convention",
+    "num_samples",
+    "num_tokens",
+)
+
+
+def index_identity(index: str) -> dict[str, Any]:
+    """The part of index.json that shapes training. Reads the file."""
+    data = json.loads(Path(index).read_text())
+    return {k: data.get(k) for k in INDEX_LAYOUT_KEYS} | {
+        "shards": [{k: v for k, v in h.items() if k not in ("path", "backend")} for h in data.get("shards", [])]
+    }
+
+
 def training_fingerprint(
     cfg: dict[str, Any],
     index: str | None,
@@ -55,7 +80,9 @@ def training_fingerprint(
 ) -> str:
     """What a checkpoint is valid for: train config, input identity and code fingerprint.
 
-    index.json and the vocab map are hashed by content (small files). A shard counts by its
+    The vocab map is hashed by content (a small file); index.json by what training reads of
+    it (the layout: layers, sizes, dtype, target, counts), not by where the shards and the
+    verifier were or which backend wrote them (`index_identity`). A shard counts by its
     name and the digest of what it holds, which its job writes into its header
     (hidden_states.shard_file): hashing hundreds of GB on every start is too slow, and a
     re-extraction that writes the same states is the same shard (early cut-off by content: no
@@ -75,7 +102,7 @@ def training_fingerprint(
     return value_fingerprint(
         {
             "train": {k: v for k, v in sorted(cfg.items()) if k not in NON_DETERMINING_KEYS},
-            "index": file_sha(index) if index else None,
+            "index": index_identity(index) if index else None,
             "vocab_map": file_sha(vocab_map),
             "shards": [identity(s) for s in shards],
             "code": code,
