@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import stat
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -18,6 +19,8 @@ from eagleflow.runtime.cache_plan import (
     PlannedJob,
     cached_rule,
     describe_cache_plan,
+    entry_location,
+    kept_keys,
     mark_planned_jobs,
     restore_blockers,
 )
@@ -170,13 +173,35 @@ def test_the_dry_run_line_says_what_recomputes_and_what_may_be_restored(monkeypa
         [
             PlannedJob("hidden_states", ("a",), ("forced (-R/--forcerun/--forceall/-f)",)),
             PlannedJob("hidden_states", ("b",), ("output missing: b",)),
-            PlannedJob("train", ("c",), ()),
+            PlannedJob("hidden_states", ("c",), (), kept=False),
+            PlannedJob("train", ("d", "e"), (), kept=True),
         ]
     )
     assert line.startswith("Output cache: recomputed: hidden_states 2 (")
     assert "forced (-R/--forcerun/--forceall/-f)" in line and "output missing" in line
-    assert line.endswith("restored if their key matches an entry: train 1")
+    assert "; computed (no entry kept): hidden_states 1;" in line
+    assert line.endswith("restored if their key matches the entry kept: train 1")
     assert describe_cache_plan([]) is None
+
+
+def test_the_plan_finds_the_entries_the_jobs_keep(workdir):
+    """entry_location is where the jobs keep (hidden_states.run names a shard's slot itself):
+    an entry kept by a job is found from the job's outputs, and only its own."""
+    shard = "results/run/hidden_states/shard-00002.safetensors"
+    draft, metrics = "results/run/drafts/d/draft", "results/run/drafts/d/train/metrics.jsonl"
+    assert entry_location("hidden_states", [shard]) == (Path("results/run/hidden_states/.done"), "shard-00002")
+    assert entry_location("train", [draft, metrics]) == (Path("results/run/drafts/d/train/done"), "draft")
+    report = "results/run/benchmarks/d/report.json"
+    assert entry_location("benchmark", [report]) == (Path("results/run/benchmarks/d/.done"), "benchmark")
+    assert kept_keys("hidden_states", [shard]) == []
+    for path in (shard, metrics, report):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text("x")
+    OutputCache(*entry_location("hidden_states", [shard])).keep("k2", {"shard": shard})
+    OutputCache(*entry_location("benchmark", [report])).keep("kb", {"report": report})
+    assert kept_keys("hidden_states", [shard]) == ["k2"]
+    assert kept_keys("hidden_states", ["results/run/hidden_states/shard-00001.safetensors"]) == []
+    assert kept_keys("benchmark", [report]) == ["kb"] and kept_keys("train", [draft, metrics]) == []
 
 
 def test_prune_drops_entries_of_gone_slots_then_the_oldest_over_the_bound(workdir):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,8 +26,32 @@ RESTORE_MISSING = "missing"
 # Where the plan marks the jobs that must recompute, relative to the workflow's working directory
 # (shared with the jobs, on a cluster too: .snakemake sits there).
 MARKS = Path(".snakemake/eagleflow/recompute")
+MANIFEST = ".manifest.json"  # in an entry: each kept file's sha256 and the outputs it restores
 # Rules whose jobs keep their outputs in the cache (the plan marks only those).
 CACHED_RULES = frozenset({"hidden_states", "train", "baseline", "benchmark", "parity"})
+
+
+def entry_location(rule: str, outputs: Sequence[str | os.PathLike]) -> tuple[Path, str]:
+    """(directory, slot) of the entries a job of cached `rule` keeps, from its outputs in the
+    rule's order: a shard's beside it, by its name (the shard job, hidden_states.run, names it
+    so itself: an edit there would restale every shard); a draft's in its train/done/ (beside
+    its metrics, the second output); the other rules' beside their first output, by the rule.
+    Pure."""
+    first = Path(outputs[0])
+    if rule == "hidden_states":
+        return first.parent / ".done", first.stem
+    if rule == "train":
+        return Path(outputs[1]).parent / "done", "draft"
+    return first.parent / ".done", rule
+
+
+def kept_keys(rule: str, outputs: Sequence[str | os.PathLike]) -> list[str]:
+    """The keys the cache holds for this job's slot (at most one: keeping a key drops the
+    slot's others)."""
+    directory, slot = entry_location(rule, outputs)
+    if not directory.is_dir():
+        return []
+    return [p.name[len(slot) + 1 :] for p in directory.glob(f"{slot}.*") if (p / MANIFEST).is_file()]
 
 
 def cache_enabled() -> bool:
@@ -88,6 +112,7 @@ class PlannedJob:
     rule: str
     outputs: tuple[str, ...]
     blockers: tuple[str, ...]
+    kept: bool = False  # the cache holds an entry for the job's slot (restored if its key matches)
 
 
 def planned_cache_jobs(dag: Any) -> list[PlannedJob]:
@@ -97,7 +122,8 @@ def planned_cache_jobs(dag: Any) -> list[PlannedJob]:
         rule = cached_rule(job.rule.name)
         if rule is not None:
             blockers = restore_blockers(dag.reason(job), missing_blocks=not restores_missing())
-            jobs.append(PlannedJob(rule, tuple(map(str, job.output)), tuple(blockers)))
+            outputs = tuple(map(str, job.output))
+            jobs.append(PlannedJob(rule, outputs, tuple(blockers), bool(kept_keys(rule, outputs))))
     return jobs
 
 
@@ -113,27 +139,31 @@ def mark_planned_jobs(jobs: Iterable[PlannedJob]) -> None:
 
 
 def describe_cache_plan(jobs: list[PlannedJob]) -> str | None:
-    """The line `snakemake -n` prints: which planned jobs recompute and which may be restored
-    (restored when their key, computed in the job from its inputs, matches an entry). Pure."""
+    """The line `snakemake -n` prints: which planned jobs recompute (forced, an output
+    missing, the cache off), which have no entry to restore (they compute), and which have one
+    (restored when their key, computed in the job from its inputs, is the entry's). Pure."""
     if not jobs:
         return None
-    restorable: dict[str, int] = {}
+    kept: dict[str, int] = {}
+    none_kept: dict[str, int] = {}
     recompute: dict[str, list[str]] = {}
     for job in jobs:
         if job.blockers or not cache_enabled():
             recompute.setdefault(job.rule, []).append(job.blockers[0].split(":")[0] if job.blockers else "cache off")
+        elif job.kept:
+            kept[job.rule] = kept.get(job.rule, 0) + 1
         else:
-            restorable[job.rule] = restorable.get(job.rule, 0) + 1
+            none_kept[job.rule] = none_kept.get(job.rule, 0) + 1
     parts = []
     if recompute:
         parts.append(
             "recomputed: "
             + ", ".join(f"{rule} {len(why)} ({'; '.join(sorted(set(why)))})" for rule, why in recompute.items())
         )
-    if restorable:
-        parts.append(
-            "restored if their key matches an entry: " + ", ".join(f"{rule} {n}" for rule, n in restorable.items())
-        )
+    if none_kept:
+        parts.append("computed (no entry kept): " + ", ".join(f"{rule} {n}" for rule, n in none_kept.items()))
+    if kept:
+        parts.append("restored if their key matches the entry kept: " + ", ".join(f"{r} {n}" for r, n in kept.items()))
     return "Output cache: " + "; ".join(parts)
 
 

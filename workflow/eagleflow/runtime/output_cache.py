@@ -41,11 +41,18 @@ from pathlib import Path
 from typing import Any
 
 from eagleflow.common.cache_keys import job_key
-from eagleflow.runtime.cache_plan import SWITCH, cache_enabled, clear_mark, recompute_reason
+from eagleflow.runtime.cache_plan import (
+    MANIFEST,
+    SWITCH,
+    cache_enabled,
+    cached_rule,
+    clear_mark,
+    entry_location,
+    recompute_reason,
+)
 
 log = logging.getLogger(__name__)
 
-MANIFEST = ".manifest.json"  # in an entry: each kept file's sha256 and the outputs it restores
 # errnos of a hard link that cannot be made where a copy can: another filesystem, a filesystem
 # without hard links (FUSE, object-store mounts), too many links.
 NO_LINK = frozenset({errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS})
@@ -126,7 +133,7 @@ def reuse_or_make(smk: Any, make: Callable[[], None], log: logging.Logger, stack
     its inputs, params and `stack`: common.cache_keys.stack_identity) finished before: then
     put its outputs back."""
     outputs = dict(smk.output.items())
-    cache = OutputCache(Path(next(iter(outputs.values()))).parent / ".done", smk.rule)
+    cache = OutputCache(*entry_location(cached_rule(smk.rule) or smk.rule, list(outputs.values())))
     key = job_key(dict(smk.input.items()), dict(smk.params.items()), stack)
     if cache.restore(key, outputs):
         log.info(

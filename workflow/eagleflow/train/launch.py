@@ -20,7 +20,7 @@ from eagleflow.common.atomic import write_text
 from eagleflow.common.cache_keys import TRAIN_PACKAGES, stack_identity
 from eagleflow.common.config import typed
 from eagleflow.common.fingerprint import value_fingerprint
-from eagleflow.runtime.cache_plan import clear_mark
+from eagleflow.runtime.cache_plan import clear_mark, entry_location
 from eagleflow.runtime.output_cache import OutputCache
 from eagleflow.runtime.process import kill_group, package_env
 from eagleflow.runtime.smk import stage
@@ -65,8 +65,8 @@ def train_or_restore(spec: dict[str, Any], nproc: int) -> None:
     bytes too (generate's code changed, no request did; shards extracted again, the same)."""
     job = TrainJob(**{f.name: spec[f.name] for f in dataclasses.fields(TrainJob) if f.name in spec})
     key = draft_key(job, typed(TrainConfig, spec["cfg"], "train"), spec.get("serve_verifier_param"))
-    cache = OutputCache(Path(job.checkpoint_dir).parent / "done", "draft")
     outputs = {"draft": job.draft_out, "metrics": job.metrics_out}
+    cache = OutputCache(*entry_location("train", list(outputs.values())))
     if cache.restore(key, outputs):
         log.info(
             "this draft was trained from the same config, inputs, code and software before (key %s): draft and "
