@@ -3,6 +3,7 @@ models, and the settings it names when a run does not fit."""
 
 import json
 import logging
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -109,6 +110,24 @@ def test_the_plan_counts_exact_tokens_once_the_dataset_exists(tmp_path, tiny_lla
     fp8 = make_plan(merged(config, {"hidden_states": {"dtype": "float8_e4m3fn"}}), tmp_path, gpu_memory=None)
     assert fp8.disk[0]["bytes"] == 180 * (4 * 128 + 16 + 5) + 3 * 41
     assert "Fits" in render(plan) and "fits" in summary_line(plan)
+
+
+def test_the_plan_counts_the_bytes_only_the_output_cache_holds(tmp_path, tiny_llama_dir, monkeypatch):
+    from eagleflow.runtime.output_cache import OutputCache
+
+    monkeypatch.chdir(tmp_path)
+    config = plan_config(tmp_path, tiny_llama_dir)
+    assert not [row for row in make_plan(config, tmp_path, gpu_memory=None).disk if row["stage"] == "output cache"]
+    shard = Path(f"results/{config['run']}/hidden_states/shard-00000.safetensors")
+    shard.parent.mkdir(parents=True)
+    shard.write_bytes(b"s" * 3000)
+    OutputCache(shard.parent / ".done", "shard-00000").keep("k", {"shard": shard})
+    (row,) = [row for row in make_plan(config, tmp_path, gpu_memory=None).disk if row["stage"] == "output cache"]
+    assert row["bytes"] == 0 and row["what"].startswith("1 entries")  # a link of the shard in place
+    shard.unlink()
+    shard.write_bytes(b"t")  # extracted again, other bytes: the entry alone holds the old ones
+    (row,) = [row for row in make_plan(config, tmp_path, gpu_memory=None).disk if row["stage"] == "output cache"]
+    assert row["bytes"] == 3000 and "prune" in row["what"]
 
 
 def test_a_run_that_does_not_fit_names_settings_that_would(tmp_path, tiny_llama_dir, monkeypatch):

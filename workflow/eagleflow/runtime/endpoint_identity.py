@@ -115,5 +115,14 @@ def check_endpoint(
             f"the server at {base_url} is not the one this run's keys assume: {'; '.join(problems)}. "
             "Point server.endpoint at the right server, or drop it so that eagleflow launches one"
         )
-    log.info("the server at %s reports vLLM %s serving %s", base_url, reported["version"], expected.served_model_name)
+    model = next((m for m in reported["models"] if m.get("id") == expected.served_model_name), {})
+    # `root` (the path or hub name it loaded) is logged, not compared: the same weights sit under
+    # another path on the server's host (docs/invalidation.md: the config's word for them).
+    log.info(
+        "the server at %s reports vLLM %s serving %s from %s",
+        base_url,
+        reported["version"],
+        expected.served_model_name,
+        model.get("root"),
+    )
     return reported
