@@ -13,8 +13,9 @@ What the cache never does:
   deleted: the plan marks those jobs (`mark_planned_jobs`, called while Snakemake builds the
   DAG) and they recompute; `EAGLEFLOW_OUTPUT_CACHE=off` recomputes every planned job;
 - hand back a changed file: an entry's files are read-only and their sha256 is kept beside
-  them, checked on every restore; an entry that no longer matches is dropped and the job
-  recomputes;
+  them, checked on every restore (read again only where a file's size or write time moved
+  since its digest was last checked, as git's index does); an entry that no longer matches is
+  dropped and the job recomputes;
 - lose a finished job: where a hard link is impossible (another filesystem, a mount without
   links) the entry is a reflink or a copy.
 
@@ -86,7 +87,7 @@ class OutputCache:
         manifest = _read_manifest(entry)
         if manifest is None or sorted(manifest["outputs"]) != sorted(outputs):
             return False
-        changed = _changed_files(entry, manifest["files"])
+        changed = _changed_files(entry, manifest["files"], manifest.get("stat") or {}, manifest.get("stat_at", 0))
         if changed:
             log.warning(
                 "output cache entry %s no longer holds what was kept (%s changed since: edited in place?); "
@@ -101,6 +102,7 @@ class OutputCache:
             # Snakemake plans a job again whose output is older than an input: a restored
             # output is as new as the job that restored it (every link of the file with it).
             _touch(Path(out))
+        _write_manifest(entry, {**manifest, **_stats(entry, manifest["files"])})
         return True
 
     def keep(self, key: str, outputs: Mapping[str, str | os.PathLike]) -> None:
@@ -120,7 +122,7 @@ class OutputCache:
         for rel in files:
             _make_read_only(tmp / rel)
         manifest = {"outputs": {n: str(o) for n, o in outputs.items()}, "files": files, "kept_at": time.time()}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        _write_manifest(tmp, {**manifest, **_stats(tmp, files)})
         _remove(entry)
         os.replace(tmp, entry)
 
@@ -162,11 +164,42 @@ def _read_manifest(entry: Path) -> dict[str, Any] | None:
     return manifest if isinstance(manifest, dict) and {"outputs", "files"} <= manifest.keys() else None
 
 
-def _changed_files(entry: Path, files: Mapping[str, str]) -> list[str]:
-    """The kept files that are missing, added or no longer hold the bytes kept."""
+def _write_manifest(entry: Path, manifest: Mapping[str, Any]) -> None:
+    tmp = entry / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, entry / MANIFEST)
+
+
+def _stat(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns]
+
+
+def _stats(entry: Path, files: Mapping[str, str]) -> dict[str, Any]:
+    """Each kept file's size and write time as its digest holds now, and when that was read
+    (git's index)."""
+    return {"stat": {rel: _stat(entry / rel) for rel in files}, "stat_at": time.time_ns()}
+
+
+# A write time this close to when it was recorded may hide a later write in the same clock
+# tick (file times advance by the kernel's tick, not by the nanosecond): git's "racy" entries.
+RACY_NS = 2_000_000_000
+
+
+def _changed_files(
+    entry: Path, files: Mapping[str, str], stats: Mapping[str, list[int]], stat_at: int = 0
+) -> list[str]:
+    """The kept files that are missing, added or no longer hold the bytes kept. A file whose
+    size and write time are those recorded with its digest, written well before that record,
+    is taken as unchanged, as git's index does (an edit in place writes a new time); the
+    others are read whole and hashed. So a terabyte of shards comes back without being read."""
     present = set(_files_under(entry))
     changed = sorted(present ^ set(files))
-    changed += [rel for rel in sorted(present & set(files)) if _sha256(entry / rel) != files[rel]]
+    for rel in sorted(present & set(files)):
+        now = _stat(entry / rel)
+        trusted = list(stats.get(rel) or []) == now and now[1] < stat_at - RACY_NS
+        if not trusted and _sha256(entry / rel) != files[rel]:
+            changed.append(rel)
     return changed
 
 
