@@ -102,7 +102,10 @@ class OutputCache:
             # Snakemake plans a job again whose output is older than an input: a restored
             # output is as new as the job that restored it (every link of the file with it).
             _touch(Path(out))
-        _write_manifest(entry, {**manifest, **_stats(entry, manifest["files"])})
+        try:  # the touch moved the write times: the next restore trusts the new ones
+            _write_manifest(entry, {**manifest, **_stats(entry, manifest["files"])})
+        except OSError as exc:  # an entry this user cannot write: the next restore reads it whole
+            log.info("could not record the restored files' times in %s (%s)", entry, exc)
         return True
 
     def keep(self, key: str, outputs: Mapping[str, str | os.PathLike]) -> None:
