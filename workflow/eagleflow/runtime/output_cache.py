@@ -87,7 +87,7 @@ class OutputCache:
         manifest = _read_manifest(entry)
         if manifest is None or sorted(manifest["outputs"]) != sorted(outputs):
             return False
-        changed = _changed_files(entry, manifest["files"], manifest.get("stat") or {}, manifest.get("stat_at", 0))
+        changed = _changed_files(entry, manifest)
         if changed:
             log.warning(
                 "output cache entry %s no longer holds what was kept (%s changed since: edited in place?); "
@@ -97,13 +97,14 @@ class OutputCache:
             )
             _remove(entry)
             return False
+        # Snakemake plans a job again whose output is older than an input: a restored output
+        # is as new as the job that restored it (every link of the file with it).
+        stamp = time.time_ns()
         for name, out in outputs.items():
             _place(entry / name, Path(out))
-            # Snakemake plans a job again whose output is older than an input: a restored
-            # output is as new as the job that restored it (every link of the file with it).
-            _touch(Path(out))
-        try:  # the touch moved the write times: the next restore trusts the new ones
-            _write_manifest(entry, {**manifest, **_stats(entry, manifest["files"])})
+            _stamp(Path(out), stamp)
+        try:  # the stamp moved the write times: the next restore trusts the new ones
+            _write_manifest(entry, {**manifest, **_stats(entry, manifest["files"], stamp)})
         except OSError as exc:  # an entry this user cannot write: the next restore reads it whole
             log.info("could not record the restored files' times in %s (%s)", entry, exc)
         return True
@@ -122,10 +123,12 @@ class OutputCache:
         for name, out in outputs.items():
             _link_tree(Path(out), tmp / name)
         files = {rel: _sha256(tmp / rel) for rel in _files_under(tmp)}
+        stamp = time.time_ns()
         for rel in files:
             _make_read_only(tmp / rel)
+            _stamp(tmp / rel, stamp)
         manifest = {"outputs": {n: str(o) for n, o in outputs.items()}, "files": files, "kept_at": time.time()}
-        _write_manifest(tmp, {**manifest, **_stats(tmp, files)})
+        _write_manifest(tmp, {**manifest, **_stats(tmp, files, stamp)})
         _remove(entry)
         os.replace(tmp, entry)
 
@@ -178,10 +181,13 @@ def _stat(path: Path) -> list[int]:
     return [st.st_size, st.st_mtime_ns]
 
 
-def _stats(entry: Path, files: Mapping[str, str]) -> dict[str, Any]:
-    """Each kept file's size and write time as its digest holds now, and when that was read
-    (git's index)."""
-    return {"stat": {rel: _stat(entry / rel) for rel in files}, "stat_at": time.time_ns()}
+def _stats(entry: Path, files: Mapping[str, str], stamp: int) -> dict[str, Any]:
+    """Each kept file's size and write time as its digest holds now (git's index), when that
+    was read, and the write time the cache itself gave the files (`stamp`, to the nanosecond),
+    or None where the filesystem keeps coarser times."""
+    stat = {rel: _stat(entry / rel) for rel in files}
+    exact = all(times[1] == stamp for times in stat.values())
+    return {"stat": stat, "stat_at": time.time_ns(), "stamp": stamp if exact else None}
 
 
 # A write time this close to when it was recorded may hide a later write in the same clock
@@ -189,18 +195,20 @@ def _stats(entry: Path, files: Mapping[str, str]) -> dict[str, Any]:
 RACY_NS = 2_000_000_000
 
 
-def _changed_files(
-    entry: Path, files: Mapping[str, str], stats: Mapping[str, list[int]], stat_at: int = 0
-) -> list[str]:
-    """The kept files that are missing, added or no longer hold the bytes kept. A file whose
-    size and write time are those recorded with its digest, written well before that record,
-    is taken as unchanged, as git's index does (an edit in place writes a new time); the
-    others are read whole and hashed. So a terabyte of shards comes back without being read."""
+def _changed_files(entry: Path, manifest: Mapping[str, Any]) -> list[str]:
+    """The kept files that are missing, added or no longer hold the bytes kept. As git's index:
+    a file whose size and write time are those recorded with its digest is taken as unchanged
+    when that time is the cache's own nanosecond stamp (a write in place takes the kernel's
+    clock, which is not it) or lies well before the record; the others are read whole and
+    hashed. So a terabyte of shards comes back without being read."""
+    files = manifest["files"]
+    stats, stat_at, stamp = manifest.get("stat") or {}, manifest.get("stat_at", 0), manifest.get("stamp")
     present = set(_files_under(entry))
     changed = sorted(present ^ set(files))
     for rel in sorted(present & set(files)):
         now = _stat(entry / rel)
-        trusted = list(stats.get(rel) or []) == now and now[1] < stat_at - RACY_NS
+        recorded = list(stats.get(rel) or []) == now
+        trusted = recorded and (now[1] == stamp or now[1] < stat_at - RACY_NS)
         if not trusted and _sha256(entry / rel) != files[rel]:
             changed.append(rel)
     return changed
@@ -256,9 +264,10 @@ def _place(src: Path, out: Path) -> None:
     os.replace(tmp, out)
 
 
-def _touch(path: Path) -> None:
+def _stamp(path: Path, ns: int) -> None:
+    """Give `path` (and everything under it) the write time `ns`."""
     for p in [path, *(sorted(path.rglob("*")) if path.is_dir() else [])]:
-        os.utime(p)
+        os.utime(p, ns=(ns, ns))
 
 
 def _remove(path: Path) -> None:
