@@ -14,7 +14,7 @@ What the cache never does:
   DAG) and they recompute; `EAGLEFLOW_OUTPUT_CACHE=off` recomputes every planned job;
 - hand back a changed file: an entry's files are read-only and their sha256 is kept beside
   them, checked on every restore (read again only where a file's size or write time moved
-  since its digest was last checked, as git's index does); an entry that no longer matches is
+  from the cache's own stamp, as git's index does); an entry that no longer matches is
   dropped and the job recomputes;
 - lose a finished job: where a hard link is impossible (another filesystem, a mount without
   links) the entry is a reflink or a copy.
