@@ -59,6 +59,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from hidden_states_overhead import plain  # noqa: E402 (a sibling bench script)
 
+from eagleflow.common.atomic import write_json  # noqa: E402
 from eagleflow.common.config import typed  # noqa: E402
 from eagleflow.hidden_states.forward import extract  # noqa: E402
 from eagleflow.hidden_states.layers import default_aux_layer_ids  # noqa: E402
@@ -521,10 +522,10 @@ def main() -> None:
             report.setdefault("wall_s", {})[name] = round(time.perf_counter() - started, 1)
             if cuda:
                 torch.cuda.empty_cache()
-            out.write_text(json.dumps(report, indent=2) + "\n")
+            write_json(out, report)
     if args.peer_workdir:
         report["peer"] = check_peer(args.peer_workdir.resolve(), out.resolve().parent)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(out, report)
     print(f"wrote {args.out}")
     if report["failed"]:
         sys.exit(f"failed: {', '.join(report['failed'])}")
