@@ -68,7 +68,7 @@ from eagleflow.train.data import Sample, collate, pack  # noqa: E402
 from eagleflow.train.device import init_runtime  # noqa: E402
 from eagleflow.train.draft import build_draft  # noqa: E402
 from eagleflow.train.evaluation import metric_keys  # noqa: E402
-from eagleflow.train.steps import train_step  # noqa: E402
+from eagleflow.train.steps import pad_to_length, train_step  # noqa: E402
 
 LLAMA_8B = {
     "hidden_size": 4096,
@@ -198,6 +198,7 @@ def check_training(
     section = yaml.safe_load((REPO / "config/config.yaml").read_text())["train"]
     cfg = typed(TrainConfig, section | {"attn_impl": "auto", "loss_implementation": "auto"}, "train")
     rt = init_runtime(cfg)
+    started = time.perf_counter()
     geometry = read_text_config(str(verifier))
     d2t, t2d = draft_vocab(geometry["vocab_size"], draft_vocab_size)
     aux = default_aux_layer_ids(geometry["num_hidden_layers"])
@@ -222,29 +223,37 @@ def check_training(
     keys = metric_keys(cfg.ttt_steps)
     rows = []
     print(
-        f"training {verifier.name} ({attention} layer): draft {sum(p.numel() for p in params) / 1e6:.0f}M "
+        f"training {verifier.name} ({attention} layer, built in {time.perf_counter() - started:.0f} s): "
+        f"draft {sum(p.numel() for p in params) / 1e6:.0f}M "
         f"trainable params, attention {rt.attn_impl}, "
         f"loss {rt.loss_implementation}, device {rt.device}",
         flush=True,
     )
     for batch_tokens in batch_sizes:
         # Three distinct batches, cycled: the values do not matter for speed, host memory does.
+        started = time.perf_counter()
         distinct = random_batches(
             3, batch_tokens, (256, 2048), geometry["hidden_size"], len(aux), geometry["vocab_size"]
         )
+        # Padded as the training loop pads them (one shape, whole flex-attention blocks).
+        distinct = [pad_to_length(b, rt.step_length(batch_tokens)) for b in distinct]
         batches = [distinct[i % len(distinct)] for i in range(steps + 2)]
+        print(f"  {batch_tokens} tokens: batches made in {time.perf_counter() - started:.0f} s", flush=True)
         if rt.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(rt.device)
         try:
+            started = time.perf_counter()
             for batch in batches[:2]:  # warm-up: kernels compile (flex attention), allocator settles
                 train_step(model, params, optimizer, batch, rt, fwd, lr=1e-4, loss_scale=1.0, grad_clip=1.0, keys=keys)
             sync(rt.device)
+            warmup_s = time.perf_counter() - started
+            print(f"  warm-up (2 steps, compiling): {warmup_s:.0f} s", flush=True)
             start, tokens = time.perf_counter(), 0
             for batch in batches[2:]:
                 _, metrics = train_step(
                     model, params, optimizer, batch, rt, fwd, lr=1e-4, loss_scale=1.0, grad_clip=1.0, keys=keys
                 )
-                tokens += batch["input_ids"].shape[1]
+                tokens += int((batch["document_ids"] >= 0).sum())  # real tokens, not padding
             sync(rt.device)
             elapsed = time.perf_counter() - start
             row = {
@@ -253,6 +262,7 @@ def check_training(
                 "tokens_per_s": tokens / elapsed,
                 "s_per_step": elapsed / (len(batches) - 2),
                 "finite_metrics": bool(torch.isfinite(metrics).all()),
+                "warmup_s": warmup_s,
             }
         except torch.OutOfMemoryError as exc:
             row = {"batch_tokens": batch_tokens, "error": f"out of memory: {str(exc).splitlines()[0]}"}

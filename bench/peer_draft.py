@@ -30,7 +30,8 @@ way a user of speculators 0.9.0 would, through its console entry points:
 
 The training budget is eagleflow's: the tokens the run's own draft saw (the sum of its
 `train/metrics.jsonl`) set the epochs, counted over the 90% of the rows speculators trains on
-(`--epochs N` sets them instead; speculators' own default is 20). The trainer's wall and CPU time,
+(`--epochs N` sets them instead; speculators' own default is 20). `--total-seq-len 512` steps at
+the run's own batch size, so both trainers take about as many steps. The trainer's wall and CPU time,
 the epochs and the tokens go to OUT/peer.json.
 
 A rerun resumes: prepare-data skips a dataset it already wrote, only missing state files are
@@ -184,6 +185,11 @@ def main() -> None:
     parser.add_argument("--configfile", nargs="*", default=[])
     parser.add_argument("--out", type=Path, help="default: results/<run>/drafts/speculators under the workdir")
     parser.add_argument("--epochs", type=int, help="default: the tokens eagleflow's default draft saw")
+    parser.add_argument(
+        "--total-seq-len",
+        type=int,
+        help="speculators' tokens per step (default: its own, 8192); the run's train.batch_tokens: eagleflow's steps",
+    )
     args = parser.parse_args()
     configure_logging(sys.stderr)
     finished = FinishedRun.of(args.workdir, args.configfile)
@@ -213,12 +219,14 @@ def main() -> None:
         *("--num-layers", str(config["train"]["num_layers"])),
         *("--draft-vocab-size", str(draft_vocab_size(run / "vocab/default/vocab_map.safetensors"))),
         *("--epochs", str(epochs)),
+        *(("--total-seq-len", str(args.total_seq_len)) if args.total_seq_len else ()),
         cwd=out,
     )
     wall_s = time.monotonic() - started
     cpu_s = children_cpu_s() - cpu_before
     export_draft(out / "checkpoints", out / "draft")
     summary = {"epochs": epochs, "train_tokens": train_tokens, "eagleflow_tokens_seen": budget}
+    summary["total_seq_len"] = args.total_seq_len  # null: speculators' default
     summary |= {"train_wall_s": wall_s, "train_cpu_s": cpu_s}
     with atomic_path(out / "peer.json") as tmp:
         tmp.write_text(json.dumps(summary, indent=1) + "\n")

@@ -71,3 +71,61 @@ def test_doc_sdpa_equals_sdpa_on_packed_test_time_training(tiny_llama_dir, slidi
     assert grads_a.keys() == grads_b.keys() and grads_a
     for name, grad in grads_a.items():
         assert torch.allclose(grad, grads_b[name], rtol=1e-4, atol=1e-6), name
+
+
+def test_flex_attention_takes_a_packed_batch_padded_to_its_block_size(tiny_llama_dir):
+    """speculators extends flex attention's block mask for each TTT step by whole 128-token
+    blocks, so a batch whose length is no multiple of 128 is refused at the second step (the
+    GPU check's Kimi draft: 15,575 tokens against a 15,616-token mask). Padded to
+    Runtime.step_length, flex attention gives the unpadded SDPA loss and metrics."""
+    from eagleflow.train.device import FLEX_BLOCK_SIZE, Runtime
+    from eagleflow.train.steps import pad_to_length
+
+    g = torch.Generator().manual_seed(2)
+    vocab, hidden = 128, 128
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[::2] = True
+    d2t = torch.nonzero(t2d).flatten() - torch.arange(int(t2d.sum()))
+    samples = [
+        Sample(
+            torch.randint(0, vocab, (n,), generator=g),
+            torch.randn(n, 3 * hidden, generator=g),
+            torch.randn(n, hidden, generator=g),
+            torch.rand(n, generator=g) > 0.3,
+        )
+        for n in (90, 1, 60)
+    ]
+    batch = collate(samples, 256)
+    assert batch["input_ids"].shape[1] % FLEX_BLOCK_SIZE  # 151 tokens: not a whole block
+    # One length for every step (one compile on CUDA), in whole blocks; none on a CPU's SDPA.
+    flex = Runtime(0, 1, torch.device("cpu"), "simple_flex_attention", "eager")
+    assert flex.step_length(256) == 256 and flex.step_length(200) == 2 * FLEX_BLOCK_SIZE
+    assert Runtime(0, 1, torch.device("cuda"), "sdpa", "eager").step_length(300) == 3 * FLEX_BLOCK_SIZE
+    assert Runtime(0, 1, torch.device("cpu"), "doc_sdpa", "eager").step_length(256) == 0
+    padded = pad_to_length(batch, flex.step_length(256))
+    assert padded["input_ids"].shape[1] == 256 and pad_to_length(batch, 0) is batch
+    assert not padded["loss_mask"][0, 151:].any() and (padded["document_ids"][0, 151:] == -1).all()
+    fwd = {"ttt_steps": 3, "loss_config": resolve_loss_config("kl_div", "eager")}
+    results = {}
+    for impl, inputs in (("sdpa", batch), ("simple_flex_attention", padded)):
+        torch.manual_seed(0)
+        model = build_draft(
+            str(tiny_llama_dir),
+            d2t,
+            t2d,
+            num_layers=1,
+            ttt_steps=3,
+            aux_layer_ids=[2, 4, 5],
+            attn_impl=impl,
+            sliding_window=None,
+        )
+        with torch.no_grad():
+            results[impl] = model(**inputs, **fwd)[1:]
+            if impl == "simple_flex_attention":
+                with pytest.raises(ValueError, match="block_mask was created for"):
+                    model(**batch, **fwd)
+    (loss_a, metrics_a), (loss_b, metrics_b) = results["sdpa"], results["simple_flex_attention"]
+    assert torch.allclose(loss_a, loss_b, rtol=1e-4)
+    assert {k: float(v) for k, v in metrics_a.items()} == pytest.approx(
+        {k: float(v) for k, v in metrics_b.items()}, rel=1e-4
+    )

@@ -14,6 +14,9 @@ import torch.distributed as dist
 from eagleflow.train.attention import DOC_SDPA
 from eagleflow.train.config import TrainConfig
 
+# torch's default flex-attention block (create_block_mask's BLOCK_SIZE), which speculators keeps.
+FLEX_BLOCK_SIZE = 128
+
 
 @dataclass(frozen=True)
 class Runtime:
@@ -26,6 +29,18 @@ class Runtime:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    def step_length(self, batch_tokens: int) -> int:
+        """The length every packed batch of at most `batch_tokens` is padded to here (0: none).
+
+        On CUDA the draft's forward is torch.compile'd (speculators compiles it whenever CUDA is
+        there): one shape for every step is one compile, where packed batches of varying length
+        recompile. Flex attention also needs whole blocks: speculators extends its block mask
+        for each TTT step by whole 128-token blocks, so a 15,575-token batch meets a
+        15,616-token mask at the second step and is refused. On CPU nothing compiles."""
+        if self.device.type != "cuda" and self.attn_impl != "simple_flex_attention":
+            return 0
+        return -(-batch_tokens // FLEX_BLOCK_SIZE) * FLEX_BLOCK_SIZE
 
     def autocast(self):
         # bf16 compute on GPUs, float32 master weights; CPUs without bf16 units take slow paths in bf16.

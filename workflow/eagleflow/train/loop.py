@@ -50,7 +50,7 @@ from eagleflow.train.device import Runtime, init_runtime
 from eagleflow.train.draft import build_draft, export_draft, take_precomputed_targets
 from eagleflow.train.evaluation import evaluate, metric_keys, summarise
 from eagleflow.train.online import TokenSample, VerifierStates, load_token_samples, open_verifier
-from eagleflow.train.steps import Window, lr_at, steps_in, train_step
+from eagleflow.train.steps import Window, lr_at, pad_to_length, steps_in, train_step
 
 log = logging.getLogger(__name__)
 
@@ -284,7 +284,9 @@ class Trainer:
         """One optimizer step on this rank's batch of `step_batches`; adds its metrics to `window`."""
         rt, cfg = self.rt, self.cfg
         mine = step_batches[rt.rank] if rt.rank < len(step_batches) else None
-        batch = collate(self.samples(mine), cfg.batch_tokens) if mine is not None else None
+        batch = None
+        if mine is not None:
+            batch = pad_to_length(collate(self.samples(mine), cfg.batch_tokens), rt.step_length(cfg.batch_tokens))
         lr = lr_at(self.state.step, self.total_steps, cfg.lr, cfg.warmup_steps)
         grad_norm, reduced = train_step(
             self.model,

@@ -36,6 +36,24 @@ def metrics_vector(metrics: dict[str, torch.Tensor] | None, keys: list[str], dev
     ).double()
 
 
+# What a padding position holds: a document of its own (-1, speculators' padding document,
+# which attends only to itself) and no loss; every other field zeros.
+PAD_VALUES = {"document_ids": -1}
+
+
+def pad_to_length(batch: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
+    """A collated [1, T] batch lengthened to `length` tokens (Runtime.step_length; 0 or T:
+    as it is) with padding that carries no loss and that no evaluation walks (loss_mask 0).
+    Pure."""
+    extra = length - batch["input_ids"].shape[1]
+    if extra <= 0:
+        return batch
+    return {
+        name: torch.cat([t, t.new_full((1, extra, *t.shape[2:]), PAD_VALUES.get(name, 0))], dim=1)
+        for name, t in batch.items()
+    }
+
+
 def to_device(batch: dict[str, torch.Tensor], device: torch.device, model=None) -> dict[str, torch.Tensor]:
     """A collated batch on `device`, as the draft's forward takes it: the compact target's
     top-k pairs become dense logits on `model`'s draft vocabulary there (the host sends k
