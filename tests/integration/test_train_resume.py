@@ -34,6 +34,7 @@ from eagleflow.train.draft import build_draft
 from eagleflow.train.evaluation import evaluate, metric_keys
 from eagleflow.train.launch import run_stage
 from eagleflow.train.loop import run_from_json
+from eagleflow.train.optimizer import build_optimizer
 from eagleflow.train.steps import lr_at, steps_in
 from tests.helpers import MAX_STEPPED, REPO, storage_steps
 
@@ -48,6 +49,7 @@ CFG = dict(
     attn_impl="auto",
     sliding_window=None,
     draft_attention="llama",
+    optimizer="muon",  # the default; its two inner optimizers' states go through every checkpoint
     lr=0.002,
     weight_decay=0.0,
     warmup_steps=2,
@@ -463,7 +465,7 @@ def test_torchrun_two_processes_equal_one_process_accumulating_both_batches(tiny
             attn_impl="doc_sdpa",
         )
         params = [p for p in model.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=lr_at(0, 1, 0.01, 0), betas=(0.9, 0.95), weight_decay=0.0)
+        opt = build_optimizer(model, CFG["optimizer"], lr=lr_at(0, 1, 0.01, 0), weight_decay=0.0)
         losses = []
         for b in use_batches:
             _, loss, _ = model(**collate([train[i] for i in b], 64), **kwargs)

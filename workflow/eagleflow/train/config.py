@@ -21,6 +21,7 @@ class TrainConfig:
     attn_impl: str
     sliding_window: int | None
     draft_attention: str
+    optimizer: str  # adamw | muon (train.optimizer)
     lr: float
     weight_decay: float
     warmup_steps: int

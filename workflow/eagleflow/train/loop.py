@@ -50,6 +50,7 @@ from eagleflow.train.device import Runtime, init_runtime
 from eagleflow.train.draft import build_draft, export_draft, take_precomputed_targets
 from eagleflow.train.evaluation import evaluate, metric_keys, summarise
 from eagleflow.train.online import TokenSample, VerifierStates, load_token_samples, open_verifier
+from eagleflow.train.optimizer import build_optimizer
 from eagleflow.train.steps import Window, lr_at, pad_to_length, steps_in, train_step
 
 log = logging.getLogger(__name__)
@@ -160,7 +161,7 @@ class Trainer:
         if job.online is None and train[0].target_ids is not None:  # shards with the compact target
             take_precomputed_targets(model)
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        optimizer = build_optimizer(model, cfg.optimizer, cfg.lr, cfg.weight_decay)
         # The packing of every epoch is fixed up front (a pure function of the seed), so the
         # schedule knows the exact number of steps and a resumed run sees the same batches.
         epochs = [pack(train, cfg.batch_tokens, shuffle_seed=cfg.seed * 1000 + e) for e in range(cfg.epochs)]
