@@ -119,3 +119,47 @@ def shards_beside_transformers(paths, verifier_dir, store_dtype: torch.dtype):
             progress=False,
         )
         yield meta, list(zip(samples, expected, strict=True))
+
+
+# A draft of tests' tiny Llama verifier (tiny_llama_dir: vocab 128, hidden 128), on every other
+# token of its vocabulary, with random packed samples to train it on.
+TINY_VOCAB, TINY_HIDDEN, TINY_AUX = 128, 128, [2, 4, 5]
+
+
+def tiny_draft(verifier_dir, attn_impl: str = "sdpa", ttt_steps: int = 3, sliding_window=None):
+    import torch
+
+    from eagleflow.train.draft import build_draft
+
+    t2d = torch.zeros(TINY_VOCAB, dtype=torch.bool)
+    t2d[::2] = True
+    d2t = torch.nonzero(t2d).flatten() - torch.arange(int(t2d.sum()))
+    torch.manual_seed(0)
+    return build_draft(
+        str(verifier_dir),
+        d2t,
+        t2d,
+        num_layers=1,
+        ttt_steps=ttt_steps,
+        aux_layer_ids=TINY_AUX,
+        attn_impl=attn_impl,
+        sliding_window=sliding_window,
+    )
+
+
+def random_samples(lengths: list[int], seed: int) -> list:
+    """Training samples of these lengths for tiny_draft: random tokens, states and loss mask."""
+    import torch
+
+    from eagleflow.train.data import Sample
+
+    g = torch.Generator().manual_seed(seed)
+    return [
+        Sample(
+            torch.randint(0, TINY_VOCAB, (n,), generator=g),
+            torch.randn(n, len(TINY_AUX) * TINY_HIDDEN, generator=g),
+            torch.randn(n, TINY_HIDDEN, generator=g),
+            torch.rand(n, generator=g) > 0.3,
+        )
+        for n in lengths
+    ]

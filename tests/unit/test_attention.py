@@ -6,8 +6,8 @@ import torch
 from speculators.losses import resolve_loss_config
 
 from eagleflow.train.attention import doc_sdpa_forward, sample_bounds
-from eagleflow.train.data import Sample, collate
-from eagleflow.train.draft import build_draft
+from eagleflow.train.data import collate
+from tests.helpers import random_samples, tiny_draft
 
 
 def test_sample_bounds_come_from_the_mask():
@@ -28,35 +28,11 @@ def test_other_layouts_fall_back_to_plain_sdpa():
 
 @pytest.mark.parametrize("sliding_window", [None, 4])
 def test_doc_sdpa_equals_sdpa_on_packed_test_time_training(tiny_llama_dir, sliding_window):
-    g = torch.Generator().manual_seed(1)
-    vocab = 128
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[::2] = True
-    d2t = torch.nonzero(t2d).flatten() - torch.arange(int(t2d.sum()))
-    hidden = 128
-    samples = [
-        Sample(
-            torch.randint(0, vocab, (n,), generator=g),
-            torch.randn(n, 3 * hidden, generator=g),
-            torch.randn(n, hidden, generator=g),
-            torch.rand(n, generator=g) > 0.3,
-        )
-        for n in (7, 1, 12, 5)
-    ]
+    samples = random_samples([7, 1, 12, 5], seed=1)
     batch = collate(samples, 64)
     results = {}
     for impl in ("sdpa", "doc_sdpa"):
-        torch.manual_seed(0)
-        model = build_draft(
-            str(tiny_llama_dir),
-            d2t,
-            t2d,
-            num_layers=1,
-            ttt_steps=3,
-            aux_layer_ids=[2, 4, 5],
-            attn_impl=impl,
-            sliding_window=sliding_window,
-        )
+        model = tiny_draft(tiny_llama_dir, impl, sliding_window=sliding_window)
         _, loss, metrics = model(**batch, ttt_steps=3, loss_config=resolve_loss_config("kl_div", "eager"))
         loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -81,20 +57,7 @@ def test_flex_attention_takes_a_packed_batch_padded_to_its_block_size(tiny_llama
     from eagleflow.train.device import FLEX_BLOCK_SIZE, Runtime
     from eagleflow.train.steps import pad_to_length
 
-    g = torch.Generator().manual_seed(2)
-    vocab, hidden = 128, 128
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[::2] = True
-    d2t = torch.nonzero(t2d).flatten() - torch.arange(int(t2d.sum()))
-    samples = [
-        Sample(
-            torch.randint(0, vocab, (n,), generator=g),
-            torch.randn(n, 3 * hidden, generator=g),
-            torch.randn(n, hidden, generator=g),
-            torch.rand(n, generator=g) > 0.3,
-        )
-        for n in (90, 1, 60)
-    ]
+    samples = random_samples([90, 1, 60], seed=2)
     batch = collate(samples, 256)
     assert batch["input_ids"].shape[1] % FLEX_BLOCK_SIZE  # 151 tokens: not a whole block
     # One length for every step (one compile on CUDA), in whole blocks; none on a CPU's SDPA.
@@ -108,17 +71,7 @@ def test_flex_attention_takes_a_packed_batch_padded_to_its_block_size(tiny_llama
     fwd = {"ttt_steps": 3, "loss_config": resolve_loss_config("kl_div", "eager")}
     results = {}
     for impl, inputs in (("sdpa", batch), ("simple_flex_attention", padded)):
-        torch.manual_seed(0)
-        model = build_draft(
-            str(tiny_llama_dir),
-            d2t,
-            t2d,
-            num_layers=1,
-            ttt_steps=3,
-            aux_layer_ids=[2, 4, 5],
-            attn_impl=impl,
-            sliding_window=None,
-        )
+        model = tiny_draft(tiny_llama_dir, impl)
         with torch.no_grad():
             results[impl] = model(**inputs, **fwd)[1:]
             if impl == "simple_flex_attention":

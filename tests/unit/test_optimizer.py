@@ -4,30 +4,12 @@ scheduled and checkpointed as one optimizer."""
 import pytest
 import torch
 
-from eagleflow.train.draft import build_draft
 from eagleflow.train.optimizer import Optimizers, build_optimizer, takes_muon
-
-
-def draft(tiny_llama_dir):
-    vocab = 128
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[::2] = True
-    d2t = torch.nonzero(t2d).flatten() - torch.arange(int(t2d.sum()))
-    torch.manual_seed(0)
-    return build_draft(
-        str(tiny_llama_dir),
-        d2t,
-        t2d,
-        num_layers=1,
-        ttt_steps=2,
-        aux_layer_ids=[2, 4, 5],
-        attn_impl="sdpa",
-        sliding_window=None,
-    )
+from tests.helpers import tiny_draft
 
 
 def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(tiny_llama_dir):
-    model = draft(tiny_llama_dir)
+    model = tiny_draft(tiny_llama_dir, ttt_steps=2)
     opt = build_optimizer(model, "muon", lr=1e-3, weight_decay=0.0)
     muon, adamw = opt.optimizers
     assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
@@ -46,7 +28,7 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(tiny_llama_dir):
 
 
 def test_the_loop_sets_one_learning_rate_and_a_checkpoint_restores_both_states(tiny_llama_dir):
-    model = draft(tiny_llama_dir)
+    model = tiny_draft(tiny_llama_dir, ttt_steps=2)
     opt = build_optimizer(model, "muon", lr=1e-3, weight_decay=0.0)
     for group in opt.param_groups:  # as train.steps.train_step sets the schedule's rate
         group["lr"] = 5e-4
@@ -59,7 +41,7 @@ def test_the_loop_sets_one_learning_rate_and_a_checkpoint_restores_both_states(t
     assert all(not torch.equal(model.get_parameter(n), before[n]) for n in before)
     assert all(model.get_parameter(n).grad is None for n in before)
     saved = opt.state_dict()
-    fresh = build_optimizer(draft(tiny_llama_dir), "muon", lr=1e-3, weight_decay=0.0)
+    fresh = build_optimizer(tiny_draft(tiny_llama_dir, ttt_steps=2), "muon", lr=1e-3, weight_decay=0.0)
     fresh.load_state_dict(saved)
     for a, b in zip(opt.optimizers, fresh.optimizers, strict=True):
         for (_, sa), (_, sb) in zip(a.state_dict()["state"].items(), b.state_dict()["state"].items(), strict=True):
