@@ -68,6 +68,7 @@ from eagleflow.train.data import Sample, collate, pack  # noqa: E402
 from eagleflow.train.device import init_runtime  # noqa: E402
 from eagleflow.train.draft import build_draft  # noqa: E402
 from eagleflow.train.evaluation import metric_keys  # noqa: E402
+from eagleflow.train.optimizer import build_optimizer  # noqa: E402
 from eagleflow.train.steps import pad_to_length, train_step  # noqa: E402
 
 LLAMA_8B = {
@@ -214,7 +215,7 @@ def check_training(
         attention=attention,
     ).to(rt.device)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95))
+    optimizer = build_optimizer(model, cfg.optimizer, lr=1e-4, weight_decay=cfg.weight_decay)  # the default: Muon
     fwd = {
         "ttt_steps": cfg.ttt_steps,
         "ttt_step_loss_decay": cfg.ttt_step_loss_decay,

@@ -226,8 +226,7 @@ def main() -> None:
     cpu_s = children_cpu_s() - cpu_before
     export_draft(out / "checkpoints", out / "draft")
     summary = {"epochs": epochs, "train_tokens": train_tokens, "eagleflow_tokens_seen": budget}
-    summary["total_seq_len"] = args.total_seq_len  # null: speculators' default
-    summary |= {"train_wall_s": wall_s, "train_cpu_s": cpu_s}
+    summary |= {"total_seq_len": args.total_seq_len, "train_wall_s": wall_s, "train_cpu_s": cpu_s}  # null: its default
     with atomic_path(out / "peer.json") as tmp:
         tmp.write_text(json.dumps(summary, indent=1) + "\n")
     log.info("speculators train: %.0f s; %s", wall_s, out / "peer.json")

@@ -153,7 +153,8 @@ def main() -> None:
     torch.optim.AdamW = StampedAdamW  # run_train builds its optimizer as torch.optim.AdamW
 
     cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "config" / "config.yaml").read_text())["train"]
-    cfg = {**cfg, "epochs": args.epochs, "eval_every": 0}
+    # AdamW on both sides: the bare step is an AdamW step, and the stamps are AdamW's.
+    cfg = {**cfg, "epochs": args.epochs, "eval_every": 0, "optimizer": "adamw"}
     if args.checkpoint_every is not None:
         cfg["checkpoint_every"] = args.checkpoint_every
     g = torch.Generator().manual_seed(0)

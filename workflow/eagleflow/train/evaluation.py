@@ -12,10 +12,10 @@ from typing import Any
 import torch
 
 from eagleflow.common.acceptance import AcceptanceCounts, generated_spans, walk
-from eagleflow.train.data import collate, pack
+from eagleflow.train.data import pack
 from eagleflow.train.device import Runtime
 from eagleflow.train.draft import verifier_ids
-from eagleflow.train.steps import metrics_vector, pad_to_length, to_device
+from eagleflow.train.steps import metrics_vector, packed_batch, to_device
 
 
 def metric_keys(ttt_steps: int) -> list[str]:
@@ -57,8 +57,7 @@ def evaluate(
     for i, batch in enumerate(pack(samples, batch_tokens, shuffle_seed=None)):
         if i % rt.world_size != rt.rank:
             continue
-        packed = pad_to_length(collate([samples[j] for j in batch], batch_tokens), rt.step_length(batch_tokens))
-        inputs = to_device(packed, rt.device, model)
+        inputs = to_device(packed_batch([samples[j] for j in batch], batch_tokens, rt), rt.device, model)
         with rt.autocast():
             drafts, _, m = model(**inputs, **fwd_kwargs)
             agreement += target_agreement(model, inputs)

@@ -45,13 +45,13 @@ from eagleflow.train.checkpoint import (
     training_fingerprint,
 )
 from eagleflow.train.config import TrainConfig, TrainJob
-from eagleflow.train.data import Sample, collate, load_shards, pack
+from eagleflow.train.data import Sample, load_shards, pack
 from eagleflow.train.device import Runtime, init_runtime
 from eagleflow.train.draft import build_draft, export_draft, take_precomputed_targets
 from eagleflow.train.evaluation import evaluate, metric_keys, summarise
 from eagleflow.train.online import TokenSample, VerifierStates, load_token_samples, open_verifier
 from eagleflow.train.optimizer import build_optimizer
-from eagleflow.train.steps import Window, lr_at, pad_to_length, steps_in, train_step
+from eagleflow.train.steps import Window, lr_at, packed_batch, steps_in, train_step
 
 log = logging.getLogger(__name__)
 
@@ -285,9 +285,7 @@ class Trainer:
         """One optimizer step on this rank's batch of `step_batches`; adds its metrics to `window`."""
         rt, cfg = self.rt, self.cfg
         mine = step_batches[rt.rank] if rt.rank < len(step_batches) else None
-        batch = None
-        if mine is not None:
-            batch = pad_to_length(collate(self.samples(mine), cfg.batch_tokens), rt.step_length(cfg.batch_tokens))
+        batch = packed_batch(self.samples(mine), cfg.batch_tokens, rt) if mine is not None else None
         lr = lr_at(self.state.step, self.total_steps, cfg.lr, cfg.warmup_steps)
         grad_norm, reduced = train_step(
             self.model,

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from eagleflow.hidden_states.targets import dense_targets
+from eagleflow.train.data import Sample, collate
 from eagleflow.train.device import Runtime
 
 
@@ -52,6 +53,12 @@ def pad_to_length(batch: dict[str, torch.Tensor], length: int) -> dict[str, torc
         name: torch.cat([t, t.new_full((1, extra, *t.shape[2:]), PAD_VALUES.get(name, 0))], dim=1)
         for name, t in batch.items()
     }
+
+
+def packed_batch(samples: list[Sample], batch_tokens: int, rt: Runtime) -> dict[str, torch.Tensor]:
+    """`samples` collated into one [1, T] batch as this runtime steps on it: padded to
+    Runtime.step_length (one length on CUDA, in whole flex-attention blocks)."""
+    return pad_to_length(collate(samples, batch_tokens), rt.step_length(batch_tokens))
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device, model=None) -> dict[str, torch.Tensor]:
