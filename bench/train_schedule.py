@@ -4,8 +4,12 @@
         '{"epochs": 4, "batch_tokens": 2048, "lr": 0.0006}' \
         '{"epochs": 8, "batch_tokens": 1024, "lr": 0.0008}'
 
-Each JSON object overrides `train` in config/config.yaml. The runs go one after the other
-(never in parallel: they would share the 2 cores) and write under /tmp. Prints one Markdown
+Each JSON object overrides `train` in config/config.yaml; one bench-only key,
+`"loss_on_prompts": true`, trains on every position of the training samples (the prompt's
+too: the verifier's distribution is a target there as well) where the workflow trains on the
+replies only; the eval split stays on its replies. The runs go one after the other (never in
+parallel: they would share the 2 cores) and write under /tmp, each draft's directory named in
+its row (for `bench/replay_sets.py --draft LABEL=PATH`). Prints one Markdown
 row per schedule: steps, wall time, best eval loss, estimated acceptance length (every
 anchor: 1 + sum of full_acc_k) and the walk's (the anchors vLLM would visit on the eval split,
 the closer figure to vLLM's).
@@ -19,11 +23,23 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
 import yaml
 
+import eagleflow.train.loop as loop
 from eagleflow.common.config import typed
 from eagleflow.train.config import TrainConfig, TrainJob
-from eagleflow.train.loop import run_train
+from eagleflow.train.data import load_shards
+
+LOSS_ON_PROMPTS = "loss_on_prompts"
+
+
+def load_shards_loss_on_prompts(*args, **kwargs):
+    """load_shards, with every position of the training samples in the loss."""
+    train, evals, aux = load_shards(*args, **kwargs)
+    for sample in train:
+        sample.loss_mask = torch.ones_like(sample.loss_mask)
+    return train, evals, aux
 
 
 def main(run_dir: str, schedules: list[str]) -> None:
@@ -31,10 +47,11 @@ def main(run_dir: str, schedules: list[str]) -> None:
     base = yaml.safe_load(Path("config/config.yaml").read_text())
     verifier = f"resources/verifier/{base['verifier']['name']}"
     shards = sorted(str(p) for p in (run / "hidden_states").glob("shard-*.safetensors"))
-    print("| schedule | steps | train wall s | best eval loss | estimated acceptance | walk acceptance |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| schedule | steps | train wall s | best eval loss | estimated acceptance | walk acceptance | draft |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
     for spec in schedules:
         cfg = {**base["train"], **json.loads(spec)}
+        loop.load_shards = load_shards_loss_on_prompts if cfg.pop(LOSS_ON_PROMPTS, False) else load_shards
         out = Path(tempfile.mkdtemp(prefix="eagleflow-schedule-"))
         started = time.perf_counter()
         job = TrainJob(
@@ -48,14 +65,14 @@ def main(run_dir: str, schedules: list[str]) -> None:
             serve_verifier_path=verifier,
             threads=2,
         )
-        run_train(job, typed(TrainConfig, cfg, "train"))
+        loop.run_train(job, typed(TrainConfig, cfg, "train"))
         wall = time.perf_counter() - started
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         best = min((r for r in rows if r["split"] == "eval"), key=lambda r: r["loss"])
         steps = max(r["step"] for r in rows)
         print(
             f"| {spec} | {steps} | {wall:.0f} | {best['loss']:.3f} | {best['estimated_acceptance_length']:.3f} "
-            f"| {best['walk_acceptance_length']:.3f} |",
+            f"| {best['walk_acceptance_length']:.3f} | {out / 'draft'} |",
             flush=True,
         )
 
