@@ -22,15 +22,13 @@ from pathlib import Path
 
 import torch
 import yaml
-from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))  # the eagleflow package
 
-from bench.train_overhead import smollm2_geometry_verifier
+from bench.train_overhead import bare_draft, smollm2_geometry_verifier
 from devkit.train_inputs import make_train_inputs
-from eagleflow.train.data import collate, load_shards, pack
-from eagleflow.train.draft import build_draft
+from eagleflow.train.data import collate, pack
 from eagleflow.train.optimizer import build_optimizer
 
 KINDS = ("adamw", "muon")
@@ -53,32 +51,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    from speculators.losses import resolve_loss_config
 
     torch.set_num_threads(args.threads)
     cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "config" / "config.yaml").read_text())["train"]
-    kwargs = {
-        "ttt_steps": cfg["ttt_steps"],
-        "ttt_step_loss_decay": cfg["ttt_step_loss_decay"],
-        "loss_config": resolve_loss_config(cfg["loss"], "eager"),
-    }
     with tempfile.TemporaryDirectory(prefix="eagleflow-optimizer-step-") as tmp:
         tmp = Path(tmp)
         verifier = smollm2_geometry_verifier(tmp / "verifier")
         lengths = [max(args.batch_tokens)] * 2
         inputs = make_train_inputs(tmp / "in", verifier, lengths, [256, 256], draft_vocab=4096)
-        train, _, aux = load_shards(inputs["shards"])
-        vocab = load_file(inputs["vocab_map"])
         torch.manual_seed(0)
-        model = build_draft(
-            str(verifier),
-            vocab["d2t"],
-            vocab["t2d"],
-            num_layers=cfg["num_layers"],
-            ttt_steps=cfg["ttt_steps"],
-            aux_layer_ids=aux,
-            attn_impl="sdpa",
-        )
+        model, train, kwargs = bare_draft(inputs, verifier, cfg)
         model.train()
         print(
             f"draft: {sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6:.2f}M trainable; "

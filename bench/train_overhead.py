@@ -100,12 +100,11 @@ def run_loop(inputs, verifier: Path, cfg: dict, threads: int, out: Path) -> int:
     return max(r["step"] for r in read_jsonl(out / "metrics.jsonl"))
 
 
-def run_bare(inputs, verifier: Path, cfg: dict, threads: int) -> list[int]:
-    """Tokens per step, in order."""
+def bare_draft(inputs, verifier: Path, cfg: dict):
+    """(draft, training samples, the forward's loss arguments) as run_train builds them from the
+    `train` section `cfg`, with SDPA attention."""
     from speculators.losses import resolve_loss_config
 
-    torch.set_num_threads(threads)
-    torch.manual_seed(cfg["seed"])
     train, _, aux = load_shards(inputs["shards"])
     vocab = load_file(inputs["vocab_map"])
     model = build_draft(
@@ -117,13 +116,21 @@ def run_bare(inputs, verifier: Path, cfg: dict, threads: int) -> list[int]:
         aux_layer_ids=aux,
         attn_impl="sdpa",
     )
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = StampedAdamW(params, lr=cfg["lr"], betas=(0.9, 0.95), weight_decay=cfg["weight_decay"])
     kwargs = {
         "ttt_steps": cfg["ttt_steps"],
         "ttt_step_loss_decay": cfg["ttt_step_loss_decay"],
         "loss_config": resolve_loss_config(cfg["loss"], "eager"),
     }
+    return model, train, kwargs
+
+
+def run_bare(inputs, verifier: Path, cfg: dict, threads: int) -> list[int]:
+    """Tokens per step, in order."""
+    torch.set_num_threads(threads)
+    torch.manual_seed(cfg["seed"])
+    model, train, kwargs = bare_draft(inputs, verifier, cfg)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = StampedAdamW(params, lr=cfg["lr"], betas=(0.9, 0.95), weight_decay=cfg["weight_decay"])
     batches = [
         collate([train[i] for i in b], cfg["batch_tokens"])
         for e in range(cfg["epochs"])
