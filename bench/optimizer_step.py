@@ -4,10 +4,11 @@ batch, and each optimizer's step, on the demo's draft geometry.
     .venv/bin/python bench/optimizer_step.py [--batch-tokens 512 1024] [--repeats 10] [--threads 2]
 
 Muon orthogonalises every update of the draft's hidden matrices with Newton-Schulz iterations
-(torch.optim.Muon runs them in bfloat16), a cost that does not shrink with the batch: on a
-GPU step of 131K tokens it is noise, on the demo's 512-token CPU steps it is not. AdamW's
-step is elementwise. Prints one Markdown row per batch size: milliseconds of forward+backward,
-of each optimizer's step, and the whole step's time with Muon over AdamW's. Medians of
+(torch.optim.Muon runs them in bfloat16), a cost set by the matrices' shapes, not the batch:
+larger steps spread it over more tokens (for the Kimi draft an estimated 180 TFLOP a step on
+every rank, config/README.md). AdamW's step is elementwise. Prints one Markdown row per batch
+size: milliseconds of forward+backward, of each optimizer's step, and the whole step's time
+with Muon over AdamW's. Medians of
 `--repeats` timed calls after two untimed ones; the optimizers' steps are timed A B B A.
 """
 
