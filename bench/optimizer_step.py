@@ -8,8 +8,8 @@ Muon orthogonalises every update of the draft's hidden matrices with Newton-Schu
 larger steps spread it over more tokens (for the Kimi draft an estimated 180 TFLOP a step on
 every rank, config/README.md). AdamW's step is elementwise. Prints one Markdown row per batch
 size: milliseconds of forward+backward, of each optimizer's step, and the whole step's time
-with Muon over AdamW's. Medians of
-`--repeats` timed calls after two untimed ones; the optimizers' steps are timed A B B A.
+with Muon over AdamW's. Medians of `--repeats` timed calls after two untimed ones; the
+optimizers' steps are timed A B B A.
 """
 
 from __future__ import annotations
