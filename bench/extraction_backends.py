@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "workflow"))  # the eagleflow package, installed or not
 
-from eagleflow.hidden_states.shard_file import read_shard  # noqa: E402
+from eagleflow.hidden_states.shard_reader import read_shard  # noqa: E402
 
 
 def run_name(workdir: Path, configfiles: list[str]) -> str:

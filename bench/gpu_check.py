@@ -340,7 +340,7 @@ def check_backends(geometry: dict, num_samples: int, max_len: int, tmp: Path, de
     from devkit.configs import hidden_states_config, lean_server_config
     from devkit.verifiers import TINY_VOCAB, char_tokenizer
     from eagleflow.hidden_states.run import run_shard
-    from eagleflow.hidden_states.shard_file import read_shard
+    from eagleflow.hidden_states.shard_reader import read_shard
 
     cuda = device.type == "cuda"
     dtype = "bfloat16" if cuda else "float32"

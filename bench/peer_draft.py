@@ -65,7 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))  # the
 
 from devkit.runs import FinishedRun
 from eagleflow.common.atomic import atomic_path, write_jsonl, write_safetensors
-from eagleflow.hidden_states.shard_file import read_shard
+from eagleflow.hidden_states.shard_reader import read_shard
 from eagleflow.runtime.logs import configure_logging
 
 log = logging.getLogger("peer_draft")

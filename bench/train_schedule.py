@@ -29,17 +29,20 @@ import yaml
 import eagleflow.train.loop as loop
 from eagleflow.common.config import typed
 from eagleflow.train.config import TrainConfig, TrainJob
-from eagleflow.train.data import load_shards
+from eagleflow.train.data import ShardSamples
 
 LOSS_ON_PROMPTS = "loss_on_prompts"
 
 
-def load_shards_loss_on_prompts(*args, **kwargs):
-    """load_shards, with every position of the training samples in the loss."""
-    train, evals, aux = load_shards(*args, **kwargs)
-    for sample in train:
-        sample.loss_mask = torch.ones_like(sample.loss_mask)
-    return train, evals, aux
+class LossOnPrompts(ShardSamples):
+    """The shards as training reads them, with every position of the training samples in the loss."""
+
+    def samples(self, refs):
+        out = super().samples(refs)
+        for ref, sample in zip(refs, out, strict=True):
+            if not self.readers[ref.shard].is_eval[ref.index]:
+                sample.loss_mask = torch.ones_like(sample.loss_mask)
+        return out
 
 
 def main(run_dir: str, schedules: list[str]) -> None:
@@ -51,7 +54,7 @@ def main(run_dir: str, schedules: list[str]) -> None:
     print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
     for spec in schedules:
         cfg = {**base["train"], **json.loads(spec)}
-        loop.load_shards = load_shards_loss_on_prompts if cfg.pop(LOSS_ON_PROMPTS, False) else load_shards
+        loop.ShardSamples = LossOnPrompts if cfg.pop(LOSS_ON_PROMPTS, False) else ShardSamples
         out = Path(tempfile.mkdtemp(prefix="eagleflow-schedule-"))
         started = time.perf_counter()
         job = TrainJob(

@@ -105,7 +105,7 @@ def shards_beside_transformers(paths, verifier_dir, store_dtype: torch.dtype):
     import torch
 
     from eagleflow.hidden_states.forward import extract, load_verifier
-    from eagleflow.hidden_states.shard_file import read_shard
+    from eagleflow.hidden_states.shard_reader import read_shard
 
     verifier = load_verifier(str(verifier_dir), "cpu", torch.float32)
     for path in paths:

@@ -51,6 +51,7 @@ CFG = dict(
     draft_attention="llama",
     optimizer="muon",  # the default; its two inner optimizers' states go through every checkpoint
     lr=0.002,
+    lr_schedule="linear",
     weight_decay=0.0,
     warmup_steps=2,
     grad_clip=1.0,

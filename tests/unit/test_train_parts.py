@@ -1,5 +1,6 @@
 import math
 
+import pytest
 import torch
 
 from eagleflow.train.data import Sample, collate, pack, shift
@@ -38,12 +39,19 @@ def test_collate_restarts_positions_and_numbers_documents():
     assert batch["hidden_states"].shape == (1, 5, 6)
 
 
-def test_lr_warmup_then_cosine_to_floor():
-    assert lr_at(0, 100, 1.0, 10) == 0.1
-    assert lr_at(9, 100, 1.0, 10) == 1.0
-    assert lr_at(10, 100, 1.0, 10) == 1.0
-    assert math.isclose(lr_at(100, 100, 1.0, 10), 0.1)
-    assert lr_at(50, 100, 1.0, 10) < lr_at(30, 100, 1.0, 10)
+@pytest.mark.parametrize(("schedule", "floor", "midway"), [("cosine", 0.1, 0.55), ("linear", 0.0, 0.5)])
+def test_lr_warmup_then_decay_to_the_schedules_floor(schedule, floor, midway):
+    assert lr_at(0, 100, 1.0, 10, schedule) == 0.1
+    assert lr_at(9, 100, 1.0, 10, schedule) == 1.0
+    assert lr_at(10, 100, 1.0, 10, schedule) == 1.0
+    assert math.isclose(lr_at(55, 100, 1.0, 10, schedule), midway)
+    assert math.isclose(lr_at(100, 100, 1.0, 10, schedule), floor, abs_tol=1e-12)
+    assert lr_at(50, 100, 1.0, 10, schedule) < lr_at(30, 100, 1.0, 10, schedule)
+
+
+def test_an_unknown_lr_schedule_is_refused_by_name():
+    with pytest.raises(ValueError, match="train.lr_schedule: 'step'"):
+        lr_at(50, 100, 1.0, 10, "step")
 
 
 def test_summarise_estimates_acceptance_length():

@@ -1,12 +1,13 @@
-"""The shard file: the one writer and the one reader of its tensor and metadata names.
+"""The shard file: its one writer, and its tensor and metadata names.
 
 A shard holds the states and tokens of its samples back to back, unpadded, in one safetensors
 file written atomically (docs/data-contracts.md): the aux states (`hidden_states`), the final
 state (`verifier_last_hidden_states`) or, with the compact target, the verifier's top-k ids
 and logits (`target_ids`, `target_logits`), fp8 scales beside fp8 states (`<name>_scale`),
 the tokens (`input_ids`), the loss mask, each sample's offset and split; its metadata names
-the samples, the layer ids and the verifier's geometry. Imports no extraction code: the
-training stage reads shards with it.
+the samples, the layer ids and the verifier's geometry. Imports no extraction code. Shards
+are read by hidden_states/shard_reader.py, outside the extraction's code: editing the reader
+restales training, never the shards.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 
 from eagleflow.common.atomic import write_safetensors
 from eagleflow.hidden_states.layers import CONVENTION, States
-from eagleflow.hidden_states.storage import FP8, quantize_fp8, stored_states
+from eagleflow.hidden_states.storage import FP8, quantize_fp8
 
 # Tensor names.
 AUX = "hidden_states"
@@ -69,22 +70,6 @@ class ShardMeta:
             metadata.get("backend", "hf"),
             metadata.get("made_from", ""),
         )
-
-
-@dataclass(frozen=True)
-class ShardSample:
-    """One sample of a shard as training reads it: tokens and loss mask, the aux states and
-    either the final state or the compact target's top-k (verifier-vocabulary) ids and logits,
-    states in the dtype asked for (fp8 dequantized)."""
-
-    id: str
-    is_eval: bool
-    input_ids: torch.Tensor
-    loss_mask: torch.Tensor
-    aux: torch.Tensor
-    final: torch.Tensor | None
-    target_ids: torch.Tensor | None
-    target_logits: torch.Tensor | None
 
 
 def write_shard(
@@ -142,37 +127,6 @@ def shard_content_digest(path: str | os.PathLike, verify: bool = False) -> str:
             "delete it and rerun its hidden_states job"
         )
     return computed
-
-
-def read_shard(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> tuple[ShardMeta, list[ShardSample]]:
-    """A shard's metadata and samples, states in `dtype`."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        meta = ShardMeta.of(f.metadata())
-        t = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is no dict)
-    offsets = t[OFFSETS].tolist()
-    if len(offsets) != len(meta.sample_ids) + 1:
-        raise ValueError(f"{path}: {len(meta.sample_ids)} samples named but {len(offsets) - 1} stored")
-    aux = stored_states(t, AUX, dtype)
-    final = stored_states(t, FINAL, dtype) if FINAL in t else None
-    ids = t[TARGET_IDS].long() if final is None else None
-    logits = t[TARGET_LOGITS].float() if final is None else None
-    out = []
-    for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:], strict=True)):
-        out.append(
-            ShardSample(
-                meta.sample_ids[i],
-                bool(t[IS_EVAL][i]),
-                t[INPUT_IDS][a:b].long(),
-                t[LOSS_MASK][a:b].bool(),
-                aux[a:b],
-                None if final is None else final[a:b],
-                None if ids is None else ids[a:b],
-                None if logits is None else logits[a:b],
-            )
-        )
-    return meta, out
 
 
 def shard_tensors(

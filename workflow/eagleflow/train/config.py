@@ -23,6 +23,7 @@ class TrainConfig:
     draft_attention: str
     optimizer: str  # adamw | muon (train.optimizer)
     lr: float
+    lr_schedule: str  # linear | cosine: the decay after the warmup (train.steps.lr_at)
     weight_decay: float
     warmup_steps: int
     grad_clip: float

@@ -1,5 +1,11 @@
 """Training data: hidden-state shards, shifted into EAGLE-3 alignment and packed to a token budget.
 
+Training holds references to the shards' samples (ShardRef: where a sample is and how long)
+and reads each batch's states from the memory-mapped shards when it trains on it
+(ShardSamples.samples), so host memory holds a batch or two, not the run's states (the Kimi
+example's are terabytes). Packing needs only the lengths; the next step's batch is read in a
+background thread while a step runs (read_ahead).
+
 Alignment (as speculators' shift_batch): at position t the draft sees the verifier state
 g_t and the embedding of token x_{t+1}, and learns the verifier's distribution at t+1,
 i.e. (x_{t+1}, g_t, y_{t+1}, loss_mask_{t+1}). Packed samples get their own document id,
@@ -13,13 +19,19 @@ vocabulary here; positions where none of them is in it leave the loss.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from eagleflow.common.fingerprint import stable_fraction
-from eagleflow.hidden_states.shard_file import read_shard
+from eagleflow.hidden_states.shard_reader import ShardReader
 from eagleflow.hidden_states.targets import draft_index
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 # Seed of the learning curve's subsets; fixed, so that subsets are the same in every run.
 SUBSET_SEED = 0
@@ -52,37 +64,95 @@ def trained_on(sample_id: str, num_tokens: int, is_eval: bool, train_fraction: f
     return num_tokens >= 2 and (is_eval or in_training_subset(sample_id, train_fraction))
 
 
+@dataclass(frozen=True)
+class ShardRef:
+    """A shard's sample before its states are read: which shard (ShardSamples.readers), which
+    sample of it, and its length, the shifted sample's (n - 1)."""
+
+    shard: int
+    index: int
+    num_tokens: int
+
+    def __len__(self) -> int:
+        return self.num_tokens - 1
+
+
+class ShardSamples:
+    """The hidden-state shards of a training run, open for reading: refs (what training
+    packs) and, per batch, the shifted samples they stand for, states in `dtype`. Shards
+    with the compact target need the draft vocabulary (`t2d`, the vocab map's)."""
+
+    def __init__(self, paths: list[str], t2d: torch.Tensor | None = None, dtype: torch.dtype = torch.float32):
+        self.readers = [ShardReader(p) for p in paths]
+        self.dtype = dtype
+        if not self.readers:
+            raise ValueError("no hidden-state shards to train on")
+        first = self.readers[0]
+        for r in self.readers[1:]:
+            if r.meta.aux_layer_ids != first.meta.aux_layer_ids:
+                raise ValueError(
+                    f"{r.path}: aux_layer_ids {r.meta.aux_layer_ids} differ from {first.path}'s "
+                    f"({first.meta.aux_layer_ids})"
+                )
+            if r.compact != first.compact:
+                raise ValueError(f"{r.path}: its target differs from {first.path}'s (one keeps top-k logits)")
+        if first.compact and t2d is None:
+            raise ValueError(f"{first.path}: the shard keeps top-k logits (hidden_states.target: topk); pass t2d")
+        self.aux_layer_ids: list[int] = first.meta.aux_layer_ids
+        self.compact = first.compact
+        self.to_draft = draft_index(t2d) if t2d is not None and self.compact else None
+
+    def refs(self, train_fraction: float = 1.0) -> tuple[list[ShardRef], list[ShardRef]]:
+        """(train, eval) refs of the samples training reads (trained_on), in shard order."""
+        train, evals = [], []
+        for k, r in enumerate(self.readers):
+            for i, sample_id in enumerate(r.meta.sample_ids):
+                if trained_on(sample_id, r.num_tokens(i), r.is_eval[i], train_fraction):
+                    (evals if r.is_eval[i] else train).append(ShardRef(k, i, r.num_tokens(i)))
+        return train, evals
+
+    def samples(self, refs: list[ShardRef]) -> list[Sample]:
+        """The shifted samples `refs` stand for, read from the shards now."""
+        out = []
+        for ref in refs:
+            s = self.readers[ref.shard].sample(ref.index, self.dtype)
+            target_ids = None if s.target_ids is None else self.to_draft[s.target_ids]
+            out.append(shift(s.input_ids, s.aux, s.final, s.loss_mask, target_ids, s.target_logits))
+        return out
+
+
 def load_shards(
     paths: list[str],
     dtype: torch.dtype = torch.float32,
     train_fraction: float = 1.0,
     t2d: torch.Tensor | None = None,
 ) -> tuple[list[Sample], list[Sample], list[int]]:
-    """(train samples, eval samples, aux layer ids) from hidden-state shards, already shifted;
-    only the `train_fraction` subset of the training conversations (in_training_subset).
-    Shards with the compact target need the draft vocabulary (`t2d`, the vocab map's)."""
-    train, evals, layer_ids = [], [], None
-    for path in paths:
-        meta, samples = read_shard(path, dtype)
-        if layer_ids is not None and meta.aux_layer_ids != layer_ids:
-            raise ValueError(f"{path}: aux_layer_ids {meta.aux_layer_ids} differ from other shards ({layer_ids})")
-        layer_ids = meta.aux_layer_ids
-        if samples and samples[0].final is None and t2d is None:
-            raise ValueError(f"{path}: the shard keeps top-k logits (hidden_states.target: topk); pass t2d")
-        to_draft = draft_index(t2d) if t2d is not None else None
-        for s in samples:
-            if not trained_on(s.id, len(s.input_ids), s.is_eval, train_fraction):
-                continue
-            shifted = shift(
-                s.input_ids,
-                s.aux,
-                s.final,
-                s.loss_mask,
-                None if s.target_ids is None else to_draft[s.target_ids],
-                s.target_logits,
-            )
-            (evals if s.is_eval else train).append(shifted)
-    return train, evals, layer_ids
+    """(train samples, eval samples, aux layer ids) from hidden-state shards, already shifted,
+    all in memory (tests and benchmarks; training reads per batch: ShardSamples); only the
+    `train_fraction` subset of the training conversations (in_training_subset)."""
+    source = ShardSamples(paths, t2d, dtype)
+    train, evals = source.refs(train_fraction)
+    return source.samples(train), source.samples(evals), source.aux_layer_ids
+
+
+def read_ahead(items: Iterable[T], read: Callable[[T], R], ahead: bool = True) -> Iterator[tuple[T, R]]:
+    """(item, read(item)) for each of `items`, in order; with `ahead`, the next item is read in
+    a background thread while the caller works on this one (training reads a step's batch from
+    the shards while the step before it runs). A read's error is raised where its item would
+    have been yielded; nothing is read more than one item ahead."""
+    if not ahead:
+        for item in items:
+            yield item, read(item)
+        return
+    with ThreadPoolExecutor(1, thread_name_prefix="read-ahead") as pool:
+        pending = None
+        for item in items:
+            submitted = (item, pool.submit(read, item))
+            if pending is not None:
+                yield pending[0], pending[1].result()
+            pending = submitted
+        if pending is not None:
+            yield pending[0], pending[1].result()
 
 
 def shift(input_ids, hidden_states, last_hidden_states, loss_mask, target_ids=None, target_logits=None) -> Sample:

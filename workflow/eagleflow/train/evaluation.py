@@ -7,12 +7,13 @@ is the fraction of positions whose first k+1 draft tokens were all correct."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from eagleflow.common.acceptance import AcceptanceCounts, generated_spans, walk
-from eagleflow.train.data import pack
+from eagleflow.train.data import Sample, pack
 from eagleflow.train.device import Runtime
 from eagleflow.train.draft import verifier_ids
 from eagleflow.train.steps import metrics_vector, packed_batch, to_device
@@ -45,10 +46,17 @@ def summarise(totals: dict[str, float], ttt_steps: int) -> dict[str, float]:
 
 @torch.no_grad()
 def evaluate(
-    model, samples, batch_tokens: int, fwd_kwargs: dict[str, Any], rt: Runtime, keys: list[str]
+    model,
+    samples: Sequence,
+    batch_tokens: int,
+    fwd_kwargs: dict[str, Any],
+    rt: Runtime,
+    keys: list[str],
+    read: Callable[[list], list[Sample]] = list,
 ) -> dict[str, float]:
     """Validation metrics over all of `samples`; under data parallel each rank takes every
-    world_size-th batch and the sums are reduced."""
+    world_size-th batch and the sums are reduced. `read` turns a batch's items into samples
+    with their states (training's refs are read from the shards per batch)."""
     model.eval()
     total = torch.zeros(len(keys), dtype=torch.float64, device=rt.device)
     agreement = torch.zeros(2, dtype=torch.float64, device=rt.device)
@@ -57,7 +65,7 @@ def evaluate(
     for i, batch in enumerate(pack(samples, batch_tokens, shuffle_seed=None)):
         if i % rt.world_size != rt.rank:
             continue
-        inputs = to_device(packed_batch([samples[j] for j in batch], batch_tokens, rt), rt.device, model)
+        inputs = to_device(packed_batch(read([samples[j] for j in batch]), batch_tokens, rt), rt.device, model)
         with rt.autocast():
             drafts, _, m = model(**inputs, **fwd_kwargs)
             agreement += target_agreement(model, inputs)

@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +45,7 @@ from eagleflow.train.checkpoint import (
     training_fingerprint,
 )
 from eagleflow.train.config import TrainConfig, TrainJob
-from eagleflow.train.data import Sample, load_shards, pack
+from eagleflow.train.data import Sample, ShardRef, ShardSamples, pack, read_ahead
 from eagleflow.train.device import Runtime, init_runtime
 from eagleflow.train.draft import build_draft, export_draft, take_precomputed_targets
 from eagleflow.train.evaluation import evaluate, metric_keys, summarise
@@ -58,12 +58,6 @@ log = logging.getLogger(__name__)
 # Called with the step number once a step (and its checkpoint, if due) is done. Production
 # wires none; the resume tests wire one that kills the process there.
 StepCallback = Callable[[int], None]
-
-
-# --- device, attention and loss --------------------------------------------------------------
-
-
-# --- steps -----------------------------------------------------------------------------------
 
 
 # --- the loop --------------------------------------------------------------------------------
@@ -114,8 +108,11 @@ class Trainer:
     model: torch.nn.Module
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
-    train: list[Sample] | list[TokenSample]  # token samples online: their states come per batch
-    evals: list[Sample]
+    # What training reads, per batch, through `source`: refs to the shards' samples, or online
+    # the dataset's token samples; the eval split likewise (online: computed once, at setup).
+    train: list[ShardRef] | list[TokenSample]
+    evals: list[ShardRef] | list[Sample]
+    source: ShardSamples | VerifierStates  # turns `train` items into samples with their states
     epochs: list[list[list[int]]]  # the packing of every epoch: batches of sample indices
     total_steps: int
     fwd_kwargs: dict[str, Any]
@@ -124,7 +121,6 @@ class Trainer:
     checkpoint_dir: Path
     state: TrainState = dataclasses.field(default_factory=TrainState)
     best: dict[str, torch.Tensor] | None = None  # trainable weights of the best validation (rank 0)
-    states: VerifierStates | None = None  # online mode: the verifier that computes the states
 
     @classmethod
     def setup(cls, job: TrainJob, cfg: TrainConfig, rt: Runtime) -> Trainer:
@@ -133,17 +129,18 @@ class Trainer:
 
         torch.manual_seed(cfg.seed)
         fingerprint = job_fingerprint(job, cfg)
-        # Data: the shards' samples, or (online) the dataset's tokens and the verifier.
-        states = None
+        # Data: refs to the shards' samples, or (online) the dataset's tokens and the verifier.
         vocab = load_file(job.vocab_map)
         if job.online is None:
-            train, evals, aux_layer_ids = load_shards(job.shards, train_fraction=cfg.sample_fraction, t2d=vocab["t2d"])
+            source = ShardSamples(job.shards, t2d=vocab["t2d"])
+            train, evals = source.refs(cfg.sample_fraction)
         else:
             train, eval_tokens = load_token_samples(*job.dataset, train_fraction=cfg.sample_fraction)
-            states = open_verifier(job.verifier_dir, job.online, rt.device, job.log_path, rt.is_main)
-            evals, aux_layer_ids = states.samples(eval_tokens), states.aux_layer_ids
+            source = open_verifier(job.verifier_dir, job.online, rt.device, job.log_path, rt.is_main)
+            evals = source.samples(eval_tokens)
+        aux_layer_ids = source.aux_layer_ids
         if not train or not evals:
-            where = "the dataset" if states else "the hidden-state shards"
+            where = "the dataset" if job.online is not None else "the hidden-state shards"
             raise ValueError(f"{where}: {len(train)} train and {len(evals)} eval samples; both must be non-empty")
         model = build_draft(
             job.verifier_dir,
@@ -158,7 +155,7 @@ class Trainer:
             norm_before_fc=cfg.norm_before_fc,
             norm_output=cfg.norm_output,
         ).to(rt.device)
-        if job.online is None and train[0].target_ids is not None:  # shards with the compact target
+        if job.online is None and source.compact:  # shards with the compact target
             take_precomputed_targets(model)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = build_optimizer(model, cfg.optimizer, cfg.lr, cfg.weight_decay)
@@ -179,13 +176,13 @@ class Trainer:
             optimizer=optimizer,
             train=train,
             evals=evals,
+            source=source,
             epochs=epochs,
             total_steps=sum(steps_in(len(b), rt.world_size) for b in epochs),
             fwd_kwargs=fwd_kwargs,
             keys=metric_keys(cfg.ttt_steps),
             fingerprint=fingerprint,
             checkpoint_dir=Path(job.checkpoint_dir) / fingerprint,
-            states=states,
         )
         if rt.is_main:
             trainer.log_setup()
@@ -251,42 +248,58 @@ class Trainer:
             mininterval=2.0,
             disable=not rt.is_main,
         )
-        for epoch in range(state.epoch, len(self.epochs)):
-            batches = self.epochs[epoch]
-            n_steps = steps_in(len(batches), rt.world_size)
-            for j in range(state.batch_index if epoch == state.epoch else 0, n_steps):
-                # Step: the world_size consecutive batches of this step, one per rank.
-                lr, grad_norm = self.step(batches[j * rt.world_size : (j + 1) * rt.world_size], window)
-                state.step += 1
-                state.epoch, state.batch_index = (epoch, j + 1) if j + 1 < n_steps else (epoch + 1, 0)
-                bar.update()
-                # Log: a train row every log_every steps and at the last.
-                if state.step % cfg.log_every == 0 or state.step == self.total_steps:
-                    row = self.train_row(epoch, lr, grad_norm, window)
-                    bar.set_postfix(
-                        loss=f"{row['loss']:.3f}",
-                        acc0=f"{row['full_acc_0']:.2f}",
-                        tok_s=f"{row['tokens_per_s']:.0f}",
-                        refresh=False,
-                    )
-                # Validate: at the end of every epoch and every eval_every steps.
-                end_of_epoch = j + 1 == n_steps
-                if end_of_epoch or (cfg.eval_every and state.step % cfg.eval_every == 0):
-                    with window.paused():  # tokens/s measures training, not validation
-                        self.validate(epoch, end_of_epoch)
-                # Checkpoint: every checkpoint_every steps; the last step's outputs are the draft.
-                if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0 and state.step < self.total_steps:
-                    self.checkpoint(window)
-                if on_step_end is not None:
-                    on_step_end(state.step)
+        # Offline, the next step's batch is read from the shards while this one runs; online
+        # its states come from the verifier on the training device, in the loop's own thread.
+        todo = read_ahead(self.steps_from(state.epoch, state.batch_index), self.read_step, self.job.online is None)
+        for (epoch, j, n_steps), (step_batches, batch) in todo:
+            lr, grad_norm = self.step(step_batches, batch, window)
+            state.step += 1
+            state.epoch, state.batch_index = (epoch, j + 1) if j + 1 < n_steps else (epoch + 1, 0)
+            bar.update()
+            # Log: a train row every log_every steps and at the last.
+            if state.step % cfg.log_every == 0 or state.step == self.total_steps:
+                row = self.train_row(epoch, lr, grad_norm, window)
+                bar.set_postfix(
+                    loss=f"{row['loss']:.3f}",
+                    acc0=f"{row['full_acc_0']:.2f}",
+                    tok_s=f"{row['tokens_per_s']:.0f}",
+                    refresh=False,
+                )
+            # Validate: at the end of every epoch and every eval_every steps.
+            end_of_epoch = j + 1 == n_steps
+            if end_of_epoch or (cfg.eval_every and state.step % cfg.eval_every == 0):
+                with window.paused():  # tokens/s measures training, not validation
+                    self.validate(epoch, end_of_epoch)
+            # Checkpoint: every checkpoint_every steps; the last step's outputs are the draft.
+            if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0 and state.step < self.total_steps:
+                self.checkpoint(window)
+            if on_step_end is not None:
+                on_step_end(state.step)
         bar.close()
 
-    def step(self, step_batches: list[list[int]], window: Window) -> tuple[float, torch.Tensor]:
-        """One optimizer step on this rank's batch of `step_batches`; adds its metrics to `window`."""
+    def steps_from(self, epoch: int, batch_index: int) -> Iterator[tuple[int, int, int]]:
+        """(epoch, step in the epoch, steps in the epoch) of every step from a position on."""
+        for e in range(epoch, len(self.epochs)):
+            n_steps = steps_in(len(self.epochs[e]), self.rt.world_size)
+            for j in range(batch_index if e == epoch else 0, n_steps):
+                yield e, j, n_steps
+
+    def read_step(self, position: tuple[int, int, int]) -> tuple[list[list[int]], dict[str, torch.Tensor] | None]:
+        """A step's world_size consecutive batches of the epoch's packing (one per rank), and
+        this rank's, read with its states and packed (None: no batch for this rank)."""
+        epoch, j, _ = position
+        ws = self.rt.world_size
+        step_batches = self.epochs[epoch][j * ws : (j + 1) * ws]
+        mine = step_batches[self.rt.rank] if self.rt.rank < len(step_batches) else None
+        batch = packed_batch(self.samples(mine), self.cfg.batch_tokens, self.rt) if mine is not None else None
+        return step_batches, batch
+
+    def step(
+        self, step_batches: list[list[int]], batch: dict[str, torch.Tensor] | None, window: Window
+    ) -> tuple[float, torch.Tensor]:
+        """One optimizer step on this rank's `batch` of `step_batches`; adds its metrics to `window`."""
         rt, cfg = self.rt, self.cfg
-        mine = step_batches[rt.rank] if rt.rank < len(step_batches) else None
-        batch = packed_batch(self.samples(mine), cfg.batch_tokens, rt) if mine is not None else None
-        lr = lr_at(self.state.step, self.total_steps, cfg.lr, cfg.warmup_steps)
+        lr = lr_at(self.state.step, self.total_steps, cfg.lr, cfg.warmup_steps, cfg.lr_schedule)
         grad_norm, reduced = train_step(
             self.model,
             self.params,
@@ -304,9 +317,13 @@ class Trainer:
         return lr, grad_norm
 
     def samples(self, indices: list[int]) -> list[Sample]:
-        """Training samples `indices` with their states (online: computed now)."""
-        items = [self.train[i] for i in indices]
-        return items if self.states is None else self.states.samples(items)
+        """Training samples `indices` with their states: read from the shards now (online:
+        computed now)."""
+        return self.source.samples([self.train[i] for i in indices])
+
+    def eval_samples(self, items: list[ShardRef] | list[Sample]) -> list[Sample]:
+        """Eval samples with their states: read from the shards now (online: computed at setup)."""
+        return items if self.job.online is not None else self.source.samples(items)
 
     def train_row(self, epoch: int, lr: float, grad_norm: torch.Tensor, window: Window) -> dict[str, Any]:
         """The metrics row of the steps since the last one; starts the next window."""
@@ -328,7 +345,9 @@ class Trainer:
     def validate(self, epoch: int, end_of_epoch: bool) -> None:
         """Validation metrics as a row; the best weights so far are kept for export."""
         state = self.state
-        val = evaluate(self.model, self.evals, self.cfg.batch_tokens, self.fwd_kwargs, self.rt, self.keys)
+        val = evaluate(
+            self.model, self.evals, self.cfg.batch_tokens, self.fwd_kwargs, self.rt, self.keys, self.eval_samples
+        )
         state.rows.append(
             {"step": state.step, "epoch": epoch, "split": "eval", "train_samples": len(self.train), **val}
         )

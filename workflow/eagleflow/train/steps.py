@@ -16,13 +16,24 @@ from eagleflow.hidden_states.targets import dense_targets
 from eagleflow.train.data import Sample, collate
 from eagleflow.train.device import Runtime
 
+# train.lr_schedule: the decay after the warmup.
+LR_SCHEDULES = ("linear", "cosine")
 
-def lr_at(step: int, total: int, base_lr: float, warmup: int, min_ratio: float = 0.1) -> float:
-    """Linear warmup, then cosine decay to `min_ratio` * base_lr. Pure."""
+
+def lr_at(
+    step: int, total: int, base_lr: float, warmup: int, schedule: str = "linear", min_ratio: float = 0.1
+) -> float:
+    """The learning rate of step `step` of `total`: linear warmup over `warmup` steps, then
+    `schedule`: "linear" decays to 0 at `total` (speculators' default), "cosine" to `min_ratio`
+    * base_lr. Pure."""
     if step < warmup:
         return base_lr * (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return base_lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    if schedule == "linear":
+        return base_lr * (1 - progress)
+    if schedule == "cosine":
+        return base_lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    raise ValueError(f"train.lr_schedule: {schedule!r} is none of {', '.join(LR_SCHEDULES)}")
 
 
 def steps_in(num_batches: int, world_size: int) -> int:
