@@ -401,7 +401,7 @@ def test_editing_run_only_code_restales_nothing(finished_run):
 @pytest.mark.parametrize(
     "override, expected",
     [
-        ({"train": {"lr": 0.001}}, PER_DRAFT),
+        ({"train": {"lr": 0.0005}}, PER_DRAFT),
         ({"vocab": {"draft_vocab_size": 512}}, PER_DRAFT | {"vocab"}),
         ({"synth": {"expect_reasoning": True}}, DOWNSTREAM_OF_SYNTH),
         ({"generate": {"concurrency": 3, "max_attempts": 2, "store_locking": "exclusive"}}, set()),
