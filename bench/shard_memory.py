@@ -5,9 +5,9 @@ what the trainer does now).
 
     .venv/bin/python bench/shard_memory.py [--gb 1.0] [--hidden 2048] [--batch-tokens 8192]
 
-Writes synthetic bf16 shards (3 aux states and the final state per token, the demo's layout)
-of about `--gb` gigabytes under a temporary folder, then in a fresh process for each way:
-reads one epoch of packed batches as training does (the batch collated in float32) and
+Writes synthetic bf16 shards (devkit's train inputs: 3 aux states and the final state per
+token, the demo's layout) of about `--gb` gigabytes under a temporary folder, then in a fresh
+process for each way: reads one epoch of packed batches as training does (the batch collated in float32) and
 records the peak of its anonymous memory (RssAnon, sampled after setup and after every
 batch: what the kernel cannot reclaim, what runs out) and of its resident set (VmHWM: with
 the mapped shards' pages, which are page cache and reclaimable). Prints one Markdown row per
@@ -30,39 +30,32 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))  # the eagleflow package
 
-from eagleflow.hidden_states.shard_file import ShardMeta, write_shard
+from devkit.train_inputs import AUX_LAYERS, make_train_inputs
 from eagleflow.train.data import ShardSamples, collate, load_shards, pack
 
-AUX_STATES = 3
+AUX_STATES = AUX_LAYERS  # and the final state: the demo's layout
 SAMPLE_TOKENS = (300, 900)  # sample lengths drawn uniformly from this range
 SAMPLES_PER_SHARD = 64
 
 
 def write_shards(out: Path, gb: float, hidden: int) -> list[str]:
-    """bf16 shards of random states, about `gb` GB of states in all."""
+    """Shards of random bf16 states (devkit's train inputs) for a verifier of `hidden`, about
+    `gb` GB of states in all, 64 samples a shard, one of each 64 in the eval split."""
+    from transformers import LlamaConfig
+
+    verifier = out / "verifier"
+    LlamaConfig(vocab_size=1024, hidden_size=hidden, num_hidden_layers=16, num_attention_heads=16).save_pretrained(
+        verifier
+    )
     g = torch.Generator().manual_seed(0)
-    bytes_per_token = (AUX_STATES + 1) * hidden * 2
-    tokens_left = int(gb * 1e9 / bytes_per_token)
-    paths = []
-    while tokens_left > 0:
-        lengths = torch.randint(*SAMPLE_TOKENS, (SAMPLES_PER_SHARD,), generator=g).tolist()
-        samples, states = [], []
-        for i, n in enumerate(lengths):
-            sid = f"p{len(paths)}-{i}#t0"
-            split = "eval" if i == 0 else "train"
-            samples.append({"id": sid, "split": split, "input_ids": [1] * n, "loss_mask": [1] * n})
-            states.append(
-                (
-                    torch.randn(n, AUX_STATES * hidden, generator=g).to(torch.bfloat16),
-                    torch.randn(n, hidden, generator=g).to(torch.bfloat16),
-                )
-            )
-        path = out / f"shard-{len(paths):05d}.safetensors"
-        meta = ShardMeta([s["id"] for s in samples], [2, 8, 13], 16, hidden)
-        write_shard(path, samples, states, meta)
-        paths.append(str(path))
-        tokens_left -= sum(lengths)
-    return paths
+    lengths, tokens = [], int(gb * 1e9 / ((AUX_STATES + 1) * hidden * 2))
+    while sum(lengths) < tokens:
+        lengths.append(int(torch.randint(*SAMPLE_TOKENS, (1,), generator=g)))
+    evals = lengths[::SAMPLES_PER_SHARD]
+    train = [n for i, n in enumerate(lengths) if i % SAMPLES_PER_SHARD]
+    num_shards = -(-len(lengths) // SAMPLES_PER_SHARD)
+    inputs = make_train_inputs(out / "in", verifier, train, evals, draft_vocab=512, num_shards=num_shards)
+    return inputs["shards"]
 
 
 def memory_kb() -> dict[str, int]:
