@@ -73,7 +73,7 @@ def main() -> None:
     print("| draft | set | streams | replayed mean acceptance length | per position |")
     print("| --- | --- | --- | --- | --- |")
     for label, directory in drafts.items():
-        draft = load_draft(str(directory), verifier, attn_impl="sdpa").float().eval()
+        draft = load_draft(str(directory), verifier, attn_impl="sdpa").eval()
         for name, replay in sorted(replay_streams(draft, samples, streams, args.k, edges).items()):
             summary = replay.visited.summary()
             per_pos = " / ".join(f"{x:.3f}" for x in summary["per_position_acceptance"])

@@ -163,3 +163,53 @@ def random_samples(lengths: list[int], seed: int) -> list:
         )
         for n in lengths
     ]
+
+
+# What only moves or converts a tensor: storing states in bfloat16 is a conversion, not arithmetic.
+DATA_MOVEMENT_OPS = {
+    "_to_copy",
+    "copy_",
+    "clone",
+    "detach",
+    "alias",
+    "lift_fresh",
+    "empty",
+    "empty_like",
+    "empty_strided",
+    "new_empty",
+    "new_empty_strided",
+    "zeros_like",
+    "contiguous",
+    "cat",
+    "stack",
+    "index",
+    "index_select",
+    "split_with_sizes",
+    "unbind",
+}
+
+
+def low_precision_ops():
+    """A dispatch mode that records every aten operator that computes on a bfloat16 or float16
+    tensor (operators that only view, move or convert one excepted): `with low_precision_ops()
+    as seen: ...`, then `seen.ops` names them. What a CPU would run on a reference path without
+    bf16 units, whatever the machine the test runs on."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    low = (torch.bfloat16, torch.float16)
+
+    class LowPrecisionOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            moves = func.is_view or name in DATA_MOVEMENT_OPS
+            if not moves and any(isinstance(t, torch.Tensor) and t.dtype in low for t in tree_leaves((args, kwargs))):
+                self.ops.add(name)
+            return func(*args, **(kwargs or {}))
+
+    return LowPrecisionOps()

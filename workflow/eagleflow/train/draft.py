@@ -325,7 +325,8 @@ def load_draft(draft_dir: str, verifier_dir: str | None = None, attn_impl: str |
     explicit (eagleflow always writes them), and the frozen verifier_lm_head (not saved in
     the checkpoint) and verifier_norm are read from `verifier_dir` (default: the path the checkpoint names)
     by tensor name. `attn_impl` overrides the attention the checkpoint was trained with (its
-    default, flex attention, has no CPU backend).
+    default, flex attention, has no CPU backend). In float32, as it trained: the checkpoint
+    stores bfloat16 for vLLM, and a CPU computes in float32 only.
     """
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
     from transformers import PreTrainedModel
@@ -360,7 +361,7 @@ def load_draft(draft_dir: str, verifier_dir: str | None = None, attn_impl: str |
         model.verifier_lm_head.weight.copy_(rows.to(model.verifier_lm_head.weight.dtype))
         model.verifier_norm.weight.copy_(load_verifier_final_norm(verifier_dir).to(model.verifier_norm.weight.dtype))
     freeze_verifier_parts(model)
-    return model
+    return model.float()
 
 
 def verifier_ids(model, draft_index: torch.Tensor) -> torch.Tensor:

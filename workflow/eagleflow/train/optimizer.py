@@ -6,10 +6,17 @@ output matrices (`lm_head`) and every vector stay with AdamW, the usual Muon pra
 speculators' split. Both take the loop's learning rate: with "match_rms_adamw" Muon scales its
 update to AdamW's RMS, so one schedule drives both (BENCHMARKS.md, "eagleflow's trainer against
 speculators'": at the demo's step count Muon is what the peer's recipe gains on).
+
+torch's Muon runs its Newton-Schulz iterations in bfloat16. On a GPU that is its design; on a
+CPU without bf16 units a bfloat16 matmul takes a reference path (36x float32's time on AVX2:
+24 s a demo step instead of 1.1 s), and where the CPU has them the draft's bytes would depend
+on the CPU that trained it. On a CPU the iterations run in float32 (CpuMuon), the same update
+otherwise.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -59,10 +66,64 @@ class Optimizers:
             opt.load_state_dict(state_dict[str(i)])
 
 
+def orthogonalize(update: torch.Tensor, ns_coefficients: tuple[float, float, float], steps: int, eps: float):
+    """Muon's quintic Newton-Schulz iteration towards the nearest semi-orthogonal matrix of a 2D
+    `update`, in float32: torch.optim.Muon's iteration (same coefficients, normalisation and
+    transpose of a tall matrix) without its cast to bfloat16. Pure."""
+    a, b, c = ns_coefficients
+    tall = update.size(0) > update.size(1)
+    x = update.float()
+    x = x.T if tall else x
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+class CpuMuon(torch.optim.Muon):
+    """torch.optim.Muon with its Newton-Schulz iterations in float32 (`orthogonalize`), for a
+    draft on a CPU. The same groups, state (`momentum_buffer`) and update as torch's: a
+    checkpoint moves between the two."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, momentum = group["lr"], group["momentum"]
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(param.grad, memory_format=torch.preserve_format)
+                buf = state["momentum_buffer"]
+                buf.lerp_(param.grad, 1 - momentum)
+                update = param.grad.lerp(buf, momentum) if group["nesterov"] else buf
+                update = orthogonalize(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
+                param.mul_(1 - lr * group["weight_decay"])
+                param.add_(update.to(param.dtype), alpha=-adjusted_lr(lr, group["adjust_lr_fn"], param.shape))
+        return loss
+
+
+def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
+    """Muon's learning rate for a matrix of `shape`, as torch.optim.Muon adjusts it. Pure."""
+    rows, cols = shape[:2]
+    if adjust_lr_fn in (None, "original"):
+        return lr * math.sqrt(max(1, rows / cols))
+    if adjust_lr_fn == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    return lr
+
+
 def build_optimizer(
     model: torch.nn.Module, kind: str, lr: float, weight_decay: float
 ) -> torch.optim.Optimizer | Optimizers:
-    """The optimizer of `model`'s trainable tensors: `kind` "adamw" or "muon" (train.optimizer)."""
+    """The optimizer of `model`'s trainable tensors: `kind` "adamw" or "muon" (train.optimizer).
+    Muon's iterations run in bfloat16 on an accelerator (torch's), in float32 on a CPU."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if kind == "adamw":
         return torch.optim.AdamW([p for _, p in named], lr=lr, betas=ADAMW_BETAS, weight_decay=weight_decay)
@@ -70,7 +131,8 @@ def build_optimizer(
         raise ValueError(f"train.optimizer: {kind!r} is neither adamw nor muon")
     matrices = [p for n, p in named if takes_muon(n, p)]
     rest = [p for n, p in named if not takes_muon(n, p)]
-    muon = torch.optim.Muon(
+    on_cpu = all(p.device.type == "cpu" for p in matrices)
+    muon = (CpuMuon if on_cpu else torch.optim.Muon)(
         matrices,
         lr=lr,
         momentum=MUON_MOMENTUM,
