@@ -78,7 +78,10 @@ def tokens_key(input_ids: np.ndarray) -> bytes:
 
 BENCH = Path(__file__).resolve().parent
 TRAIN_DATA_RATIO = 0.9  # speculators' default share of the rows it trains on (the rest validates)
-CPU_TRAIN_FLAGS = ("--loss-implementation", "eager", "--draft-attn-impl", "sdpa", "--num-workers", "0", "--save-best")
+CPU_TRAIN_FLAGS = (
+    *("--loss-implementation", "eager", "--draft-attn-impl", "sdpa", "--num-workers", "0"),
+    *("--hidden-states-dtype", "float32", "--save-best"),
+)
 
 
 def speculators(*args: str, cwd: Path) -> None:

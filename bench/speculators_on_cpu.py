@@ -19,11 +19,16 @@ answers those calls with the CPU:
   `torch.autocast("cpu", ...)`;
 - its dataloaders are built with `pin_memory=False` (pinning asks for the accelerator).
 
-What it does not change is the trainer's arithmetic: its loss, optimizer, schedule, sampler
-and checkpoints are speculators' own. On a CPU pass `--loss-implementation eager` (the fused
-loss is a Triton kernel), `--draft-attn-impl sdpa` (flex attention needs a compiler for the
-device), `--num-workers 0` (the dataloader's workers would each import the stack again) and
-`--save-best`; `bench/peer_draft.py` does.
+- torch's Muon, which speculators builds by default: eagleflow's CpuMuon, the same update with
+  its Newton-Schulz iterations in float32 (a CPU computes in float32 only: torch's run in
+  bfloat16, a reference path on a CPU without bf16 units).
+
+Otherwise the trainer's arithmetic is speculators' own: its loss, optimizer, schedule, sampler
+and checkpoints. On a CPU pass `--loss-implementation eager` (the fused loss is a Triton
+kernel), `--draft-attn-impl sdpa` (flex attention needs a compiler for the device),
+`--num-workers 0` (the dataloader's workers would each import the stack again),
+`--hidden-states-dtype float32` (its bfloat16 default makes a DFlash step 147 s instead of 11 s
+on AVX2) and `--save-best`; `bench/peer_draft.py` does.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from __future__ import annotations
 import sys
 
 import torch
+
+from eagleflow.train.optimizer import CpuMuon
 
 CPU = torch.device("cpu")
 
@@ -54,6 +61,8 @@ def hand_the_cpu() -> None:
             super().__init__(*args, **{**kwargs, "pin_memory": False})
 
     dataloader.DataLoader = UnpinnedLoader
+    # speculators.train.optimizers looks torch.optim.Muon up when it builds the optimizers.
+    torch.optim.Muon = CpuMuon
     trainer.get_local_rank = lambda: CPU
     recovery.get_local_rank = lambda: 0  # read as torch.device("cpu", 0)
 
