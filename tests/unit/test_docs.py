@@ -3,12 +3,34 @@ link resolves, and nothing points outside the repository."""
 
 import json
 import re
+from collections.abc import Iterator
 
 import yaml
 
 from tests.helpers import REPO
 
-DOCS = [REPO / "README.md", REPO / "BENCHMARKS.md", REPO / "config/README.md", *sorted((REPO / "docs").glob("*.md"))]
+DOCS = [
+    REPO / "README.md",
+    REPO / "BENCHMARKS.md",
+    REPO / "config/README.md",
+    REPO / "bench/README.md",
+    *sorted((REPO / "docs").rglob("*.md")),
+]
+LINK = re.compile(r"\]\(([^)\s]*)\)")
+
+
+def heading_anchors(markdown: str) -> Iterator[str]:
+    """The anchors a Markdown renderer gives `markdown`'s headings, GitHub's way: lower case,
+    punctuation but hyphens and underscores dropped, spaces as hyphens, repeats numbered. Pure."""
+    seen: dict[str, int] = {}
+    fenced = False
+    for line in markdown.splitlines():
+        fenced ^= line.startswith("```")
+        heading = None if fenced else re.match(r"^#{1,6} (.*)$", line)
+        if heading:
+            slug = re.sub(r"[^\w\- ]", "", heading.group(1).strip().lower()).replace(" ", "-")
+            seen[slug] = seen.get(slug, 0) + 1
+            yield slug if seen[slug] == 1 else f"{slug}-{seen[slug] - 1}"
 
 
 def schema_keys(props: dict, prefix: str = "") -> list[str]:
@@ -29,13 +51,35 @@ def test_every_config_key_is_in_the_reference():
     assert not missing, f"config/README.md lacks {missing}"
 
 
-def test_relative_links_resolve():
+def test_relative_links_resolve_with_their_anchors():
     broken = []
     for doc in DOCS:
-        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", doc.read_text()):
-            if not target.startswith(("http://", "https://")) and not (doc.parent / target).exists():
-                broken.append(f"{doc.relative_to(REPO)} -> {target}")
+        for link in LINK.findall(doc.read_text()):
+            target, _, anchor = link.partition("#")
+            if link.startswith(("http://", "https://", "mailto:")):
+                continue
+            path = doc.parent / target if target else doc
+            if not path.exists():
+                broken.append(f"{doc.relative_to(REPO)} -> {link}")
+            elif anchor and path.suffix == ".md" and anchor not in set(heading_anchors(path.read_text())):
+                broken.append(f"{doc.relative_to(REPO)} -> {link} (no such heading)")
     assert not broken, broken
+
+
+def test_heading_anchors_are_the_renderers():
+    text = "# eagleflow's trainer: 1.644 -> 1.683 (2026-12-02)\n```\n# not a heading\n```\n## Command\n### Command\n"
+    assert list(heading_anchors(text)) == ["eagleflows-trainer-1644---1683-2026-12-02", "command", "command-1"]
+
+
+def test_the_results_page_fits_on_one_screen_with_one_figure_a_cell():
+    page = (REPO / "BENCHMARKS.md").read_text().splitlines()
+    assert len(page) <= 40, f"BENCHMARKS.md is {len(page)} lines; move detail into docs/results/"
+    rows = [line.split(" | ") for line in page if line.startswith("| ") and not line.startswith(("| what", "| ---"))]
+    assert len(rows) >= 10
+    for row in rows:
+        figure = row[1].strip("* ")
+        assert len(re.findall(r"\d+(?:[.,:]\d+)*", figure)) <= 2 and ";" not in figure, row
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", row[2]) and "docs/results/" in row[4], row
 
 
 def test_nothing_points_outside_the_repository():
