@@ -14,9 +14,17 @@ from transformers import AutoModelForCausalLM
 from eagleflow.common.atomic import write_jsonl
 from eagleflow.plan.loads import RunInfoLine
 from eagleflow.plan.needs import load_merged_config, make_plan, planned_disk_line, render, summary_line
-from eagleflow.plan.sizes import Geometry, draft_export_bytes, draft_params, estimated_weight_bytes
+from eagleflow.plan.sizes import (
+    Geometry,
+    draft_export_bytes,
+    draft_params,
+    draft_vector_params,
+    estimated_weight_bytes,
+    optimizer_state_floats,
+)
 from eagleflow.plan.tokens import planned_tokens, tokens_from_prompts
 from eagleflow.train.draft import build_draft, export_draft
+from eagleflow.train.optimizer import build_optimizer
 from eagleflow.variants import merged
 from tests.helpers import REPO
 
@@ -61,6 +69,15 @@ def test_draft_params_and_export_size_match_the_draft_eagleflow_builds(tiny_llam
         frozen = sum(p.numel() for p in draft.parameters() if not p.requires_grad)
         g = Geometry.from_config(json.loads((tiny_llama_dir / "config.json").read_text()))
         assert draft_params(g, layers, vocab, 3) == (trainable, frozen)
+        # The optimizer's state as train.optimizer builds it: Muon's buffers and AdamW's moments.
+        for kind in ("adamw", "muon"):
+            opt = build_optimizer(draft, kind, lr=1e-3, weight_decay=0.0)
+            for p in draft.parameters():
+                p.grad = torch.zeros_like(p) if p.requires_grad else None
+            opt.step()
+            states = [st for o in getattr(opt, "optimizers", [opt]) for st in o.state.values()]
+            held = sum(t.numel() for st in states for t in st.values() if t.ndim)  # not AdamW's step counts
+            assert optimizer_state_floats(kind, trainable, draft_vector_params(g, layers)) == held, kind
         out = tmp_path / f"draft-{layers}"
         export_draft(draft, draft.state_dict(), out, str(tiny_llama_dir))
         size = (out / "model.safetensors").stat().st_size

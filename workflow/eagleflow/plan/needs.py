@@ -12,7 +12,7 @@ served draft take for 1..N verifier replicas (`throughput`, plan.hours; `--sampl
 Tokens are exact once the dataset exists (results/<run>/dataset/*.parquet); before that they
 are an upper bound from the prompts: every reply at `generate.max_tokens`, prompt text at 3
 characters per token (common.token_estimate), every sample cut at `dataset.max_seq_len`. GPU memory of the draft
-training is an estimate from the draft's shape (weights, gradients, AdamW moments, and the
+training is an estimate from the draft's shape (weights, gradients, the optimizer's state, and the
 activations and logits of one `train.batch_tokens` batch); the verifier's weights are the
 size of its safetensors files, or an estimate from its config.json when they are not on this
 machine (bf16, routed experts at the quantization config's bits).
@@ -37,9 +37,11 @@ from eagleflow.plan.sizes import (
     draft_export_bytes,
     draft_params,
     draft_train_bytes,
+    draft_vector_params,
     estimated_weight_bytes,
     free_bytes,
     gpu_memory_bytes,
+    optimizer_state_floats,
     weight_bytes_on_disk,
 )
 from eagleflow.plan.tokens import Tokens, planned_tokens
@@ -131,11 +133,13 @@ def make_plan(
             }
         )
     trainable, _ = draft_params(g, train["num_layers"], draft_vocab, num_aux)
+    state = optimizer_state_floats(train["optimizer"], trainable, draft_vector_params(g, train["num_layers"]))
+    floats = 2 * trainable + state  # the weights, the best weights so far, the optimizer's state
     plan.disk.append(
         {
             "stage": "train",
-            "what": f"checkpoints: {train['keep_checkpoints']} kept, weights and AdamW moments in fp32",
-            "bytes": train["keep_checkpoints"] * trainable * 4 * 4 if train["checkpoint_every"] else 0,
+            "what": f"checkpoints: {train['keep_checkpoints']} kept, weights and {train['optimizer']} state in fp32",
+            "bytes": train["keep_checkpoints"] * floats * 4 if train["checkpoint_every"] else 0,
             "where": root / f"results/{run}/drafts",
         }
     )

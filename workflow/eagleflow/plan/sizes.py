@@ -110,6 +110,19 @@ def draft_params(g: Geometry, num_layers: int, draft_vocab: int, num_aux: int) -
     return trainable, frozen
 
 
+def draft_vector_params(g: Geometry, num_layers: int) -> int:
+    """The draft's trainable vectors (its norms: two a layer, the first layer's state norm, the
+    final norm); every other trainable parameter is a matrix. Pure."""
+    return (2 * num_layers + 2) * g.hidden_size
+
+
+def optimizer_state_floats(optimizer: str, trainable: int, vectors: int) -> int:
+    """float32 values of the optimizer's state (train.optimizer): AdamW keeps two moments of
+    every tensor, Muon one momentum buffer of each matrix and AdamW's two moments of the
+    vectors. Pure."""
+    return 2 * trainable if optimizer == "adamw" else (trainable - vectors) + 2 * vectors
+
+
 def draft_export_bytes(g: Geometry, trainable: int, draft_vocab: int) -> int:
     """The exported draft's model.safetensors: the trainable weights, the embeddings and the
     draft lm_head in bf16, and the vocabulary maps (d2t int64, t2d bool). Pure."""
@@ -119,10 +132,13 @@ def draft_export_bytes(g: Geometry, trainable: int, draft_vocab: int) -> int:
 def draft_train_bytes(g: Geometry, train: dict[str, Any], draft_vocab: int, num_aux: int) -> dict[str, int]:
     """GPU memory of one training process, estimated. Pure.
 
-    fp32 master weights, gradients and two AdamW moments (16 bytes per trainable parameter),
-    fp32 frozen weights, and per token of a batch and per TTT step: the layer's activations
-    (fp32) and the draft-vocabulary logits with their softmax and gradient."""
+    fp32 master weights, gradients and the optimizer's state (train.optimizer: AdamW's two
+    moments, or Muon's one momentum buffer of each matrix), fp32 frozen weights, and per token
+    of a batch and per TTT step: the layer's activations (fp32) and the draft-vocabulary logits
+    with their softmax and gradient."""
     trainable, frozen = draft_params(g, train["num_layers"], draft_vocab, num_aux)
+    state = optimizer_state_floats(train["optimizer"], trainable, draft_vector_params(g, train["num_layers"]))
+    per_trainable = 4 * (2 * trainable + state)  # weights, gradients, the optimizer's state
     h, i = g.hidden_size, g.intermediate_size
     per_token = (num_aux * h + train["num_layers"] * (12 * h + 3 * g.num_heads * g.head_dim + 3 * i)) * 4
     per_token += 3 * draft_vocab * 4
@@ -130,9 +146,9 @@ def draft_train_bytes(g: Geometry, train: dict[str, Any], draft_vocab: int, num_
     return {
         "trainable": trainable,
         "frozen": frozen,
-        "state": 16 * trainable + 4 * frozen,
+        "state": per_trainable + 4 * frozen,
         "activations": activations,
-        "total": 16 * trainable + 4 * frozen + activations,
+        "total": per_trainable + 4 * frozen + activations,
     }
 
 
