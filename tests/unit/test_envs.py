@@ -169,3 +169,15 @@ def test_env_pins_agree_with_pyproject():
                     assert s.version == pins[req.name.lower()], (
                         f"{env.name}: {req} but pyproject.toml pins {pins[req.name.lower()]}"
                     )
+
+
+def test_ci_fails_rather_than_skips_the_tests_that_need_vllm(monkeypatch):
+    from tests.helpers import vllm_available
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as where vLLM does not import
+    monkeypatch.delenv("EAGLEFLOW_TESTS_NEED_VLLM", raising=False)
+    assert vllm_available() is False
+    monkeypatch.setenv("EAGLEFLOW_TESTS_NEED_VLLM", "1")
+    with pytest.raises(RuntimeError, match="EAGLEFLOW_TESTS_NEED_VLLM=1 and vLLM does not import"):
+        vllm_available()
+    assert "EAGLEFLOW_TESTS_NEED_VLLM=1" in (REPO / ".ci/run").read_text()
