@@ -1,6 +1,7 @@
 import pytest
 
-from eagleflow.benchmark.metrics import acceptance, counter_delta, parse_prometheus, spec_decode_counters
+from eagleflow.benchmark.metrics import acceptance, counter_delta, spec_decode_counters
+from eagleflow.common.prometheus import parse_prometheus
 
 METRICS = """# HELP vllm:spec_decode_num_drafts Number of spec decoding drafts.
 # TYPE vllm:spec_decode_num_drafts counter

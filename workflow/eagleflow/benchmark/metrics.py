@@ -8,31 +8,12 @@ token the verifier always contributes: 1 + accepted / drafts.
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 
 from eagleflow.common.acceptance import acceptance_figures
+from eagleflow.common.prometheus import parse_prometheus
 
 PREFIX = "vllm:spec_decode_"
-_LINE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)")
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
-def parse_prometheus(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """{(metric name, sorted labels): value} for every sample line. Pure."""
-    out = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _LINE.match(line)
-        if not m:
-            continue
-        labels = tuple(sorted(_LABEL.findall(m["labels"] or "")))
-        try:
-            out[(m["name"], labels)] = float(m["value"])
-        except ValueError:
-            continue
-    return out
 
 
 def spec_decode_counters(text: str) -> dict[str, float | dict[int, float]]:

@@ -54,11 +54,12 @@ import collections
 import contextlib
 import logging
 import math
-import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from eagleflow.common.prometheus import parse_prometheus
 
 log = logging.getLogger(__name__)
 
@@ -110,32 +111,22 @@ METRICS = {
 
 
 CACHE_INFO = "vllm:cache_config_info"  # an info gauge: the cache's settings are its labels
-LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
 def parse_metrics(text: str) -> ServerSignals:
-    """The signals in a Prometheus text exposition. Gauges and counters of several engines
-    (label sets) are summed; the KV-cache usage is their maximum (one full engine preempts)."""
+    """The signals in a Prometheus text exposition (common.prometheus reads it). Gauges and
+    counters of several engines (label sets) are summed; the KV-cache usage is their maximum
+    (one full engine preempts)."""
     found: dict[str, list[float]] = {}
-    for line in text.splitlines():
-        if not line.startswith("vllm:"):
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
+    for (name, labels), value in parse_prometheus(text).items():
         if name == CACHE_INFO:
-            labels = dict(LABEL.findall(line))
+            info = dict(labels)
             with contextlib.suppress(KeyError, ValueError):
-                blocks, size = float(labels["num_gpu_blocks"]), int(labels["block_size"])
+                blocks, size = float(info["num_gpu_blocks"]), int(info["block_size"])
                 found.setdefault("kv_blocks", []).append(blocks)
                 found["block_size"] = [size]
-            continue
-        attr = METRICS.get(name)
-        if attr is None:
-            continue
-        try:
-            value = float(line.rsplit(" ", 1)[-1])
-        except ValueError:
-            continue
-        found.setdefault(attr, []).append(value)
+        elif name in METRICS:
+            found.setdefault(METRICS[name], []).append(value)
     signals = ServerSignals()
     for attr, values in found.items():
         setattr(signals, attr, max(values) if attr in ("kv_usage", "block_size") else sum(values))
