@@ -2,14 +2,18 @@
 batch, and each optimizer's step, on the demo's draft geometry.
 
     .venv/bin/python bench/optimizer_step.py [--batch-tokens 512 1024] [--repeats 10] [--threads 2]
+    python -m devkit.cpu_features avx2 -- .venv/bin/python bench/optimizer_step.py   # as on AVX2 only
 
-Muon orthogonalises every update of the draft's hidden matrices with Newton-Schulz iterations
-(torch.optim.Muon runs them in bfloat16), a cost set by the matrices' shapes, not the batch:
-larger steps spread it over more tokens (for the Kimi draft an estimated 180 TFLOP a step on
-every rank, config/README.md). AdamW's step is elementwise. Prints one Markdown row per batch
-size: milliseconds of forward+backward, of each optimizer's step, and the whole step's time
-with Muon over AdamW's. Medians of `--repeats` timed calls after two untimed ones; the
-optimizers' steps are timed A B B A.
+Muon orthogonalises every update of the draft's hidden matrices with Newton-Schulz iterations,
+a cost set by the matrices' shapes, not the batch: larger steps spread it over more tokens (for
+the Kimi draft an estimated 180 TFLOP a step on every rank, config/README.md). torch.optim.Muon
+runs the iterations in bfloat16, eagleflow's on a CPU in float32 (train.optimizer.CpuMuon): a
+CPU without bf16 units runs a bfloat16 matmul on a reference path. AdamW's step is elementwise.
+Prints the machine's bfloat16 and float32 time of one of the iterations' products (576 x 1536 by
+1536 x 576), then one Markdown row per batch size: milliseconds of forward+backward, of each
+optimizer's step (Muon both ways), and the whole step's time with each Muon over AdamW's.
+Medians of `--repeats` timed calls after two untimed ones; the optimizers' steps are timed
+A B C C B A.
 """
 
 from __future__ import annotations
@@ -32,7 +36,21 @@ from devkit.train_inputs import make_train_inputs
 from eagleflow.train.data import collate, pack
 from eagleflow.train.optimizer import build_optimizer
 
-KINDS = ("adamw", "muon")
+# (label, train.optimizer, the Muon class that steps it): eagleflow's on a CPU, then torch's own.
+KINDS = (("AdamW", "adamw", None), ("Muon f32", "muon", None), ("Muon bf16 (torch)", "muon", torch.optim.Muon))
+
+
+def optimizer(model, kind: str, muon_class):
+    opt = build_optimizer(model, kind, 1e-6, 0.0)
+    if muon_class is not None:
+        opt.optimizers[0].__class__ = muon_class  # the same groups and state, stepped by torch
+    return opt
+
+
+def matmul_ms(dtype: torch.dtype, repeats: int) -> float:
+    """One product of Newton-Schulz's shapes on the draft's matrices, in `dtype`."""
+    a, b = torch.randn(576, 1536, dtype=dtype), torch.randn(1536, 576, dtype=dtype)
+    return timed_ms(lambda: a @ b, repeats)
 
 
 def timed_ms(fn, repeats: int) -> float:
@@ -63,12 +81,19 @@ def main() -> None:
         torch.manual_seed(0)
         model, train, kwargs = bare_draft(inputs, verifier, cfg)
         model.train()
+        f32, bf16 = matmul_ms(torch.float32, args.repeats), matmul_ms(torch.bfloat16, args.repeats)
         print(
             f"draft: {sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6:.2f}M trainable; "
-            f"{args.threads} threads, median of {args.repeats}\n"
+            f"{args.threads} threads, median of {args.repeats}; "
+            f"CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+            f"576x1536 @ 1536x576: float32 {f32:.2f} ms, bfloat16 {bf16:.2f} ms ({bf16 / f32:.1f}x)\n"
         )
-        print("| batch tokens | forward+backward ms | AdamW step ms | Muon step ms | step with Muon / with AdamW |")
-        print("| ---: | ---: | ---: | ---: | ---: |")
+        labels = [label for label, _, _ in KINDS]
+        print(
+            f"| batch tokens | forward+backward ms | {' | '.join(f'{x} step ms' for x in labels)} | "
+            f"{' | '.join(f'step with {x} / with AdamW' for x in labels[1:])} |"
+        )
+        print(f"| ---: | ---: | {' | '.join('---:' for _ in labels)} | {' | '.join('---:' for _ in labels[1:])} |")
         for tokens in args.batch_tokens:
             batch = collate([train[i] for i in pack(train, tokens, None)[0]], tokens)
 
@@ -78,14 +103,17 @@ def main() -> None:
                 loss.backward()
 
             fb = timed_ms(forward_backward, args.repeats)
-            # A B B A: both optimizers' steps see the same drift of the machine.
-            times: dict[str, list[float]] = {kind: [] for kind in KINDS}
-            for kind in (*KINDS, *reversed(KINDS)):
-                opt = build_optimizer(model, kind, 1e-6, 0.0)
-                times[kind].append(timed_ms(opt.step, args.repeats))
-            step = {kind: statistics.median(t) for kind, t in times.items()}
-            ratio = (fb + step["muon"]) / (fb + step["adamw"])
-            print(f"| {tokens} | {fb:.0f} | {step['adamw']:.1f} | {step['muon']:.1f} | {ratio:.2f} |", flush=True)
+            # A B C C B A: every optimizer's step sees the same drift of the machine.
+            times: dict[str, list[float]] = {label: [] for label in labels}
+            for label, kind, muon_class in (*KINDS, *reversed(KINDS)):
+                times[label].append(timed_ms(optimizer(model, kind, muon_class).step, args.repeats))
+            step = {label: statistics.median(t) for label, t in times.items()}
+            ratios = [(fb + step[x]) / (fb + step["AdamW"]) for x in labels[1:]]
+            print(
+                f"| {tokens} | {fb:.0f} | {' | '.join(f'{step[x]:.1f}' for x in labels)} | "
+                f"{' | '.join(f'{r:.2f}' for r in ratios)} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
