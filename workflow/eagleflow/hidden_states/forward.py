@@ -95,20 +95,10 @@ class StateCapture:
 
 
 def resolve_compute_dtype(configured: str, device: str) -> torch.dtype:
-    """The verifier's compute dtype on `device` (hidden_states.device): float32 on a CPU, always;
-    auto means bfloat16 on accelerators. Storage dtype is separate (hidden_states.dtype).
-
-    A CPU without bf16 units runs a bfloat16 matmul on a reference path (about 30x float32's
-    time on AVX2), and on one with them the states would depend on the CPU's kernels; `auto`
-    on a machine without GPUs is a CPU."""
-    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-    if on_cpu and configured not in ("auto", "float32"):
-        raise ValueError(
-            f"hidden_states.compute_dtype: {configured} on a CPU (hidden_states.device: {device}); "
-            "the verifier computes in float32 there: set auto or float32"
-        )
+    # auto: float32 on CPU (bf16 matmuls take slow paths on CPUs without bf16 units),
+    # bfloat16 on accelerators. Storage dtype is separate (hidden_states.dtype).
     if configured == "auto":
-        return torch.float32 if on_cpu else torch.bfloat16
+        return torch.float32 if device == "cpu" else torch.bfloat16
     return torch_dtype(configured)
 
 
