@@ -4,8 +4,8 @@ draft's hidden weight matrices with AdamW on the rest, as speculators' trainer d
 Muon orthogonalises each update of a 2D matrix (Newton-Schulz iterations); embedding-like and
 output matrices (`lm_head`) and every vector stay with AdamW, the usual Muon practice and
 speculators' split. Both take the loop's learning rate: with "match_rms_adamw" Muon scales its
-update to AdamW's RMS, so one schedule drives both (BENCHMARKS.md, "eagleflow's trainer against
-speculators'": at the demo's step count Muon is what the peer's recipe gains on).
+update to AdamW's RMS, so one schedule drives both (docs/results, "The peer at eagleflow's step
+count": at the demo's step count Muon is what the peer's recipe gains on).
 
 torch's Muon runs its Newton-Schulz iterations in bfloat16. On a GPU that is its design; on a
 CPU without bf16 units a bfloat16 matmul takes a reference path (36x float32's time on AVX2:
