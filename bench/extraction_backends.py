@@ -118,7 +118,7 @@ def tiny(family: str, tmp: Path, num_samples: int = 12) -> dict:
     extra = [*(["--trust-remote-code"] if trust else []), *(CPU_MLA_ROPE_ARGS if mla else ())]
     small = yaml.safe_load((REPO / "tests/config/small.yaml").read_text())["server"]
     server = lean_server_config(dtype=dtype, max_model_len=512, extra_args=[*small["extra_args"], *extra])
-    # transformers on a CPU computes in float32 only (hidden_states.forward.resolve_compute_dtype).
+    # transformers on a CPU computes in float32 only (the config schema refuses bf16/fp16 with device cpu).
     runs = {"vllm": ("vllm", dtype), "hf_float32": ("hf", "float32")}
     shards, report = {}, {"family": family, "mla": mla, "vllm_dtype": dtype}
     for name, (backend, compute) in runs.items():

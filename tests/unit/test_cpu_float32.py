@@ -82,7 +82,7 @@ def test_the_cpu_muon_is_torchs_update_with_float32_iterations(tiny_llama_dir, m
     for (name, a), (_, b) in zip(models[0].named_parameters(), models[1].named_parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
     # The same state: a CPU run's checkpoint resumes under torch's Muon on a GPU, and back.
-    moved = torch.optim.Muon([p for g in theirs.optimizers[0].param_groups for p in g["params"]])
+    moved = torch.optim.Muon([p for group in theirs.optimizers[0].param_groups for p in group["params"]])
     moved.load_state_dict(ours.optimizers[0].state_dict())
     for a, b in zip(moved.state.values(), ours.optimizers[0].state.values(), strict=True):
         assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])

@@ -18,7 +18,6 @@ from eagleflow.plan.sizes import (
     Geometry,
     draft_export_bytes,
     draft_params,
-    draft_vector_params,
     estimated_weight_bytes,
     optimizer_state_floats,
 )
@@ -77,7 +76,7 @@ def test_draft_params_and_export_size_match_the_draft_eagleflow_builds(tiny_llam
             opt.step()
             states = [st for o in getattr(opt, "optimizers", [opt]) for st in o.state.values()]
             held = sum(t.numel() for st in states for t in st.values() if t.ndim)  # not AdamW's step counts
-            assert optimizer_state_floats(kind, trainable, draft_vector_params(g, layers)) == held, kind
+            assert optimizer_state_floats(g, {"optimizer": kind, "num_layers": layers}, trainable) == held, kind
         out = tmp_path / f"draft-{layers}"
         export_draft(draft, draft.state_dict(), out, str(tiny_llama_dir))
         size = (out / "model.safetensors").stat().st_size

@@ -37,7 +37,6 @@ from eagleflow.plan.sizes import (
     draft_export_bytes,
     draft_params,
     draft_train_bytes,
-    draft_vector_params,
     estimated_weight_bytes,
     free_bytes,
     gpu_memory_bytes,
@@ -133,8 +132,8 @@ def make_plan(
             }
         )
     trainable, _ = draft_params(g, train["num_layers"], draft_vocab, num_aux)
-    state = optimizer_state_floats(train["optimizer"], trainable, draft_vector_params(g, train["num_layers"]))
-    floats = 2 * trainable + state  # the weights, the best weights so far, the optimizer's state
+    # the weights, the best weights so far, the optimizer's state
+    floats = 2 * trainable + optimizer_state_floats(g, train, trainable)
     plan.disk.append(
         {
             "stage": "train",

@@ -116,11 +116,14 @@ def draft_vector_params(g: Geometry, num_layers: int) -> int:
     return (2 * num_layers + 2) * g.hidden_size
 
 
-def optimizer_state_floats(optimizer: str, trainable: int, vectors: int) -> int:
-    """float32 values of the optimizer's state (train.optimizer): AdamW keeps two moments of
-    every tensor, Muon one momentum buffer of each matrix and AdamW's two moments of the
-    vectors. Pure."""
-    return 2 * trainable if optimizer == "adamw" else (trainable - vectors) + 2 * vectors
+def optimizer_state_floats(g: Geometry, train: dict[str, Any], trainable: int) -> int:
+    """float32 values of the optimizer's state (train.optimizer) for `trainable` parameters:
+    AdamW keeps two moments of every tensor, Muon one momentum buffer of each matrix and
+    AdamW's two moments of the vectors. Pure."""
+    if train["optimizer"] == "adamw":
+        return 2 * trainable
+    vectors = draft_vector_params(g, train["num_layers"])
+    return (trainable - vectors) + 2 * vectors
 
 
 def draft_export_bytes(g: Geometry, trainable: int, draft_vocab: int) -> int:
@@ -137,8 +140,8 @@ def draft_train_bytes(g: Geometry, train: dict[str, Any], draft_vocab: int, num_
     of a batch and per TTT step: the layer's activations (fp32) and the draft-vocabulary logits
     with their softmax and gradient."""
     trainable, frozen = draft_params(g, train["num_layers"], draft_vocab, num_aux)
-    state = optimizer_state_floats(train["optimizer"], trainable, draft_vector_params(g, train["num_layers"]))
-    per_trainable = 4 * (2 * trainable + state)  # weights, gradients, the optimizer's state
+    # weights, gradients, the optimizer's state
+    per_trainable = 4 * (2 * trainable + optimizer_state_floats(g, train, trainable))
     h, i = g.hidden_size, g.intermediate_size
     per_token = (num_aux * h + train["num_layers"] * (12 * h + 3 * g.num_heads * g.head_dim + 3 * i)) * 4
     per_token += 3 * draft_vocab * 4
