@@ -67,7 +67,7 @@ from eagleflow.train.config import TrainConfig  # noqa: E402
 from eagleflow.train.data import Sample, collate, pack  # noqa: E402
 from eagleflow.train.device import init_runtime  # noqa: E402
 from eagleflow.train.draft import build_draft  # noqa: E402
-from eagleflow.train.evaluation import metric_keys  # noqa: E402
+from eagleflow.train.methods import draft_method  # noqa: E402
 from eagleflow.train.optimizer import build_optimizer  # noqa: E402
 from eagleflow.train.steps import pad_to_length, train_step  # noqa: E402
 
@@ -221,7 +221,7 @@ def check_training(
         "ttt_step_loss_decay": cfg.ttt_step_loss_decay,
         "loss_config": resolve_loss_config(cfg.loss, rt.loss_implementation),
     }
-    keys = metric_keys(cfg.ttt_steps)
+    keys = draft_method("eagle3").metric_keys(cfg)
     rows = []
     print(
         f"training {verifier.name} ({attention} layer, built in {time.perf_counter() - started:.0f} s): "

@@ -28,12 +28,14 @@ from eagleflow.train.checkpoint import (
     training_fingerprint,
     unflatten_state,
 )
+from eagleflow.train.config import TrainConfig
 from eagleflow.train.data import collate, load_shards, pack
 from eagleflow.train.device import Runtime, resolve_impls, untie_fused_loss_autotuners
 from eagleflow.train.draft import build_draft
-from eagleflow.train.evaluation import evaluate, metric_keys
+from eagleflow.train.evaluation import evaluate
 from eagleflow.train.launch import run_stage
 from eagleflow.train.loop import run_from_json
+from eagleflow.train.methods import draft_method
 from eagleflow.train.optimizer import build_optimizer
 from eagleflow.train.steps import lr_at, steps_in
 from tests.helpers import MAX_STEPPED, REPO, storage_steps
@@ -41,8 +43,11 @@ from tests.helpers import MAX_STEPPED, REPO, storage_steps
 TRAIN_LENGTHS = [30, 25, 40, 20, 35, 28, 33, 22, 38, 26, 31, 24]
 EVAL_LENGTHS = [30, 35, 25]
 CFG = dict(
+    method="eagle3",
     num_layers=1,
     ttt_steps=3,
+    num_depths=3,
+    block_size=4,
     ttt_step_loss_decay=1.0,
     loss="kl_div",
     loss_implementation="auto",
@@ -451,7 +456,8 @@ def test_torchrun_two_processes_equal_one_process_accumulating_both_batches(tiny
     assert len(batches) == 2
     cpu = Runtime(0, 1, torch.device("cpu"), "doc_sdpa", "eager")  # what the stage resolves auto to on CPU
     kwargs = {"ttt_steps": 3, "ttt_step_loss_decay": 1.0, "loss_config": resolve_loss_config("kl_div", "eager")}
-    keys = metric_keys(3)
+    eagle3, cfg = draft_method("eagle3"), TrainConfig(**CFG)
+    keys = eagle3.metric_keys(cfg)
 
     def one_step(use_batches):
         torch.manual_seed(0)
@@ -474,7 +480,11 @@ def test_torchrun_two_processes_equal_one_process_accumulating_both_batches(tiny
             losses.append(float(loss.detach()))
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        return model, losses, evaluate(model, evals, 64, kwargs, cpu, keys)
+        return (
+            model,
+            losses,
+            evaluate(model, evals, 64, kwargs, cpu, keys, lambda totals: eagle3.summarise(totals, cfg), walk_steps=3),
+        )
 
     model, losses, ref_eval = one_step(batches)
     assert math.isclose(train_row[0]["loss"], sum(losses) / 2, rel_tol=1e-5)

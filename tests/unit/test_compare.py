@@ -34,6 +34,7 @@ def test_k_prediction_is_chain_drafting_with_a_linear_step_cost():
 def row(name, k, per_pos, samples, tps=50.0, set_lengths=None):
     return {
         "variant": name,
+        "method": "eagle3",
         "k": k,
         "mean_acceptance_length": 1 + sum(per_pos),
         "per_position_acceptance": per_pos,
@@ -84,7 +85,7 @@ def test_the_report_carries_the_table_the_curve_and_the_k_check(tmp_path):
     run_compare(rows, ["lc-25", "lc-50"], ["k2"], out, GENERATE, LOADS)
     md = (tmp_path / "md.md").read_text()
     assert "Speedups are against the verifier alone: the run's baseline job (baseline/report.json)." in md
-    assert "| default | 3 | 1.700 | 0.400 / 0.200 / 0.100 |" in md
+    assert "| default | eagle3 | 3 | 1.700 | 0.400 / 0.200 / 0.100 |" in md
     # A column per other set and temperature; empty where a variant did not measure it.
     assert "| mean acceptance length, mt_bench@T0 | mean acceptance length, mt_bench@T0.7 |" in md
     assert "| 120 s | 12.5 MB | 1.450 | 1.300 |" in md and "| 120 s | 12.5 MB | 1.250 |  |" in md

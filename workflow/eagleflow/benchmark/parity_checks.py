@@ -85,6 +85,45 @@ def check_gaps(
     return out
 
 
+def check_training_vs_served(train_estimate: float | None, served: float, cfg: ParityConfig) -> list[Finding]:
+    """Training's estimate against vLLM's measure, where no replay splits the gap. Pure."""
+    if train_estimate is None or train_estimate - served <= cfg.training_tolerance:
+        return []
+    return [
+        Finding(
+            "training_vs_vllm",
+            f"training estimated {train_estimate:.3f} on its eval split; vLLM measured {served:.3f} "
+            f"(gap {served - train_estimate:+.3f}, tolerance {cfg.training_tolerance})",
+            "what a replay would separate: the draft vLLM runs (its config as vLLM reads it: causality, "
+            "mask token, aux layers, d2t) and the data it is served (prompt format, lengths, style)",
+        )
+    ]
+
+
+def check_block_causality(draft_config: dict) -> list[Finding]:
+    """A DFlash-family draft's attention as vLLM will run it against how speculators trained it.
+    speculators trains full-attention layers bidirectionally within a block, and sliding-window
+    layers causally unless sliding_window_non_causal; vLLM reads that one flag for every layer
+    (dflash_config.causal = not it). Pure."""
+    if draft_config.get("speculators_model_type") not in ("dflash", "dflash2", "dspark"):
+        return []
+    layer_types = draft_config.get("transformer_layer_config", {}).get("layer_types") or ["full_attention"]
+    non_causal = bool(draft_config.get("sliding_window_non_causal", False))
+    trained = {("bidirectional" if t == "full_attention" or non_causal else "causal") for t in layer_types}
+    served = "bidirectional" if non_causal else "causal"
+    if trained == {served}:
+        return []
+    return [
+        Finding(
+            "block_causality",
+            f"the draft's layers trained {' and '.join(sorted(trained))} within a block; vLLM serves every "
+            f"layer {served} (sliding_window_non_causal: {non_causal})",
+            "sliding_window_non_causal in the draft's config.json, and the draft's layer_types: vLLM applies "
+            "one causality to every layer",
+        )
+    ]
+
+
 def check_aux_layer_ids(exported: list[int], trained: list[int]) -> list[Finding]:
     if list(exported) == list(trained):
         return []

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from eagleflow.benchmark.cells import HEADLINE, cell_key
 from eagleflow.benchmark.metrics import acceptance
+from eagleflow.benchmark.speculative import draft_method_name, speculative_config
 from eagleflow.benchmark.workload import (
     BenchmarkConfig,
     Workload,
@@ -198,7 +199,8 @@ def run_benchmark(
     set named) go to `streams_out`, the eval split's first, for the parity rule's replay."""
     workload = Workload.of(cfg, chat_template_kwargs)
     sets = read_sets(sets_path)
-    k = cfg.num_speculative_tokens
+    drafting = speculative_config(draft_dir, cfg.num_speculative_tokens)
+    k = drafting["num_speculative_tokens"]  # the draft's own length for a block or parallel drafter
     if baseline is None:
         base_cells = measure(sets, server, workload, f"{log_prefix}-baseline.log", "baseline")
         base_source = "paired: measured in this job, right before the draft"
@@ -213,7 +215,7 @@ def run_benchmark(
             )
     speculative_spec = dataclasses.replace(
         server,
-        speculative_config={"method": "eagle3", "model": str(Path(draft_dir).resolve()), "num_speculative_tokens": k},
+        speculative_config=drafting,
         entry_module=SPECULATIVE_SERVER,
     )
     context = {key: cell["replies"] for key, cell in base_cells.items()}
@@ -226,6 +228,8 @@ def run_benchmark(
         "sets": sets_path,
         "prompts": {"count": len(cells[HEADLINE]["prompts"]), "ids": cells[HEADLINE]["prompts"]},
         "num_speculative_tokens": k,
+        "method": draft_method_name(json.loads((Path(draft_dir) / "config.json").read_text())),
+        "speculative_config": {key: v for key, v in drafting.items() if key != "model"},
         "sampling": {"temperature": 0.0, "max_tokens": cfg.max_tokens, "concurrency": cfg.concurrency},
         "server": server_summary(server),
         **{key: head[key] for key in ("baseline", "speculative", "speedup", "outputs_identical_fraction")},

@@ -87,6 +87,7 @@ def variant_row(
     spec = report["speculative"]
     return {
         "variant": name,
+        "method": report.get("method", "eagle3"),
         "k": report["num_speculative_tokens"],
         "mean_acceptance_length": spec["mean_acceptance_length"],
         "per_position_acceptance": spec["per_position_acceptance"],
@@ -220,6 +221,7 @@ def run_compare(
 
 TABLE = [
     ("variant", "variant", "{}"),
+    ("method", "method", "{}"),
     ("k", "k", "{}"),
     ("mean acceptance length (vLLM)", "mean_acceptance_length", "{:.3f}"),
     ("per position", "per_position_acceptance", None),

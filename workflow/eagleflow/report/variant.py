@@ -69,11 +69,22 @@ def describe_requests(generate: dict) -> str:
     return f"{generate['sent']} sent / {generate['reused']} reused from the store ({share:.0%} reused)"
 
 
+# How training estimates acceptance for each method (train/methods.py, DraftMethod.summarise).
+ESTIMATES = {
+    "eagle3": "1 + sum(full_acc_k)",
+    "peagle": "1 + sum over depths of the product of accuracies so far",
+    "dflash": "speculators' expected accepted length per block",
+    "dspark": "speculators' expected accepted length per block",
+}
+
+
 def parity_rows(parity: dict | None) -> list[tuple[str, str]]:
     """The parity job's figures (none without one). Pure."""
     if parity is None:
         return []
     verdict = "pass" if parity["verdict"] == "pass" else "GAP: " + ", ".join(f["check"] for f in parity["findings"])
+    if parity.get("replay") is None:
+        return [("replay of the served streams (parity)", f"not available: {parity['replay_unavailable']}: {verdict}")]
     return [
         (
             "replay of the served streams (parity)",
@@ -124,7 +135,8 @@ def describe_measurement(report: dict) -> str:
         f"Verifier `{report['verifier']}`, draft `{report['draft']}`, "
         f"{report['prompts']['count']} held-out prompts (first turns), temperature 0, "
         f"max {report['sampling']['max_tokens']} tokens, concurrency {report['sampling']['concurrency']}, "
-        f"{report['num_speculative_tokens']} speculative tokens. Measured by vLLM's own counters; "
+        f"a {report.get('method', 'eagle3')} draft of {report['num_speculative_tokens']} speculative tokens. "
+        "Measured by vLLM's own counters; "
         f"the verifier alone: {report['baseline_measurement']}."
     )
 
@@ -253,7 +265,7 @@ def render_markdown(
         "## Training",
         "",
         f"Best eval loss {best_eval['loss']:.4f} at step {best_eval['step']} (exported); "
-        f"training-time estimate of acceptance length 1 + sum(full_acc_k) = "
+        f"training-time estimate of acceptance length ({ESTIMATES[report.get('method', 'eagle3')]}) = "
         f"{best_eval['estimated_acceptance_length']:.3f} (last eval: {last_eval['estimated_acceptance_length']:.3f}).",
         "",
         f"![training curves]({plots['training']})",

@@ -15,7 +15,7 @@ def plot_acceptance(report: dict[str, Any], out: str, parity: dict[str, Any] | N
     per_pos = report["speculative"]["per_position_acceptance"]
     fig, ax = plt.subplots(figsize=(5, 3.2))
     labels = [f"pos {i + 1}" for i in range(len(per_pos))]
-    if parity is None:
+    if parity is None or parity.get("replay") is None:
         ax.bar_label(ax.bar(labels, per_pos, color="#3b6ea8"), fmt="%.2f")
     else:
         x = range(len(per_pos))
@@ -89,9 +89,11 @@ def plot_training(metrics: list[dict[str, Any]], out: str) -> None:
     ax1.set_xlabel("step")
     ax1.set_ylabel("loss")
     ax1.legend()
-    k = sum(1 for key in metrics[0] if key.startswith("full_acc_"))
-    for i in range(k):
-        ax2.plot([m["step"] for m in evals], [m[f"full_acc_{i}"] for m in evals], "o-", label=f"full_acc_{i}")
+    # EAGLE-3's chain reports full_acc_k (all of the first k+1 right); the other methods each
+    # draft position's accuracy (train/methods.py).
+    curves = sorted(key for key in metrics[0] if key.startswith(("full_acc_", "position_acc_")))
+    for key in curves:
+        ax2.plot([m["step"] for m in evals], [m[key] for m in evals], "o-", label=key)
     ax2.set_xlabel("step")
     ax2.set_ylabel("eval accuracy")
     ax2.set_ylim(0, 1)

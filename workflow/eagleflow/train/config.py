@@ -13,8 +13,11 @@ from typing import Any
 class TrainConfig:
     """The `train` config section."""
 
+    method: str  # eagle3 | peagle | dflash | dspark (train/methods.py)
     num_layers: int
-    ttt_steps: int
+    ttt_steps: int  # eagle3: the chain's draft tokens
+    num_depths: int  # peagle: tokens drafted in one forward
+    block_size: int  # dflash, dspark: the block drafted in one forward
     ttt_step_loss_decay: float
     loss: str
     loss_implementation: str
@@ -50,6 +53,10 @@ def unservable_settings(train: Mapping[str, Any]) -> list[str]:
     no norm before fc. Checked before any job (the config check) and when a draft is built. Pure."""
     if train["draft_attention"] != "mla":
         return []
+    if train.get("method", "eagle3") != "eagle3":
+        return [
+            f"train.draft_attention: mla is an EAGLE-3 draft layer; a {train['method']} draft is served with its own"
+        ]
     problems = []
     if train["sliding_window"] is not None:
         problems.append("train.sliding_window: vLLM's MLA draft layer has no sliding window; set it to null")

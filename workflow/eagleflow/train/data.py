@@ -82,9 +82,16 @@ class ShardSamples:
     packs) and, per batch, the shifted samples they stand for, states in `dtype`. Shards
     with the compact target need the draft vocabulary (`t2d`, the vocab map's)."""
 
-    def __init__(self, paths: list[str], t2d: torch.Tensor | None = None, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        paths: list[str],
+        t2d: torch.Tensor | None = None,
+        dtype: torch.dtype = torch.float32,
+        align: Callable[..., Sample] | None = None,
+    ):
         self.readers = [ShardReader(p) for p in paths]
         self.dtype = dtype
+        self.align = align or shift  # the draft method's alignment (train.methods)
         if not self.readers:
             raise ValueError("no hidden-state shards to train on")
         first = self.readers[0]
@@ -112,12 +119,12 @@ class ShardSamples:
         return train, evals
 
     def samples(self, refs: list[ShardRef]) -> list[Sample]:
-        """The shifted samples `refs` stand for, read from the shards now."""
+        """The samples `refs` stand for, read from the shards now, in the method's alignment."""
         out = []
         for ref in refs:
             s = self.readers[ref.shard].sample(ref.index, self.dtype)
             target_ids = None if s.target_ids is None else self.to_draft[s.target_ids]
-            out.append(shift(s.input_ids, s.aux, s.final, s.loss_mask, target_ids, s.target_logits))
+            out.append(self.align(s.input_ids, s.aux, s.final, s.loss_mask, target_ids, s.target_logits))
         return out
 
 
@@ -164,6 +171,18 @@ def shift(input_ids, hidden_states, last_hidden_states, loss_mask, target_ids=No
     ids = target_ids[1:]
     mask = loss_mask[1:] & (ids >= 0).any(dim=-1)
     return Sample(input_ids[1:], hidden_states[:-1], None, mask, ids, target_logits[1:])
+
+
+def unshifted(input_ids, hidden_states, last_hidden_states, loss_mask, target_ids=None, target_logits=None) -> Sample:
+    """DFlash's alignment: speculators applies shift_batch to EAGLE-3 and P-EAGLE only, so a
+    block drafter sees (x_t, g_t, y_t, l_t) at position t and targets position t from the
+    verifier's state at t - 1 itself. The last position is dropped, so that a sample is as long
+    as its shifted form (ShardRef's length): its state predicts past the conversation. Pure."""
+    if target_ids is None:
+        return Sample(input_ids[:-1], hidden_states[:-1], last_hidden_states[:-1], loss_mask[:-1])
+    ids = target_ids[:-1]
+    mask = loss_mask[:-1] & (ids >= 0).any(dim=-1)
+    return Sample(input_ids[:-1], hidden_states[:-1], None, mask, ids, target_logits[:-1])
 
 
 def pack(samples: list[Sample], batch_tokens: int, shuffle_seed: int | None) -> list[list[int]]:

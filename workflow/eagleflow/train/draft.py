@@ -175,7 +175,8 @@ def load_verifier_weights(model, verifier_dir: str, t2d: torch.Tensor) -> None:
         model.verifier_lm_head.weight.copy_(draft_head.to(dtype))
         model.verifier_norm.weight.copy_(load_verifier_final_norm(verifier_dir).to(dtype))
     freeze_verifier_parts(model)
-    model.embed_tokens.weight.requires_grad_(model.config.embed_requires_grad)
+    # EAGLE-3 freezes its embeddings by default, P-EAGLE trains them; DFlash has no such setting.
+    model.embed_tokens.weight.requires_grad_(getattr(model.config, "embed_requires_grad", False))
 
 
 def freeze_verifier_parts(model) -> None:
@@ -214,14 +215,23 @@ def build_draft(
     attention: str = "llama",
     norm_before_fc: bool = False,
     norm_output: bool = False,
+    algorithm: str = "eagle3",
+    config_class=None,
+    model_class=None,
+    extra: dict[str, Any] | None = None,
 ):
     """A freshly initialised draft with the verifier's embeddings and lm_head rows loaded.
 
     `aux_layer_ids` become the config's eagle_aux_hidden_state_layer_ids: vLLM serving
-    the draft captures the same layers the draft was trained on."""
+    the draft captures the same layers the draft was trained on. EAGLE-3 by default; a method
+    built on its layer (P-EAGLE, train/methods.py) passes its `algorithm`, speculators'
+    config and model classes and its own config fields (`extra`)."""
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
+
+    config_class = config_class or Eagle3SpeculatorConfig
+    model_class = model_class or Eagle3DraftModel
 
     settings = {"draft_attention": attention, "sliding_window": sliding_window, "norm_before_fc": norm_before_fc}
     if problems := unservable_settings(settings):
@@ -231,21 +241,22 @@ def build_draft(
     layer_config = draft_layer_config(
         verifier_dir, num_layers, attn_impl, sliding_window=sliding_window, attention=attention
     )
-    config = Eagle3SpeculatorConfig(
+    config = config_class(
         transformer_layer_config=layer_config,
         draft_vocab_size=int(d2t.shape[0]),
         norm_before_residual=norm_before_residual,
         norm_before_fc=norm_before_fc,
         norm_output=norm_output,
         eagle_aux_hidden_state_layer_ids=list(aux_layer_ids),
+        **(extra or {}),
         speculators_config=SpeculatorsConfig(
-            algorithm="eagle3",
+            algorithm=algorithm,
             proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=ttt_steps)],
             default_proposal_method="greedy",
             verifier=VerifierConfig.from_pretrained(verifier_dir),
         ),
     )
-    model = Eagle3DraftModel(config=config)
+    model = model_class(config=config)
     model.load_vocab_mappings(t2d, d2t)
     load_verifier_weights(model, verifier_dir, t2d)
     return model
@@ -316,7 +327,7 @@ def export_mla_draft(model, weights: dict[str, torch.Tensor], out_dir: Path) -> 
 
 
 def load_draft(draft_dir: str, verifier_dir: str | None = None, attn_impl: str | None = None):
-    """Reload an exported draft as a speculators Eagle3DraftModel, for any verifier.
+    """Reload an exported draft as the speculators model of its method, for any verifier.
 
     speculators' from_pretrained ends in Eagle3DraftModel.load_verifier_weights, which
     reads the verifier's config through AutoConfig without trust_remote_code (custom-code
@@ -328,36 +339,50 @@ def load_draft(draft_dir: str, verifier_dir: str | None = None, attn_impl: str |
     default, flex attention, has no CPU backend). In float32, as it trained: the checkpoint
     stores bfloat16 for vLLM, and a CPU computes in float32 only.
     """
-    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    from speculators import SpeculatorModel, SpeculatorModelConfig
     from transformers import PreTrainedModel
 
     register_mla_draft_layer()
     register_attention()
     sidecar = Path(draft_dir) / SPECULATORS_SIDECAR
-    if sidecar.is_file():  # an MLA draft: vLLM's config.json, speculators' beside it
-        config = Eagle3SpeculatorConfig.from_dict(json.loads(sidecar.read_text()))
-    else:
-        config = Eagle3SpeculatorConfig.from_pretrained(draft_dir)
+    # An MLA draft: vLLM's config.json, speculators' beside it. Otherwise speculators' format,
+    # whose speculators_model_type names the method (train/methods.py).
+    raw = json.loads((sidecar if sidecar.is_file() else Path(draft_dir) / "config.json").read_text())
+    method = raw.get("speculators_model_type", "eagle3")
+    if method not in SpeculatorModel.registry:
+        raise ValueError(f"{draft_dir}/config.json: speculators_model_type {method!r} is no draft speculators knows")
+    config_class, model_class = SpeculatorModelConfig.registry[method], SpeculatorModel.registry[method]
+    config = config_class.from_dict(raw) if sidecar.is_file() else config_class.from_pretrained(draft_dir)
     if attn_impl is not None:
         config.transformer_layer_config._attn_implementation = attn_impl
-    if not config.eagle_aux_hidden_state_layer_ids:
-        raise ValueError(f"{draft_dir}/config.json has no eagle_aux_hidden_state_layer_ids")
+    aux_layer_ids = getattr(config, "eagle_aux_hidden_state_layer_ids", None) or getattr(
+        config, "aux_hidden_state_layer_ids", None
+    )
+    if not aux_layer_ids:
+        raise ValueError(f"{draft_dir}/config.json has no aux hidden state layer ids")
     if sidecar.is_file():
         from safetensors.torch import load_file
 
-        model = Eagle3DraftModel(config=config)
+        model = model_class(config=config)
         missing, unexpected = model.load_state_dict(load_file(str(Path(draft_dir) / "model.safetensors")), strict=False)
         missing = [k for k in missing if not k.startswith("verifier_")]
         if missing or unexpected:
             raise ValueError(f"{draft_dir}: weights do not fit the draft: missing {missing}, unexpected {unexpected}")
     else:
-        model = PreTrainedModel.from_pretrained.__func__(Eagle3DraftModel, draft_dir, config=config)
+        model = PreTrainedModel.from_pretrained.__func__(model_class, draft_dir, config=config)
     verifier_dir = verifier_dir or config.speculators_config.verifier.name_or_path
     if not verifier_dir or not Path(verifier_dir).is_dir():
         raise FileNotFoundError(f"{draft_dir}: verifier {verifier_dir!r} is not a local directory; pass verifier_dir")
-    _, lm_head = load_verifier_embeddings(verifier_dir)
+    embed, lm_head = load_verifier_embeddings(verifier_dir)
     rows = lm_head[model.t2d.to(torch.bool)] if model.use_draft_vocab else lm_head
     with torch.no_grad():
+        # What a method's checkpoint leaves out is the verifier's own (DFlash: the embeddings,
+        # and the head where the draft predicts the whole vocabulary).
+        unsaved = getattr(model, "_keys_to_ignore_on_save", None) or []
+        if "embed_tokens.weight" in unsaved:
+            model.embed_tokens.weight.copy_(embed.to(model.embed_tokens.weight.dtype))
+        if "lm_head.weight" in unsaved:
+            model.lm_head.weight.copy_(rows.to(model.lm_head.weight.dtype))
         model.verifier_lm_head.weight.copy_(rows.to(model.verifier_lm_head.weight.dtype))
         model.verifier_norm.weight.copy_(load_verifier_final_norm(verifier_dir).to(model.verifier_norm.weight.dtype))
     freeze_verifier_parts(model)

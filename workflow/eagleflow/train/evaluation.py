@@ -1,9 +1,7 @@
-"""Validation: the draft's losses and accuracies on the held-out split, the acceptance a chain
-draft would get walking the eval conversations (common.acceptance, as the parity replay
-walks vLLM's streams), and how often the draft's first token is the verifier's.
-
-The estimated acceptance length of a chain draft is 1 + sum_k full_acc_k, where full_acc_k
-is the fraction of positions whose first k+1 draft tokens were all correct."""
+"""Validation: the draft's losses and accuracies on the held-out split (summarised as its method
+says, train.methods), the acceptance a chain draft would get walking the eval conversations
+(common.acceptance, as the parity replay walks vLLM's streams), and how often training's
+targets are the data's next token."""
 
 from __future__ import annotations
 
@@ -19,31 +17,6 @@ from eagleflow.train.draft import verifier_ids
 from eagleflow.train.steps import metrics_vector, packed_batch, to_device
 
 
-def metric_keys(ttt_steps: int) -> list[str]:
-    """The per-batch {name_sum, name_total} metrics that summarise reads, in a fixed order
-    (every rank reduces the same vector). `num_batches` counts the batches summed."""
-    keys = ["num_batches", "loss_sum"]
-    for k in range(ttt_steps):
-        keys += [f"{n}_{k}_{t}" for n in ("loss", "full_acc", "cond_acc") for t in ("sum", "total")]
-    return keys
-
-
-def summarise(totals: dict[str, float], ttt_steps: int) -> dict[str, float]:
-    """Means from summed metrics (see metric_keys): loss per batch, accuracies per position. Pure."""
-
-    def ratio(name):
-        t = totals[f"{name}_total"]
-        return totals[f"{name}_sum"] / t if t else 0.0
-
-    out = {"loss": totals["loss_sum"] / max(1.0, totals["num_batches"])}
-    for k in range(ttt_steps):
-        out[f"loss_{k}"] = ratio(f"loss_{k}")
-        out[f"full_acc_{k}"] = ratio(f"full_acc_{k}")
-        out[f"cond_acc_{k}"] = ratio(f"cond_acc_{k}")
-    out["estimated_acceptance_length"] = 1.0 + sum(out[f"full_acc_{k}"] for k in range(ttt_steps))
-    return out
-
-
 @torch.no_grad()
 def evaluate(
     model,
@@ -52,15 +25,20 @@ def evaluate(
     fwd_kwargs: dict[str, Any],
     rt: Runtime,
     keys: list[str],
+    summarise: Callable[[dict[str, float]], dict[str, float]],
     read: Callable[[list], list[Sample]] = list,
+    walk_steps: int | None = None,
 ) -> dict[str, float]:
-    """Validation metrics over all of `samples`; under data parallel each rank takes every
+    """Validation metrics over all of `samples` (summed as `keys` name them, then
+    `summarise`d: the method's, train.methods); under data parallel each rank takes every
     world_size-th batch and the sums are reduced. `read` turns a batch's items into samples
-    with their states (training's refs are read from the shards per batch)."""
+    with their states (training's refs are read from the shards per batch). `walk_steps`: the
+    chain length an EAGLE-3 draft's proposals are walked with (None: the method proposes no
+    chain to walk)."""
     model.eval()
     total = torch.zeros(len(keys), dtype=torch.float64, device=rt.device)
     agreement = torch.zeros(2, dtype=torch.float64, device=rt.device)
-    k = fwd_kwargs["ttt_steps"]
+    k = walk_steps or 0
     walked = AcceptanceCounts(k)
     for i, batch in enumerate(pack(samples, batch_tokens, shuffle_seed=None)):
         if i % rt.world_size != rt.rank:
@@ -70,14 +48,15 @@ def evaluate(
             drafts, _, m = model(**inputs, **fwd_kwargs)
             agreement += target_agreement(model, inputs)
         total += metrics_vector(m, keys, rt.device)
-        walked.add(walk_batch(model, inputs, drafts))
+        if walk_steps:
+            walked.add(walk_batch(model, inputs, drafts))
     model.train()
     agree, counted = rt.sum_(agreement).tolist()
     walk_totals = rt.sum_(
         torch.tensor([walked.drafts, *walked.accepted_per_pos], dtype=torch.float64, device=rt.device)
     )
     walked = AcceptanceCounts(k, int(walk_totals[0]), [int(x) for x in walk_totals[1:].tolist()])
-    out = summarise(dict(zip(keys, rt.sum_(total).tolist(), strict=True)), k)
+    out = summarise(dict(zip(keys, rt.sum_(total).tolist(), strict=True)))
     return out | {
         "walk_acceptance_length": walked.summary()["mean_acceptance_length"] if walked.drafts else None,
         "target_agreement": agree / counted if counted else None,

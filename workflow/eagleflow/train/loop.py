@@ -47,8 +47,9 @@ from eagleflow.train.checkpoint import (
 from eagleflow.train.config import TrainConfig, TrainJob
 from eagleflow.train.data import Sample, ShardRef, ShardSamples, pack, read_ahead
 from eagleflow.train.device import Runtime, init_runtime
-from eagleflow.train.draft import build_draft, export_draft, take_precomputed_targets
-from eagleflow.train.evaluation import evaluate, metric_keys, summarise
+from eagleflow.train.draft import export_draft, take_precomputed_targets
+from eagleflow.train.evaluation import evaluate
+from eagleflow.train.methods import DraftMethod, DraftSpec, draft_method, method_attn_impl
 from eagleflow.train.online import TokenSample, VerifierStates, load_token_samples, open_verifier
 from eagleflow.train.optimizer import build_optimizer
 from eagleflow.train.steps import Window, lr_at, packed_batch, steps_in, train_step
@@ -108,6 +109,7 @@ class Trainer:
     model: torch.nn.Module
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
+    method: DraftMethod  # train.method: the draft model, its data's alignment and metrics
     # What training reads, per batch, through `source`: refs to the shards' samples, or online
     # the dataset's token samples; the eval split likewise (online: computed once, at setup).
     train: list[ShardRef] | list[TokenSample]
@@ -125,36 +127,27 @@ class Trainer:
     @classmethod
     def setup(cls, job: TrainJob, cfg: TrainConfig, rt: Runtime) -> Trainer:
         """Data, draft model, optimizer and the step schedule."""
-        from speculators.losses import resolve_loss_config
-
         torch.manual_seed(cfg.seed)
         fingerprint = job_fingerprint(job, cfg)
-        # Data: refs to the shards' samples, or (online) the dataset's tokens and the verifier.
+        method = draft_method(cfg.method)
+        # Data: refs to the shards' samples, or (online) the dataset's tokens and the verifier,
+        # in the method's alignment.
         vocab = load_file(job.vocab_map)
         if job.online is None:
-            source = ShardSamples(job.shards, t2d=vocab["t2d"])
+            source = ShardSamples(job.shards, t2d=vocab["t2d"], align=method.align)
             train, evals = source.refs(cfg.sample_fraction)
         else:
             train, eval_tokens = load_token_samples(*job.dataset, train_fraction=cfg.sample_fraction)
-            source = open_verifier(job.verifier_dir, job.online, rt.device, job.log_path, rt.is_main)
+            source = open_verifier(job.verifier_dir, job.online, rt.device, job.log_path, rt.is_main, method.align)
             evals = source.samples(eval_tokens)
         aux_layer_ids = source.aux_layer_ids
         if not train or not evals:
             where = "the dataset" if job.online is not None else "the hidden-state shards"
             raise ValueError(f"{where}: {len(train)} train and {len(evals)} eval samples; both must be non-empty")
-        model = build_draft(
-            job.verifier_dir,
-            vocab["d2t"],
-            vocab["t2d"],
-            num_layers=cfg.num_layers,
-            ttt_steps=cfg.ttt_steps,
-            aux_layer_ids=aux_layer_ids,
-            attn_impl=rt.attn_impl,
-            sliding_window=cfg.sliding_window,
-            attention=cfg.draft_attention,
-            norm_before_fc=cfg.norm_before_fc,
-            norm_output=cfg.norm_output,
-        ).to(rt.device)
+        spec = DraftSpec(
+            job.verifier_dir, vocab["d2t"], vocab["t2d"], aux_layer_ids, method_attn_impl(method, rt.attn_impl)
+        )
+        model = method.build(spec, cfg).to(rt.device)
         if job.online is None and source.compact:  # shards with the compact target
             take_precomputed_targets(model)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -162,11 +155,6 @@ class Trainer:
         # The packing of every epoch is fixed up front (a pure function of the seed), so the
         # schedule knows the exact number of steps and a resumed run sees the same batches.
         epochs = [pack(train, cfg.batch_tokens, shuffle_seed=cfg.seed * 1000 + e) for e in range(cfg.epochs)]
-        fwd_kwargs = {
-            "ttt_steps": cfg.ttt_steps,
-            "ttt_step_loss_decay": cfg.ttt_step_loss_decay,
-            "loss_config": resolve_loss_config(cfg.loss, rt.loss_implementation),
-        }
         trainer = cls(
             job=job,
             cfg=cfg,
@@ -174,13 +162,14 @@ class Trainer:
             model=model,
             params=params,
             optimizer=optimizer,
+            method=method,
             train=train,
             evals=evals,
             source=source,
             epochs=epochs,
             total_steps=sum(steps_in(len(b), rt.world_size) for b in epochs),
-            fwd_kwargs=fwd_kwargs,
-            keys=metric_keys(cfg.ttt_steps),
+            fwd_kwargs=method.forward_kwargs(cfg, rt.loss_implementation),
+            keys=method.metric_keys(cfg),
             fingerprint=fingerprint,
             checkpoint_dir=Path(job.checkpoint_dir) / fingerprint,
         )
@@ -191,8 +180,9 @@ class Trainer:
     def log_setup(self) -> None:
         rt, root = self.rt, self.checkpoint_dir.parent
         log.info(
-            "draft: %.2fM trainable params; %d train / %d eval samples (%d / %d tokens); %d steps on %d %s "
+            "%s draft: %.2fM trainable params; %d train / %d eval samples (%d / %d tokens); %d steps on %d %s "
             "process(es); attention %s, loss %s; checkpoints in %s",
+            self.cfg.method,
             sum(p.numel() for p in self.params) / 1e6,
             len(self.train),
             len(self.evals),
@@ -261,7 +251,7 @@ class Trainer:
                 row = self.train_row(epoch, lr, grad_norm, window)
                 bar.set_postfix(
                     loss=f"{row['loss']:.3f}",
-                    acc0=f"{row['full_acc_0']:.2f}",
+                    acc0=f"{self.method.first_accuracy(row):.2f}",
                     tok_s=f"{row['tokens_per_s']:.0f}",
                     refresh=False,
                 )
@@ -336,7 +326,7 @@ class Trainer:
             "grad_norm": float(grad_norm),
             "tokens": window.tokens,
             "tokens_per_s": window.tokens / elapsed,
-            **summarise(dict(zip(self.keys, window.sums.tolist(), strict=True)), self.cfg.ttt_steps),
+            **self.method.summarise(dict(zip(self.keys, window.sums.tolist(), strict=True)), self.cfg),
         }
         self.state.rows.append(row)
         window.reset()
@@ -346,7 +336,15 @@ class Trainer:
         """Validation metrics as a row; the best weights so far are kept for export."""
         state = self.state
         val = evaluate(
-            self.model, self.evals, self.cfg.batch_tokens, self.fwd_kwargs, self.rt, self.keys, self.eval_samples
+            self.model,
+            self.evals,
+            self.cfg.batch_tokens,
+            self.fwd_kwargs,
+            self.rt,
+            self.keys,
+            lambda totals: self.method.summarise(totals, self.cfg),
+            self.eval_samples,
+            walk_steps=self.cfg.ttt_steps if self.method.chain else None,
         )
         state.rows.append(
             {"step": state.step, "epoch": epoch, "split": "eval", "train_samples": len(self.train), **val}

@@ -11,6 +11,7 @@ which is what online mode costs: one verifier forward per training batch.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,7 +73,10 @@ def load_token_samples(
 class VerifierStates:
     """The verifier, loaded once on the training device, turning token samples into samples."""
 
-    def __init__(self, verifier_dir: str, settings: OnlineStates, device: torch.device):
+    def __init__(
+        self, verifier_dir: str, settings: OnlineStates, device: torch.device, align: Callable[..., Sample] = shift
+    ):
+        self.align = align  # the draft method's alignment (train.methods)
         self.aux_layer_ids = resolve_aux_layer_ids(settings.aux_layer_ids, verifier_geometry(verifier_dir))
         self.settings = settings
         compute_dtype = resolve_compute_dtype(settings.compute_dtype, device.type)
@@ -93,7 +97,7 @@ class VerifierStates:
         out = []
         for s, (aux, final) in zip(items, states, strict=True):
             out.append(
-                shift(
+                self.align(
                     torch.tensor(s.input_ids, dtype=torch.long),
                     as_read_back(aux, len(self.aux_layer_ids), self.settings.dtype),
                     as_read_back(final, 1, self.settings.dtype),
@@ -104,10 +108,15 @@ class VerifierStates:
 
 
 def open_verifier(
-    verifier_dir: str, settings: dict[str, Any], device: torch.device, log_path: str | None, is_main: bool
+    verifier_dir: str,
+    settings: dict[str, Any],
+    device: torch.device,
+    log_path: str | None,
+    is_main: bool,
+    align: Callable[..., Sample] = shift,
 ) -> VerifierStates:
     """Load the verifier for online training; the load goes into the run's load ledger."""
-    states = VerifierStates(verifier_dir, typed(OnlineStates, settings, "hidden_states"), device)
+    states = VerifierStates(verifier_dir, typed(OnlineStates, settings, "hidden_states"), device, align)
     if log_path and is_main:
         ledger = Path(log_path).parent / "servers"
         ledger.mkdir(parents=True, exist_ok=True)
