@@ -1,10 +1,12 @@
 """A peer's draft on the same data: speculators' own trainer, with its defaults, on a finished run.
 
-    .venv/bin/python bench/peer_draft.py --workdir DIR [--configfile my.yaml ...] [--out OUT]
+    .venv/bin/python bench/peer_draft.py --workdir DIR [--configfile my.yaml ...] [--variant NAME] [--out OUT]
 
 Reads a finished run of the config in DIR (its prepared verifier, the dataset's train split,
-the hidden-state shards and the default draft's vocabulary) and trains an EAGLE-3 draft the
-way a user of speculators 0.9.0 would, through its console entry points:
+the hidden-state shards and the vocabulary of a variant's draft, `default` unless --variant
+says) and trains a draft of the variant's method (`train.method`: speculators'
+`--speculator-type`, with the variant's `num_depths` for P-EAGLE and `block_size` for DFlash)
+the way a user of speculators 0.9.0 would, through its console entry points:
 
 1. `speculators prepare-data` on the run's train rows as they are (`input_ids`, `loss_mask`:
    speculators passes such rows through without rendering; it shuffles them and counts the
@@ -28,7 +30,7 @@ way a user of speculators 0.9.0 would, through its console entry points:
    run's own draft. With the default OUT, `bench/standard_sets.py --draft speculators`
    measures it on the standard sets.
 
-The training budget is eagleflow's: the tokens the run's own draft saw (the sum of its
+The training budget is eagleflow's: the tokens the variant's own draft saw (the sum of its
 `train/metrics.jsonl`) set the epochs, counted over the 90% of the rows speculators trains on
 (`--epochs N` sets them instead; speculators' own default is 20). `--total-seq-len 512` steps at
 the run's own batch size, so both trainers take about as many steps. The trainer's wall and CPU time,
@@ -39,7 +41,8 @@ written, and speculators resumes from its last checkpoint. speculators' trainer 
 flag and moves the draft to device 0: on a machine without an accelerator the script runs it
 through `bench/speculators_on_cpu.py`, which hands it the CPU, with the flags a CPU needs
 (`--loss-implementation eager --draft-attn-impl sdpa --num-workers 0 --save-best`). Nothing
-under DIR is written except OUT (default: results/<run>/drafts/speculators/).
+under DIR is written except OUT (default: results/<run>/drafts/speculators/, and
+speculators-<variant>/ for another variant).
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ from devkit.runs import FinishedRun
 from eagleflow.common.atomic import atomic_path, write_jsonl, write_safetensors
 from eagleflow.hidden_states.shard_reader import read_shard
 from eagleflow.runtime.logs import configure_logging
+from eagleflow.variants import draft_id, variant_config, vocab_id
 
 log = logging.getLogger("peer_draft")
 
@@ -182,11 +186,26 @@ def export_draft(checkpoints: Path, draft: Path) -> None:
     log.info("draft: %s (from %s)", draft, best.resolve().name)
 
 
+def method_shape(train: dict) -> list[str]:
+    """speculators' flags for the shape a method's draft takes from the variant's train section:
+    P-EAGLE's depths, DFlash's block (EAGLE-3's chain length is speculators' own default, 3)."""
+    return {
+        "peagle": ["--num-depths", str(train["num_depths"])],
+        "dflash": ["--block-size", str(train["block_size"])],
+        "dspark": ["--block-size", str(train["block_size"])],
+    }.get(train["method"], [])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", type=Path, default=Path("."))
     parser.add_argument("--configfile", nargs="*", default=[])
-    parser.add_argument("--out", type=Path, help="default: results/<run>/drafts/speculators under the workdir")
+    parser.add_argument(
+        "--variant", default="default", help="the variant whose method, shape and budget the peer takes"
+    )
+    parser.add_argument(
+        "--out", type=Path, help="default: results/<run>/drafts/speculators[-<variant>] under the workdir"
+    )
     parser.add_argument("--epochs", type=int, help="default: the tokens eagleflow's default draft saw")
     parser.add_argument(
         "--total-seq-len",
@@ -197,13 +216,15 @@ def main() -> None:
     configure_logging(sys.stderr)
     finished = FinishedRun.of(args.workdir, args.configfile)
     config, run, verifier = finished.config, finished.run, finished.verifier
-    out = (args.out or run / "drafts/speculators").resolve()
+    train, draft = variant_config(config, args.variant)["train"], draft_id(config, args.variant)
+    suffix = "" if args.variant == "default" else f"-{args.variant}"
+    out = (args.out or run / f"drafts/speculators{suffix}").resolve()
     remote_code = ["--trust-remote-code"] if config["verifier"]["trust_remote_code"] else []
     index = shard_index(run)
     data = out / "data"
 
     max_len, train_tokens = write_train_rows(run / "dataset/train.parquet", out / "train.jsonl")
-    budget = tokens_seen(run / "drafts/default/train/metrics.jsonl") if args.epochs is None else None
+    budget = tokens_seen(run / f"drafts/{draft}/train/metrics.jsonl") if args.epochs is None else None
     epochs = args.epochs or max(1, round(budget / (TRAIN_DATA_RATIO * train_tokens)))
     log.info("%d epochs over %d train tokens (eagleflow's draft saw %s)", epochs, train_tokens, budget)
     speculators(
@@ -219,8 +240,12 @@ def main() -> None:
         "train",
         *("--verifier-name-or-path", verifier, *remote_code, "--data-path", str(data)),
         *("--save-path", str(out / "checkpoints"), "--target-layer-ids", *map(str, index["aux_layer_ids"])),
-        *("--num-layers", str(config["train"]["num_layers"])),
-        *("--draft-vocab-size", str(draft_vocab_size(run / "vocab/default/vocab_map.safetensors"))),
+        *("--speculator-type", train["method"], *method_shape(train)),
+        *("--num-layers", str(train["num_layers"])),
+        *(
+            "--draft-vocab-size",
+            str(draft_vocab_size(run / f"vocab/{vocab_id(config, args.variant)}/vocab_map.safetensors")),
+        ),
         *("--epochs", str(epochs)),
         *(("--total-seq-len", str(args.total_seq_len)) if args.total_seq_len else ()),
         cwd=out,
@@ -228,7 +253,8 @@ def main() -> None:
     wall_s = time.monotonic() - started
     cpu_s = children_cpu_s() - cpu_before
     export_draft(out / "checkpoints", out / "draft")
-    summary = {"epochs": epochs, "train_tokens": train_tokens, "eagleflow_tokens_seen": budget}
+    summary = {"variant": args.variant, "method": train["method"], "epochs": epochs, "train_tokens": train_tokens}
+    summary |= {"eagleflow_tokens_seen": budget}
     summary |= {"total_seq_len": args.total_seq_len, "train_wall_s": wall_s, "train_cpu_s": cpu_s}  # null: its default
     with atomic_path(out / "peer.json") as tmp:
         tmp.write_text(json.dumps(summary, indent=1) + "\n")

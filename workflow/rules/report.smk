@@ -119,3 +119,22 @@ rule compare:
         code=code("compare"),
     script:
         "../eagleflow/entry/compare.py"
+
+
+rule best_draft:
+    input:
+        reports=every_variant("benchmark/report.json"),
+        drafts=every_draft("draft"),
+    output:
+        draft=directory(results("best/draft")),
+        choice=results("best/choice.json"),
+    log:
+        logs("best_draft"),
+    conda:
+        "../envs/data.yaml"
+    params:
+        variants=VARIANTS,
+        best=config["best"],
+        code=code("best_draft"),
+    script:
+        "../eagleflow/entry/best_draft.py"

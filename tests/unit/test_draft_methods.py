@@ -1,0 +1,158 @@
+"""Draft methods (train/methods.py): each of speculators' draft models trains through the same
+step, reports the metrics its summary reads, exports in the format vLLM loads and reloads as
+it trained; the speculative config each is served with is vLLM's own reading of its
+checkpoint; a block drafter is served with the causality it trained with."""
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from eagleflow.benchmark.parity_checks import check_block_causality
+from eagleflow.benchmark.speculative import serving_config, speculative_config
+from eagleflow.common.config import ConfigError, typed
+from eagleflow.train.config import TrainConfig
+from eagleflow.train.data import collate, shift, unshifted
+from eagleflow.train.device import Runtime
+from eagleflow.train.draft import export_draft, load_draft
+from eagleflow.train.methods import METHODS, DraftSpec, method_attn_impl
+from eagleflow.train.optimizer import build_optimizer
+from eagleflow.train.steps import packed_batch, train_step
+from eagleflow.variants import check_drafts_servable
+from tests.helpers import REPO, TINY_AUX, TINY_VOCAB, random_samples
+
+DEFAULT = yaml.safe_load((REPO / "config/config.yaml").read_text())
+CPU = Runtime(0, 1, torch.device("cpu"), "doc_sdpa", "eager")
+
+
+def method_cfg(name: str) -> TrainConfig:
+    return typed(TrainConfig, {**DEFAULT["train"], "method": name, "num_depths": 3, "block_size": 4}, "train")
+
+
+def tiny_method_draft(name: str, verifier_dir) -> torch.nn.Module:
+    t2d = torch.zeros(TINY_VOCAB, dtype=torch.bool)
+    t2d[::2] = True
+    d2t = torch.nonzero(t2d).flatten() - torch.arange(int(t2d.sum()))
+    torch.manual_seed(0)
+    method = METHODS[name]
+    spec = DraftSpec(str(verifier_dir), d2t, t2d, TINY_AUX, method_attn_impl(method, CPU.attn_impl))
+    return method.build(spec, method_cfg(name))
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_every_method_trains_a_step_and_summarises_what_its_loss_reports(tiny_llama_dir, name):
+    method, cfg = METHODS[name], method_cfg(name)
+    model = tiny_method_draft(name, tiny_llama_dir)
+    params = [p for p in model.parameters() if p.requires_grad]
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    samples = [
+        method.align(s.input_ids, s.hidden_states, s.verifier_last_hidden_states, s.loss_mask)
+        for s in random_samples([30, 25, 20], seed=1)
+    ]
+    batch = packed_batch(samples, 128, CPU)
+    fwd = method.forward_kwargs(cfg, "eager")
+    _, _, metrics = model(**collate(samples, 128), **fwd)
+    keys = method.metric_keys(cfg)
+    assert [k for k in keys if k != "num_batches" and k not in metrics] == []
+    optimizer = build_optimizer(model, "muon", 1e-3, 0.0)
+    _, totals = train_step(model, params, optimizer, batch, CPU, fwd, lr=1e-3, loss_scale=1.0, grad_clip=1.0, keys=keys)
+    assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters() if n in before)
+    summary = method.summarise(dict(zip(keys, totals.tolist(), strict=True)), cfg)
+    assert summary["loss"] == pytest.approx(float(totals[keys.index("loss_sum")])) and summary["loss"] > 0
+    assert 1.0 <= summary["estimated_acceptance_length"] <= 1.0 + len(method.positions(cfg))
+    assert 0.0 <= method.first_accuracy(summary) <= 1.0
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_every_method_exports_what_reloads_as_it_trained(tiny_llama_dir, tmp_path, name):
+    model = tiny_method_draft(name, tiny_llama_dir)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.01 * torch.randn_like(p))  # trained weights, not the initialisation
+    export_draft(model, model.state_dict(), tmp_path / "draft", str(tiny_llama_dir))
+    config = json.loads((tmp_path / "draft/config.json").read_text())
+    assert config["speculators_model_type"] == name
+    back = load_draft(str(tmp_path / "draft"), str(tiny_llama_dir), attn_impl="sdpa")
+    assert type(back) is type(model)
+    ours, theirs = model.state_dict(), back.state_dict()
+    assert set(ours) == set(theirs)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    for key, value in ours.items():
+        stored = value.to(torch.bfloat16).float() if value.is_floating_point() else value
+        reloaded = theirs[key].to(stored.dtype)
+        # What training changed comes from the checkpoint (bfloat16, as vLLM loads it); the
+        # verifier's frozen tensors a method leaves out of it, from the verifier again.
+        assert torch.equal(reloaded, stored) or (key not in trained and torch.equal(reloaded, value)), key
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_the_speculative_config_is_vllms_reading_of_the_checkpoint(tiny_llama_dir, tmp_path, name):
+    """What vLLM derives from a speculators checkpoint (SpeculatorsConfig.build_vllm_speculative_config)
+    is what the benchmark serves: the method, parallel drafting for P-EAGLE, the trained block's
+    length; only EAGLE-3's chain takes benchmark.num_speculative_tokens."""
+    base = pytest.importorskip("vllm.transformers_utils.configs.speculators.base")
+    model = tiny_method_draft(name, tiny_llama_dir)
+    export_draft(model, model.state_dict(), tmp_path / "draft", str(tiny_llama_dir))
+    config = json.loads((tmp_path / "draft/config.json").read_text())
+    vllms = base.SpeculatorsConfig.build_vllm_speculative_config(config)
+    k = vllms["num_speculative_tokens"]
+    assert serving_config(config, k) == vllms
+    served = speculative_config(str(tmp_path / "draft"), k + 2)
+    assert served["model"] == str((tmp_path / "draft").resolve())
+    assert served["num_speculative_tokens"] == (k + 2 if name == "eagle3" else k)
+
+
+@pytest.mark.parametrize("name", ["dflash", "dspark"])
+def test_a_block_drafter_is_served_with_the_causality_it_trained_with(tiny_llama_dir, tmp_path, name):
+    """speculators trains a block drafter's full-attention layers bidirectionally; vLLM applies
+    one causality to every layer, read from sliding_window_non_causal. The exported draft says
+    bidirectional, vLLM's own config conversion reads it so, and parity flags the other."""
+    algos = pytest.importorskip("vllm.transformers_utils.configs.speculators.algos")
+    model = tiny_method_draft(name, tiny_llama_dir)
+    export_draft(model, model.state_dict(), tmp_path / "draft", str(tiny_llama_dir))
+    config = json.loads((tmp_path / "draft/config.json").read_text())
+    assert check_block_causality(config) == []
+    served = {}
+    algos.update_dflash(config, served)
+    assert served["dflash_config"]["causal"] is False
+    flipped = {**config, "sliding_window_non_causal": False}
+    (finding,) = check_block_causality(flipped)
+    assert finding.check == "block_causality" and "vLLM serves every layer causal" in finding.detail
+
+
+def test_the_block_alignment_keeps_each_token_with_its_own_state():
+    """DFlash trains on (x_t, g_t, y_t) (speculators shifts EAGLE-3's and P-EAGLE's batches only),
+    one position shorter than the sample, as the shifted form is."""
+    ids, g, y = torch.arange(10, 15), torch.arange(5.0).unsqueeze(1), torch.arange(5.0).unsqueeze(1) + 100
+    mask = torch.tensor([0, 1, 1, 1, 1]).bool()
+    block, chain = unshifted(ids, g, y, mask), shift(ids, g, y, mask)
+    assert block.input_ids.tolist() == [10, 11, 12, 13] and block.hidden_states[:, 0].tolist() == [0, 1, 2, 3]
+    assert block.verifier_last_hidden_states[:, 0].tolist() == [100, 101, 102, 103]
+    assert block.loss_mask.tolist() == [False, True, True, True]
+    assert len(block) == len(chain) == 4 and chain.input_ids.tolist() == [11, 12, 13, 14]
+
+
+def test_peagles_estimate_multiplies_its_depths_and_dflashs_is_its_block_run():
+    cfg = method_cfg("peagle")
+    totals = {"num_batches": 1.0, "loss_sum": 2.0, "full_acc_sum": 6.0, "full_acc_total": 12.0}
+    for d, acc in enumerate([0.8, 0.5, 0.25]):
+        totals |= {f"position_{d}_acc_sum": acc * 4, f"position_{d}_acc_total": 4.0}
+    out = METHODS["peagle"].summarise(totals, cfg)
+    assert out["estimated_acceptance_length"] == pytest.approx(1 + 0.8 + 0.8 * 0.5 + 0.8 * 0.5 * 0.25)
+    cfg = method_cfg("dflash")
+    totals = {"num_batches": 1.0, "loss_sum": 2.0, "full_acc_sum": 1.0, "full_acc_total": 2.0, "eal_sum": 9.0}
+    totals |= {"eal_total": 6.0} | {f"position_{p}_acc_{t}": 1.0 for p in (1, 2, 3) for t in ("sum", "total")}
+    assert METHODS["dflash"].summarise(totals, cfg)["estimated_acceptance_length"] == pytest.approx(1.5)
+
+
+def test_a_method_vllm_serves_on_gpus_only_is_refused_on_vllm_cpu_before_any_job(tmp_path, monkeypatch):
+    import eagleflow.runtime.vllm_cpu as vllm_cpu
+
+    monkeypatch.setattr(vllm_cpu, "vllm_cpu_installed", lambda: True)
+    config = {**DEFAULT, "variants": {"spark": {"train": {"method": "dspark"}}}}
+    with pytest.raises(ConfigError, match=r"variants.spark: train.method: dspark: vLLM serves DSpark on its V2"):
+        check_drafts_servable(config, str(tmp_path))
+    check_drafts_servable({**config, "server": {**DEFAULT["server"], "command": ["my-vllm"]}}, str(tmp_path))
+    check_drafts_servable({**config, "variants": {"flash": {"train": {"method": "dflash"}}}}, str(tmp_path))

@@ -1,0 +1,3 @@
+from eagleflow.report.best import main
+
+main(snakemake)
