@@ -11,7 +11,7 @@ import yaml
 from devkit.runs import copy_finished_run, planned_jobs
 from tests.helpers import REPO, SNAKEMAKE
 
-CONFIG = ["--configfile", str(REPO / "tests/config/small.yaml")]
+SMALL = str(REPO / "tests/config/small.yaml")
 # A few steps each: enough to export a draft vLLM loads and counts drafts of.
 METHODS = {
     "peagle": {"train": {"method": "peagle", "num_depths": 3, "epochs": 1}},
@@ -19,8 +19,11 @@ METHODS = {
 }
 
 
-def snakemake(wf, *args, check=True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([*SNAKEMAKE, *CONFIG, *args], cwd=wf, capture_output=True, text=True, timeout=1800)
+def snakemake(wf, overlay, *args, check=True) -> subprocess.CompletedProcess:
+    """Snakemake on the test run's config with `overlay` over it (one --configfile: a second
+    flag would replace the first)."""
+    cmd = [*SNAKEMAKE, "--configfile", SMALL, str(overlay), *args]
+    proc = subprocess.run(cmd, cwd=wf, capture_output=True, text=True, timeout=1800)
     assert not check or proc.returncode == 0, proc.stderr[-4000:]
     return proc
 
@@ -29,12 +32,12 @@ def test_each_method_trains_on_the_runs_states_and_vllm_serves_it(finished_run, 
     wf = copy_finished_run(finished_run, tmp_path / "wf")
     overlay = tmp_path / "methods.yaml"
     overlay.write_text(yaml.safe_dump({"variants": METHODS}))
-    plan = planned_jobs(snakemake(wf, "--configfile", str(overlay), "-n").stdout)
+    plan = planned_jobs(snakemake(wf, overlay, "-n").stdout)
     # The methods share the run's data, vocabulary and hidden states: only their drafts are new.
     assert {"train", "benchmark", "parity", "report", "compare"} <= set(plan)
     assert not {"generate", "synth", "dataset", "hidden_states", "vocab", "baseline"} & set(plan)
 
-    snakemake(wf, "--configfile", str(overlay), "--cores", "2")
+    snakemake(wf, overlay, "--cores", "2")
     results = wf / "results/small"
     served = {}
     for name, expected in (
@@ -54,13 +57,13 @@ def test_each_method_trains_on_the_runs_states_and_vllm_serves_it(finished_run, 
     compare = (results / "report.md").read_text()
     assert "| peagle | peagle | 3 |" in compare and "| dflash | dflash | 3 |" in compare
     assert "| default | eagle3 |" in compare
-    assert planned_jobs(snakemake(wf, "--configfile", str(overlay), "-n").stdout) == {}
+    assert planned_jobs(snakemake(wf, overlay, "-n").stdout) == {}
 
 
 def test_a_method_vllm_cpu_cannot_serve_is_refused_before_any_job(finished_run, tmp_path):
     wf = copy_finished_run(finished_run, tmp_path / "wf")
     overlay = tmp_path / "dspark.yaml"
     overlay.write_text(yaml.safe_dump({"variants": {"spark": {"train": {"method": "dspark"}}}}))
-    proc = snakemake(wf, "--configfile", str(overlay), "-n", check=False)
+    proc = snakemake(wf, overlay, "-n", check=False)
     assert proc.returncode != 0
-    assert "variants.spark: train.method: dspark: vLLM serves DSpark on its V2 model runner only" in proc.stderr
+    assert "variants.spark: train.method: dspark: vLLM serves DSpark on its V2 model runner only" in proc.stdout + proc.stderr
