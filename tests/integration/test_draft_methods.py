@@ -66,4 +66,7 @@ def test_a_method_vllm_cpu_cannot_serve_is_refused_before_any_job(finished_run, 
     overlay.write_text(yaml.safe_dump({"variants": {"spark": {"train": {"method": "dspark"}}}}))
     proc = snakemake(wf, overlay, "-n", check=False)
     assert proc.returncode != 0
-    assert "variants.spark: train.method: dspark: vLLM serves DSpark on its V2 model runner only" in proc.stdout + proc.stderr
+    assert (
+        "variants.spark: train.method: dspark: vLLM serves DSpark on its V2 model runner only"
+        in proc.stdout + proc.stderr
+    )

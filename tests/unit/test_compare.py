@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from eagleflow.report.compare import fit_learning_curve, predict_k, recommend_k, run_compare
+from eagleflow.report.compare import fit_learning_curve, predict_k, recommend_k, run_compare, variant_row
 
 
 def test_a_clean_log_curve_is_recovered_with_a_tight_interval():
@@ -43,6 +43,7 @@ def row(name, k, per_pos, samples, tps=50.0, set_lengths=None):
         "tokens_per_s": tps,
         "baseline_tokens_per_s": 55.0,
         "speedup": tps / 55.0,
+        "step_ratio": (1 + sum(per_pos)) * 55.0 / tps,
         "baseline_measurement": "the run's baseline job (baseline/report.json)",
         "train_s": 120.0,
         "draft_mb": 12.5,
@@ -86,6 +87,8 @@ def test_the_report_carries_the_table_the_curve_and_the_k_check(tmp_path):
     md = (tmp_path / "md.md").read_text()
     assert "Speedups are against the verifier alone: the run's baseline job (baseline/report.json)." in md
     assert "| default | eagle3 | 3 | 1.700 | 0.400 / 0.200 / 0.100 |" in md
+    assert "- mean acceptance length: `default` (eagle3, k=3) 1.700 > `k2` (eagle3, k=2) 1.600 > `lc-50`" in md
+    assert "- speedup: `k2` (eagle3, k=2) 0.95x > `default` (eagle3, k=3) 0.91x" in md
     # A column per other set and temperature; empty where a variant did not measure it.
     assert "| mean acceptance length, mt_bench@T0 | mean acceptance length, mt_bench@T0.7 |" in md
     assert "| 120 s | 12.5 MB | 1.450 | 1.300 |" in md and "| 120 s | 12.5 MB | 1.250 |  |" in md
@@ -110,3 +113,25 @@ def test_a_draft_run_faster_per_step_than_the_verifier_alone_is_flagged(tmp_path
     out2 = {k: str(tmp_path / f"b{k}.x") for k in out}
     run_compare([row("default", 3, [0.4, 0.2, 0.1], 400, tps=50.0)], [], [], out2, GENERATE, LOADS)
     assert "Caution" not in (tmp_path / "bmd.x").read_text()
+
+
+def test_a_variants_row_carries_its_method_and_the_step_time_its_draft_costs():
+    """A step with the draft makes L tokens at S tokens/s, one of the verifier alone 1 at B:
+    the step costs L * B / S of the verifier's, whatever the method drafted."""
+    report = {
+        "method": "dflash",
+        "num_speculative_tokens": 7,
+        "speculative": {
+            "mean_acceptance_length": 1.5,
+            "per_position_acceptance": [0.3] * 7,
+            "output_tokens_per_s": 45.0,
+        },
+        "baseline": {"output_tokens_per_s": 50.0},
+        "speedup": 0.9,
+        "baseline_measurement": "the run's baseline job",
+        "cells": {},
+    }
+    metrics = [{"split": "eval", "step": 10, "loss": 1.0, "estimated_acceptance_length": 1.8, "train_samples": 300}]
+    row = variant_row("dflash", report, metrics, 60.0, 10**7)
+    assert row["method"] == "dflash" and row["k"] == 7
+    assert row["step_ratio"] == pytest.approx(1.5 * 50.0 / 45.0)

@@ -96,6 +96,9 @@ def variant_row(
         "tokens_per_s": spec["output_tokens_per_s"],
         "baseline_tokens_per_s": report["baseline"]["output_tokens_per_s"],
         "speedup": report["speedup"],
+        # A step with the draft (drafting, then verifying k + 1 tokens) against one of the verifier
+        # alone: L tokens a step at S tokens/s, one at B. The draft's whole cost as served.
+        "step_ratio": spec["mean_acceptance_length"] / report["speedup"],
         "baseline_measurement": report["baseline_measurement"],
         "train_s": train_s,
         "draft_mb": size / 1e6,
@@ -229,6 +232,7 @@ TABLE = [
     ("training samples", "train_samples", "{}"),
     ("tokens/s with draft", "tokens_per_s", "{:.1f}"),
     ("speedup", "speedup", "{:.2f}x"),
+    ("step time / verifier step", "step_ratio", "{:.2f}x"),
     ("training time", "train_s", "{:.0f} s"),
     ("draft size", "draft_mb", "{:.1f} MB"),
 ]
@@ -245,6 +249,26 @@ def cells(row: dict[str, Any], set_keys: list[str]) -> list[str]:
 def set_columns(rows: list[dict[str, Any]]) -> list[str]:
     """The other sets' cells (`mt_bench@T0`, ...) any variant measured, in measurement order. Pure."""
     return list(dict.fromkeys(k for r in rows for k in r["set_lengths"]))
+
+
+def ranking_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The drafts ranked by what vLLM measured on the held-out prompts (greedy): acceptance
+    length, then speedup; each method at its own draft length. With one draft, nothing. Pure."""
+    if len(rows) < 2:
+        return []
+
+    def ranked(key: str, fmt: str) -> str:
+        order = sorted(rows, key=lambda r: -r[key])  # stable: ties keep the variants' order
+        return " > ".join(f"`{r['variant']}` ({r['method']}, k={r['k']}) {fmt.format(r[key])}" for r in order)
+
+    return [
+        "Ranked by what vLLM measured on the held-out prompts at T = 0 (each draft at its own length; "
+        "`results/<run>/best/draft` is the first by the config's `best` rule):",
+        "",
+        f"- mean acceptance length: {ranked('mean_acceptance_length', '{:.3f}')}",
+        f"- speedup: {ranked('speedup', '{:.2f}x')}",
+        "",
+    ]
 
 
 def render_comparison(
@@ -272,6 +296,7 @@ def render_comparison(
         "",
         f"![per-position acceptance per variant]({plots['acceptance_png']})",
         "",
+        *ranking_lines(rows),
         "## Learning curve",
         "",
     ]
