@@ -361,6 +361,16 @@ def test_online_training_loads_the_verifier_once_and_learns_from_its_states(unin
     assert [(r["step"], r["split"]) for r in online_rows] == [(r["step"], r["split"]) for r in offline_rows]
     assert online_rows[-1]["loss"] != offline_rows[-1]["loss"]
 
+    # Learns from its states: on held-out samples the draft ends far closer to the verifier than
+    # at its first evaluation (here 0.140 -> 0.109), and gains more than the same run on the
+    # shards' random states, where only the tokens teach it (0.143 -> 0.134).
+    def eval_drop(rows):
+        evals = [r["loss"] for r in rows if r["split"] == "eval"]
+        return 1 - evals[-1] / evals[0]
+
+    assert eval_drop(online_rows) >= 0.15
+    assert eval_drop(online_rows) >= 2 * eval_drop(offline_rows)
+
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
 def test_online_states_are_those_the_offline_stage_stores(inputs, tiny_llama_dir, tmp_path, dtype):
