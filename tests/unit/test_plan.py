@@ -12,22 +12,34 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from eagleflow.common.atomic import write_jsonl
+from eagleflow.common.config import typed
 from eagleflow.plan.loads import RunInfoLine
-from eagleflow.plan.needs import load_merged_config, make_plan, planned_disk_line, render, summary_line
+from eagleflow.plan.needs import (
+    distinct_drafts,
+    load_merged_config,
+    make_plan,
+    planned_disk_line,
+    render,
+    summary_line,
+)
 from eagleflow.plan.sizes import (
     Geometry,
     draft_export_bytes,
     draft_params,
+    draft_positions,
     estimated_weight_bytes,
     optimizer_state_floats,
 )
 from eagleflow.plan.tokens import planned_tokens, tokens_from_prompts
-from eagleflow.train.draft import build_draft, export_draft
+from eagleflow.train.config import TrainConfig
+from eagleflow.train.draft import export_draft
+from eagleflow.train.methods import METHODS, DraftSpec
 from eagleflow.train.optimizer import build_optimizer
 from eagleflow.variants import merged
 from tests.helpers import REPO
 
 REPO_CONFIG = load_merged_config([], REPO)
+DEFAULT = REPO_CONFIG
 
 
 def test_prompt_tokens_bound_each_turn_with_every_earlier_turn_and_reply():
@@ -55,20 +67,23 @@ def test_the_kimi_example_verifier_is_about_595_gb_in_int4():
     assert 580e9 < int4 < 610e9 and 1.9e12 < bf16 < 2.1e12  # 1T parameters
 
 
-def test_draft_params_and_export_size_match_the_draft_eagleflow_builds(tiny_llama_dir, tmp_path):
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_draft_params_and_export_size_match_the_draft_eagleflow_builds(tiny_llama_dir, tmp_path, method):
+    """The plan's counts of every method's draft: trainable and frozen parameters, the
+    optimizer's state as train.optimizer builds it, the exported file's size."""
     vocab = 64
     d2t = torch.arange(vocab) * 2 - torch.arange(vocab)
-    t2d = torch.zeros(json.loads((tiny_llama_dir / "config.json").read_text())["vocab_size"], dtype=torch.bool)
+    verifier = json.loads((tiny_llama_dir / "config.json").read_text())
+    t2d = torch.zeros(verifier["vocab_size"], dtype=torch.bool)
     t2d[torch.arange(vocab) * 2] = True
+    g = Geometry.from_config(verifier)
     for layers in (1, 2):
-        draft = build_draft(
-            str(tiny_llama_dir), d2t, t2d, num_layers=layers, ttt_steps=3, aux_layer_ids=[2, 4, 5], attn_impl="sdpa"
-        )
+        train = {**DEFAULT["train"], "method": method, "num_layers": layers, "num_depths": 3, "block_size": 4}
+        spec = DraftSpec(str(tiny_llama_dir), d2t, t2d, [2, 4, 5], "sdpa")
+        draft = METHODS[method].build(spec, typed(TrainConfig, train, "train"))
         trainable = sum(p.numel() for p in draft.parameters() if p.requires_grad)
         frozen = sum(p.numel() for p in draft.parameters() if not p.requires_grad)
-        g = Geometry.from_config(json.loads((tiny_llama_dir / "config.json").read_text()))
-        assert draft_params(g, layers, vocab, 3) == (trainable, frozen)
-        # The optimizer's state as train.optimizer builds it: Muon's buffers and AdamW's moments.
+        assert draft_params(g, train, vocab, 3) == (trainable, frozen)
         for kind in ("adamw", "muon"):
             opt = build_optimizer(draft, kind, lr=1e-3, weight_decay=0.0)
             for p in draft.parameters():
@@ -76,11 +91,24 @@ def test_draft_params_and_export_size_match_the_draft_eagleflow_builds(tiny_llam
             opt.step()
             states = [st for o in getattr(opt, "optimizers", [opt]) for st in o.state.values()]
             held = sum(t.numel() for st in states for t in st.values() if t.ndim)  # not AdamW's step counts
-            assert optimizer_state_floats(g, {"optimizer": kind, "num_layers": layers}, trainable) == held, kind
-        out = tmp_path / f"draft-{layers}"
+            assert optimizer_state_floats(g, {**train, "optimizer": kind}, trainable, 3) == held, kind
+        out = tmp_path / f"draft-{method}-{layers}"
         export_draft(draft, draft.state_dict(), out, str(tiny_llama_dir))
         size = (out / "model.safetensors").stat().st_size
-        assert 0 <= size - draft_export_bytes(g, trainable, vocab) < 4096  # the safetensors header
+        assert 0 <= size - draft_export_bytes(g, trainable, vocab, method) < 4096  # the safetensors header
+
+
+def test_a_run_of_several_methods_plans_each_drafts_training():
+    config = {
+        **DEFAULT,
+        "variants": {"flash": {"train": {"method": "dflash"}}, "k2": {"benchmark": {"num_speculative_tokens": 2}}},
+    }
+    drafts = distinct_drafts(config)
+    assert [t["method"] for t in drafts.values()] == ["eagle3", "dflash"]
+    assert list(drafts)[0] == "default (eagle3): " and list(drafts)[1].endswith("(dflash): ")
+    assert distinct_drafts(DEFAULT) == {"": DEFAULT["train"]}
+    # DFlash runs its layers on anchors times the block, EAGLE-3 on every token per step.
+    assert draft_positions(drafts[list(drafts)[1]]) == 512 * 8 and draft_positions(DEFAULT["train"]) == 512 * 3
 
 
 def write_dataset(root, run, lengths):

@@ -94,7 +94,7 @@ def make_plan(
         verifier_config = json.loads((vdir / "config.json").read_text())
     g = Geometry.from_config(verifier_config)
     plan.tokens = tokens = planned_tokens(config, root, assume_prompt_tokens)
-    hs, train, server = config["hidden_states"], config["train"], config["server"]
+    hs, server = config["hidden_states"], config["server"]
     num_aux = len(hs["aux_layer_ids"] or default_aux_layer_ids(g.num_layers))
     draft_vocab = config["vocab"]["draft_vocab_size"]
     online = hs["mode"] == "online"
@@ -131,25 +131,28 @@ def make_plan(
                 "where": where,
             }
         )
-    trainable, _ = draft_params(g, train["num_layers"], draft_vocab, num_aux)
-    # the weights, the best weights so far, the optimizer's state
-    floats = 2 * trainable + optimizer_state_floats(g, train, trainable)
-    plan.disk.append(
-        {
-            "stage": "train",
-            "what": f"checkpoints: {train['keep_checkpoints']} kept, weights and {train['optimizer']} state in fp32",
-            "bytes": train["keep_checkpoints"] * floats * 4 if train["checkpoint_every"] else 0,
-            "where": root / f"results/{run}/drafts",
-        }
-    )
-    plan.disk.append(
-        {
-            "stage": "train",
-            "what": "the exported draft (bf16, with the embeddings and lm_head vLLM loads)",
-            "bytes": draft_export_bytes(g, trainable, draft_vocab),
-            "where": root / f"results/{run}/drafts",
-        }
-    )
+    drafts = distinct_drafts(config)
+    for label, draft_train in drafts.items():
+        trainable, _ = draft_params(g, draft_train, draft_vocab, num_aux)
+        # the weights, the best weights so far, the optimizer's state
+        floats = 2 * trainable + optimizer_state_floats(g, draft_train, trainable, num_aux)
+        kept, optimizer = draft_train["keep_checkpoints"], draft_train["optimizer"]
+        plan.disk.append(
+            {
+                "stage": "train",
+                "what": f"{label}checkpoints: {kept} kept, weights and {optimizer} state in fp32",
+                "bytes": kept * floats * 4 if draft_train["checkpoint_every"] else 0,
+                "where": root / f"results/{run}/drafts",
+            }
+        )
+        plan.disk.append(
+            {
+                "stage": "train",
+                "what": f"{label}the exported draft (bf16, what vLLM loads)",
+                "bytes": draft_export_bytes(g, trainable, draft_vocab, draft_train["method"]),
+                "where": root / f"results/{run}/drafts",
+            }
+        )
     # Already on disk, not written: the output cache's entries whose outputs were replaced or
     # removed (the rest are links of the outputs and take nothing). Prune frees them.
     entries, held = cache_bytes(root / f"results/{run}")
@@ -179,17 +182,19 @@ def make_plan(
             + (", estimated from config.json)" if estimated else ")"),
         }
     )
-    mem = draft_train_bytes(g, train, draft_vocab, num_aux)
-    nproc = train["nproc_per_node"]
-    plan.gpu.append(
-        {
-            "what": "draft training (estimate)",
-            "bytes": mem["total"],
-            "per": f"per process ({nproc}): {mem['trainable'] / 1e6:.0f}M trainable + {mem['frozen'] / 1e6:.0f}M "
-            f"frozen params {mem['state'] / GB:.1f} GB, activations at batch_tokens {train['batch_tokens']} "
-            f"{mem['activations'] / GB:.1f} GB",
-        }
-    )
+    for label, draft_train in drafts.items():
+        mem_of = draft_train_bytes(g, draft_train, draft_vocab, num_aux)
+        plan.gpu.append(
+            {
+                "what": f"{label}draft training (estimate)",
+                "bytes": mem_of["total"],
+                "per": f"per process ({draft_train['nproc_per_node']}): {mem_of['trainable'] / 1e6:.0f}M trainable + "
+                f"{mem_of['frozen'] / 1e6:.0f}M frozen params {mem_of['state'] / GB:.1f} GB, activations at "
+                f"batch_tokens {draft_train['batch_tokens']} {mem_of['activations'] / GB:.1f} GB",
+            }
+        )
+    # The most any draft of the run needs: what the suggestions below size against.
+    mem = max((draft_train_bytes(g, t, draft_vocab, num_aux) for t in drafts.values()), key=lambda m: m["total"])
     if online:
         plan.gpu.append(
             {
@@ -259,6 +264,20 @@ def suggest(
             f"{plan.gpu_memory / GB:.0f}; halve batch_tokens (activations scale with it)"
         )
     return out
+
+
+def distinct_drafts(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """{label: train section} of every distinct draft the run trains (variants that agree on
+    their vocab and train sections share one); the label is empty for a run of one draft, else
+    `<draft id> (<method>): `. Pure."""
+    from eagleflow.variants import draft_id, variant_config, variant_overrides
+
+    drafts: dict[str, dict[str, Any]] = {}
+    for name in variant_overrides(config):
+        drafts.setdefault(draft_id(config, name), variant_config(config, name)["train"])
+    if len(drafts) == 1:
+        return {"": next(iter(drafts.values()))}
+    return {f"{d} ({t['method']}): ": t for d, t in drafts.items()}
 
 
 def render(plan: Plan) -> str:

@@ -95,57 +95,102 @@ def quantization(config: dict[str, Any]) -> tuple[int, int]:
     return 16, 0
 
 
-def draft_params(g: Geometry, num_layers: int, draft_vocab: int, num_aux: int) -> tuple[int, int]:
-    """(trainable, frozen) parameters of the EAGLE-3 draft eagleflow trains. Pure.
+# speculators' defaults the plan sizes a method with (eagleflow leaves them as they are).
+DSPARK_MARKOV_RANK = 256
+MAX_ANCHORS = {"dflash": 512, "dspark": 3072}
+PEAGLE_DOWN_SAMPLE = (0.7, 0.2)  # COD sampling: depth d keeps max(0.7^d, 0.2) of the positions
 
-    Trainable: the fc over the aux states, `num_layers` Llama layers (the first takes
-    [embedding; state], 2 x hidden, and normalises the state with its own norm) and the final
-    norm. Frozen: the verifier's embeddings, the draft lm_head and the verifier's lm_head rows
-    of the draft vocabulary (both initialised from the verifier's), the verifier's final norm."""
-    h, q, kv = g.hidden_size, g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim
-    layer_in = [2 * h] + [h] * (num_layers - 1)
-    layers = sum(i * (q + 2 * kv) + q * h + 3 * h * g.intermediate_size + 2 * h for i in layer_in)
-    trainable = num_aux * h * h + layers + h + h  # + the first layer's state norm, the final norm
+
+def draft_params(g: Geometry, train: dict[str, Any], draft_vocab: int, num_aux: int) -> tuple[int, int]:
+    """(trainable, frozen) parameters of the draft eagleflow trains for `train` (its method and
+    layers; train/methods.py). Pure.
+
+    EAGLE-3: the fc over the aux states, `num_layers` Llama layers (the first takes [embedding;
+    state], 2 x hidden, and normalises the state with its own norm) and the final norm; frozen:
+    the verifier's embeddings, the draft lm_head and the verifier's lm_head rows of the draft
+    vocabulary (both initialised from the verifier's), the verifier's final norm. P-EAGLE: the
+    same with the embeddings trained and a learned mask state. DFlash: the fc and its norm,
+    Qwen3 layers of hidden-size input (q and k norms of head_dim), the final norm; DSpark adds
+    its Markov bias (vocabulary x rank x draft vocabulary) and confidence head."""
+    h, q, kv, num_layers = g.hidden_size, g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim, train["num_layers"]
+    method = train.get("method", "eagle3")
+    mlp = 3 * h * g.intermediate_size
     frozen = g.vocab_size * h + 2 * draft_vocab * h + h
+    if method in ("dflash", "dspark"):
+        layers = num_layers * (h * (q + 2 * kv) + q * h + 2 * g.head_dim + mlp + 2 * h)
+        trainable = num_aux * h * h + h + layers + h  # fc, its norm, the layers, the final norm
+        if method == "dspark":
+            trainable += DSPARK_MARKOV_RANK * (g.vocab_size + draft_vocab) + h + DSPARK_MARKOV_RANK + 1
+        return trainable, frozen
+    layer_in = [2 * h] + [h] * (num_layers - 1)
+    layers = sum(i * (q + 2 * kv) + q * h + mlp + 2 * h for i in layer_in)
+    trainable = num_aux * h * h + layers + h + h  # + the first layer's state norm, the final norm
+    if method == "peagle":
+        return trainable + g.vocab_size * h + num_aux * h, frozen - g.vocab_size * h
     return trainable, frozen
 
 
-def draft_vector_params(g: Geometry, num_layers: int) -> int:
-    """The draft's trainable vectors (its norms: two a layer, the first layer's state norm, the
-    final norm); every other trainable parameter is a matrix. Pure."""
-    return (2 * num_layers + 2) * g.hidden_size
+def adamw_params(g: Geometry, train: dict[str, Any], num_aux: int) -> int:
+    """The draft's trainable parameters Muon does not take (train.optimizer.takes_muon), which
+    AdamW updates: the norms (two a layer, the first layer's state norm or DFlash's fc norm, the
+    final norm), DFlash's q and k norms, P-EAGLE's embeddings and mask state, DSpark's confidence
+    head. Pure."""
+    h, num_layers, method = g.hidden_size, train["num_layers"], train.get("method", "eagle3")
+    vectors = (2 * num_layers + 2) * h
+    if method == "peagle":
+        return vectors + g.vocab_size * h + num_aux * h
+    if method in ("dflash", "dspark"):
+        vectors += num_layers * 2 * g.head_dim
+        return vectors + (h + DSPARK_MARKOV_RANK + 1 if method == "dspark" else 0)
+    return vectors
 
 
-def optimizer_state_floats(g: Geometry, train: dict[str, Any], trainable: int) -> int:
+def optimizer_state_floats(g: Geometry, train: dict[str, Any], trainable: int, num_aux: int) -> int:
     """float32 values of the optimizer's state (train.optimizer) for `trainable` parameters:
     AdamW keeps two moments of every tensor, Muon one momentum buffer of each matrix and
-    AdamW's two moments of the vectors. Pure."""
+    AdamW's two moments of the rest (adamw_params). Pure."""
     if train["optimizer"] == "adamw":
         return 2 * trainable
-    vectors = draft_vector_params(g, train["num_layers"])
-    return (trainable - vectors) + 2 * vectors
+    rest = adamw_params(g, train, num_aux)
+    return (trainable - rest) + 2 * rest
 
 
-def draft_export_bytes(g: Geometry, trainable: int, draft_vocab: int) -> int:
-    """The exported draft's model.safetensors: the trainable weights, the embeddings and the
-    draft lm_head in bf16, and the vocabulary maps (d2t int64, t2d bool). Pure."""
-    return (trainable + g.vocab_size * g.hidden_size + draft_vocab * g.hidden_size) * 2 + draft_vocab * 8 + g.vocab_size
+def draft_positions(train: dict[str, Any]) -> float:
+    """Positions a training batch of `batch_tokens` runs the draft's layers on: EAGLE-3's chain
+    of ttt_steps over every token; P-EAGLE's COD samples (every token at depth 0, then a
+    decaying share); a block drafter's anchors (up to speculators' max_anchors) times the block.
+    Pure."""
+    tokens, method = train["batch_tokens"], train.get("method", "eagle3")
+    if method == "peagle":
+        ratio, floor = PEAGLE_DOWN_SAMPLE
+        return tokens * (1 + sum(max(ratio**d, floor) for d in range(1, train["num_depths"])))
+    if method in MAX_ANCHORS:
+        return min(tokens, MAX_ANCHORS[method]) * train["block_size"]
+    return tokens * train["ttt_steps"]
+
+
+def draft_export_bytes(g: Geometry, trainable: int, draft_vocab: int, method: str = "eagle3") -> int:
+    """The exported draft's model.safetensors: the trainable weights, the embeddings (EAGLE-3's
+    frozen ones; P-EAGLE's are trained, DFlash and DSpark save none) and the draft lm_head in
+    bf16, and the vocabulary maps (d2t int64, t2d bool). Pure."""
+    embeddings = g.vocab_size * g.hidden_size if method == "eagle3" else 0
+    return (trainable + embeddings + draft_vocab * g.hidden_size) * 2 + draft_vocab * 8 + g.vocab_size
 
 
 def draft_train_bytes(g: Geometry, train: dict[str, Any], draft_vocab: int, num_aux: int) -> dict[str, int]:
     """GPU memory of one training process, estimated. Pure.
 
     fp32 master weights, gradients and the optimizer's state (train.optimizer: AdamW's two
-    moments, or Muon's one momentum buffer of each matrix), fp32 frozen weights, and per token
-    of a batch and per TTT step: the layer's activations (fp32) and the draft-vocabulary logits
-    with their softmax and gradient."""
-    trainable, frozen = draft_params(g, train["num_layers"], draft_vocab, num_aux)
+    moments, or Muon's one momentum buffer of each matrix), fp32 frozen weights, and per
+    position the draft runs on (draft_positions): the layers' activations (fp32) and the
+    draft-vocabulary logits with their softmax and gradient."""
+    trainable, frozen = draft_params(g, train, draft_vocab, num_aux)
     # weights, gradients, the optimizer's state
-    per_trainable = 4 * (2 * trainable + optimizer_state_floats(g, train, trainable))
+    per_trainable = 4 * (2 * trainable + optimizer_state_floats(g, train, trainable, num_aux))
     h, i = g.hidden_size, g.intermediate_size
     per_token = (num_aux * h + train["num_layers"] * (12 * h + 3 * g.num_heads * g.head_dim + 3 * i)) * 4
     per_token += 3 * draft_vocab * 4
-    activations = train["batch_tokens"] * train["ttt_steps"] * per_token
+    activations = int(draft_positions(train) * per_token)
     return {
         "trainable": trainable,
         "frozen": frozen,
