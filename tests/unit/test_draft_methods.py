@@ -156,3 +156,31 @@ def test_a_method_vllm_serves_on_gpus_only_is_refused_on_vllm_cpu_before_any_job
         check_drafts_servable(config, str(tmp_path))
     check_drafts_servable({**config, "server": {**DEFAULT["server"], "command": ["my-vllm"]}}, str(tmp_path))
     check_drafts_servable({**config, "variants": {"flash": {"train": {"method": "dflash"}}}}, str(tmp_path))
+
+
+def test_the_block_replay_of_every_anchor_at_once_is_each_anchor_with_only_its_past(tiny_llama_dir):
+    """benchmark.replay.block_proposals anchors a block at every position of a stream in one
+    forward; what each anchor proposes must be what the draft proposes when the stream ends
+    right after its bonus token (what vLLM has at that step): nothing later leaks in."""
+    from eagleflow.benchmark.replay import block_proposals
+    from eagleflow.train.data import Sample
+
+    torch.manual_seed(0)
+    draft = tiny_method_draft("dflash", tiny_llama_dir).eval()
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # proposals that differ by anchor
+    (s,) = random_samples([14], seed=4)
+    sample = Sample(s.input_ids, s.hidden_states, s.verifier_last_hidden_states, torch.ones(14, dtype=torch.bool))
+    k = draft.block_size - 1
+    every = block_proposals(draft, sample, k)
+    assert len(every) == k and all(len(step) == 14 for step in every)
+    assert len({tuple(step) for step in every}) > 1
+    for anchor in (0, 5, 11):  # the block at anchor + 1, the stream cut after its token
+        n = anchor + 2
+        cut = Sample(
+            sample.input_ids[:n], sample.hidden_states[:n], sample.verifier_last_hidden_states[:n], sample.loss_mask[:n]
+        )
+        alone = block_proposals(draft, cut, k)
+        assert [step[anchor] for step in alone] == [step[anchor] for step in every], anchor
+    assert [step[13] for step in every] == [-1] * k  # the last position anchors nothing

@@ -59,8 +59,9 @@ from eagleflow.train.data import Sample, shift
 
 log = logging.getLogger(__name__)
 
-# The draft methods whose drafting the replay reproduces (benchmark/replay.py: EAGLE-3's chain).
-REPLAYED = ("eagle3",)
+# The draft methods whose drafting the replay reproduces (benchmark/replay.py): EAGLE-3's chain
+# on shifted samples, DFlash's block on unshifted ones (train.methods).
+REPLAYED = ("eagle3", "dflash")
 
 
 def draft_aux_layer_ids(config) -> list[int]:
@@ -154,9 +155,10 @@ def expected_prompt_ids(verifier_dir: str, prompts_path: str, ids: list[str], ch
     return {i: rebuild_prompt_ids(tokenizer, first_turn_messages(prompts[i]), chat_template_kwargs) for i in ids}
 
 
-def stream_samples(extraction: ExtractionJob, streams: list[dict]) -> list[Sample]:
+def stream_samples(extraction: ExtractionJob, streams: list[dict], shifted: bool = True) -> list[Sample]:
     """The served streams as training reads its samples: the verifier's states computed by the
-    hidden-state stage's backend, rounded through the storage dtype, shifted. The backend's
+    hidden-state stage's backend, rounded through the storage dtype, shifted (EAGLE-3) or as
+    they are, every position (a block drafter: benchmark.replay.block_proposals). The backend's
     server is the phase's shared one: the parity jobs of every variant run back to back (the
     benchmark jobs go first, workflow/rules/benchmark.smk) and use one load (logs/parity.server.log);
     compare stops it."""
@@ -168,7 +170,12 @@ def stream_samples(extraction: ExtractionJob, streams: list[dict]) -> list[Sampl
     for s, (aux, final) in zip(streams, states, strict=True):
         tokens = stream_tokens(s)
         mask = torch.tensor([0] * len(s["prompt_token_ids"]) + [1] * len(s["token_ids"]), dtype=torch.bool)
-        out.append(shift(torch.tensor(tokens), as_read_back(aux, n_aux, dtype), as_read_back(final, 1, dtype), mask))
+        sample = Sample(torch.tensor(tokens), as_read_back(aux, n_aux, dtype), as_read_back(final, 1, dtype), mask)
+        out.append(
+            shift(sample.input_ids, sample.hidden_states, sample.verifier_last_hidden_states, mask)
+            if shifted
+            else sample
+        )
     return out
 
 
@@ -190,13 +197,16 @@ class SetReplay:
         return self.context.total()
 
 
-def replay_streams(draft, samples: list[Sample], streams: list[dict], k: int, edges: list[int]) -> dict[str, SetReplay]:
+def replay_streams(
+    draft, samples: list[Sample], streams: list[dict], k: int, edges: list[int], method: str = "eagle3"
+) -> dict[str, SetReplay]:
     """Each set's replay of the draft over its served streams, by set name."""
-    from eagleflow.benchmark.replay import draft_proposals
+    from eagleflow.benchmark.replay import block_proposals, draft_proposals
 
+    propose = block_proposals if method == "dflash" else draft_proposals
     out: dict[str, SetReplay] = {}
     for stream, sample in tqdm(list(zip(streams, samples, strict=True)), desc="replay", unit="stream", mininterval=2.0):
-        proposals = draft_proposals(draft, sample, k)
+        proposals = propose(draft, sample, k)
         tokens, prompt_len = stream_tokens(stream), len(stream["prompt_token_ids"])
         name = stream.get("set", EVAL)
         r = out.setdefault(name, SetReplay(ContextBuckets(k, edges), AcceptanceCounts(k)))
@@ -308,7 +318,8 @@ def run_parity(
     }
     if result["method"] in REPLAYED:
         edges = context_edges(max_model_len)
-        replays = replay_streams(draft, stream_samples(extraction, streams), streams, k, edges)
+        samples = stream_samples(extraction, streams, shifted=result["method"] != "dflash")
+        replays = replay_streams(draft, samples, streams, k, edges, result["method"])
         if EVAL not in replays:
             raise ValueError(f"{streams_path}: no stream of the eval split with a draft step to replay")
         replay, replay_every = replays[EVAL].visited.summary(), replays[EVAL].every.summary()
@@ -332,7 +343,7 @@ def run_parity(
         findings += check_training_vs_served(estimate, served["mean_acceptance_length"], cfg)
         result |= {
             "replay": None,
-            "replay_unavailable": f"parity replays EAGLE-3's chain only; a {result['method']} draft's "
+            "replay_unavailable": f"parity replays EAGLE-3's chains and DFlash's blocks; a {result['method']} draft's "
             "drafting is not replayed yet, so only the direct checks and training's estimate against "
             "vLLM's ran",
         }

@@ -45,3 +45,40 @@ def draft_proposals(draft, sample: Sample, k: int) -> list[list[int]]:
         ttt_steps=k,
     )
     return [verifier_ids(draft, step[0]).tolist() for step in steps]
+
+
+@torch.inference_mode()
+def block_proposals(draft, sample: Sample, k: int) -> list[list[int]]:
+    """proposals[s][i] as draft_proposals gives them, for a block drafter (DFlash) on an
+    unshifted sample (position t: token x_t, the verifier's state at t). At anchor i vLLM knows
+    the states up to i and the bonus token x_{i+1}: the draft's block is anchored at i + 1 (its
+    token x_{i+1}, attending to the states before it) and its slot s + 1 proposes x_{i+2+s}.
+
+    Every anchor at once: speculators' own block forward (_backbone_forward) with an anchor at
+    every position, the sample padded by a block (positions after an anchor are never its
+    context) so that the last anchors' blocks fit."""
+    import speculators.models.dflash.core as dflash_core
+
+    n, block = len(sample), draft.block_size
+    pad = block
+
+    def every_position(loss_mask, num_anchors, block_size):
+        return torch.arange(n, device=loss_mask.device), torch.ones(n, dtype=torch.bool, device=loss_mask.device)
+
+    batch = collate([sample], n)
+    padded = {
+        name: torch.cat([t, t.new_zeros((1, pad, *t.shape[2:]))], dim=1)
+        for name, t in batch.items()
+        if name in ("input_ids", "hidden_states", "verifier_last_hidden_states", "loss_mask")
+    }
+    padded["document_ids"] = torch.zeros((1, n + pad), dtype=torch.long)
+    padded["position_ids"] = torch.arange(n + pad).unsqueeze(0)
+    chosen = dflash_core.select_anchors
+    dflash_core.select_anchors = every_position  # the module's own name: _build_attention_mask reads it
+    try:
+        _, logits, _, _, _ = draft._backbone_forward(**padded, max_anchors=n)
+    finally:
+        dflash_core.select_anchors = chosen
+    predicted = verifier_ids(draft, logits[0].argmax(-1)).view(n, block).tolist()
+    # Anchor i is the block at i + 1; the last position anchors nothing vLLM could check.
+    return [[predicted[i + 1][s + 1] if i + 1 < n else -1 for i in range(n)] for s in range(k)]
