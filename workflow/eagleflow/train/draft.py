@@ -54,18 +54,25 @@ DRAFT_ATTENTIONS = ("llama", "mla")
 
 
 def draft_layer_config(
-    verifier_dir: str, num_layers: int, attn_impl: str, sliding_window: int | None = None, attention: str = "llama"
+    verifier_dir: str,
+    num_layers: int,
+    attn_impl: str,
+    sliding_window: int | None = None,
+    attention: str = "llama",
+    config_class=LlamaConfig,
 ):
     """The draft decoder's config. `sliding_window` None: full attention in every draft layer;
     an int: that window in every layer (speculators' own trainer defaults to 2048; vLLM's MLA
-    draft layer has none, and build_draft refuses one there)."""
+    draft layer has none, and build_draft refuses one there). `config_class`: the layer's
+    transformers config, Llama's (EAGLE-3, P-EAGLE) or Qwen3's (DFlash, train/methods.py), with
+    the verifier's attention geometry either way."""
     v = read_text_config(verifier_dir)
     if attention == "mla":
         return mla_layer_config(v, num_layers, attn_impl)
     if attention != "llama":
         raise ValueError(f"train.draft_attention must be one of {DRAFT_ATTENTIONS}, not {attention!r}")
     heads, kv_heads, head_dim = draft_attention_geometry(v)
-    config = LlamaConfig(
+    config = config_class(
         vocab_size=v["vocab_size"],
         hidden_size=v["hidden_size"],
         intermediate_size=v["intermediate_size"],

@@ -26,10 +26,10 @@ from typing import Any
 import torch
 from transformers import Qwen3Config
 
-from eagleflow.common.verifier_config import draft_attention_geometry, read_text_config
+from eagleflow.common.verifier_config import read_text_config
 from eagleflow.train.config import TrainConfig
 from eagleflow.train.data import shift, unshifted
-from eagleflow.train.draft import build_draft, draft_rope_parameters, load_verifier_weights
+from eagleflow.train.draft import build_draft, draft_layer_config, load_verifier_weights
 
 
 @dataclass(frozen=True)
@@ -127,35 +127,16 @@ class DraftMethod:
 
 
 def build_eagle3(spec: DraftSpec, cfg: TrainConfig) -> torch.nn.Module:
-    return build_draft(
-        spec.verifier_dir,
-        spec.d2t,
-        spec.t2d,
-        num_layers=cfg.num_layers,
-        ttt_steps=cfg.ttt_steps,
-        aux_layer_ids=spec.aux_layer_ids,
-        attn_impl=spec.attn_impl,
-        sliding_window=cfg.sliding_window,
-        attention=cfg.draft_attention,
-        norm_before_fc=cfg.norm_before_fc,
-        norm_output=cfg.norm_output,
-    )
+    return build_on_eagle3_layers(spec, cfg, cfg.ttt_steps, attention=cfg.draft_attention)
 
 
 def build_peagle(spec: DraftSpec, cfg: TrainConfig) -> torch.nn.Module:
     from speculators.models.peagle import PEagleDraftModel, PEagleSpeculatorConfig
 
-    return build_draft(
-        spec.verifier_dir,
-        spec.d2t,
-        spec.t2d,
-        num_layers=cfg.num_layers,
-        ttt_steps=cfg.num_depths,
-        aux_layer_ids=spec.aux_layer_ids,
-        attn_impl=spec.attn_impl,
-        sliding_window=cfg.sliding_window,
-        norm_before_fc=cfg.norm_before_fc,
-        norm_output=cfg.norm_output,
+    return build_on_eagle3_layers(
+        spec,
+        cfg,
+        cfg.num_depths,
         algorithm="peagle",
         config_class=PEagleSpeculatorConfig,
         model_class=PEagleDraftModel,
@@ -163,30 +144,22 @@ def build_peagle(spec: DraftSpec, cfg: TrainConfig) -> torch.nn.Module:
     )
 
 
-def dflash_layer_config(verifier_dir: str, num_layers: int, attn_impl: str, sliding_window: int | None) -> Qwen3Config:
-    """The Qwen3 layer config of a DFlash draft with the verifier's attention geometry (vLLM's
-    DFlash model is Qwen3-shaped for every verifier). Pure but for reading config.json."""
-    v = read_text_config(verifier_dir)
-    heads, kv_heads, head_dim = draft_attention_geometry(v)
-    config = Qwen3Config(
-        vocab_size=v["vocab_size"],
-        hidden_size=v["hidden_size"],
-        intermediate_size=v["intermediate_size"],
-        num_hidden_layers=num_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        hidden_act="silu",
-        max_position_embeddings=v.get("max_position_embeddings", 4096),
-        rms_norm_eps=v.get("rms_norm_eps", 1e-6),
-        rope_parameters=draft_rope_parameters(v),
-        tie_word_embeddings=False,
-        sliding_window=sliding_window,
-        use_sliding_window=sliding_window is not None,
-        layer_types=["sliding_attention" if sliding_window is not None else "full_attention"] * num_layers,
+def build_on_eagle3_layers(spec: DraftSpec, cfg: TrainConfig, draft_tokens: int, **method) -> torch.nn.Module:
+    """A draft of EAGLE-3's layer (train.draft.build_draft) proposing `draft_tokens`; `method`:
+    the method's own algorithm, speculators classes and config fields (P-EAGLE)."""
+    return build_draft(
+        spec.verifier_dir,
+        spec.d2t,
+        spec.t2d,
+        num_layers=cfg.num_layers,
+        ttt_steps=draft_tokens,
+        aux_layer_ids=spec.aux_layer_ids,
+        attn_impl=spec.attn_impl,
+        sliding_window=cfg.sliding_window,
+        norm_before_fc=cfg.norm_before_fc,
+        norm_output=cfg.norm_output,
+        **method,
     )
-    config._attn_implementation = attn_impl
-    return config
 
 
 def build_block_drafter(algorithm: str) -> Callable[[DraftSpec, TrainConfig], torch.nn.Module]:
@@ -204,8 +177,9 @@ def build_block_drafter(algorithm: str) -> Callable[[DraftSpec, TrainConfig], to
         }[algorithm]
         sample_from_anchor = algorithm == "dspark"  # speculators' default for each
         config = config_class(
-            transformer_layer_config=dflash_layer_config(
-                spec.verifier_dir, cfg.num_layers, spec.attn_impl, cfg.sliding_window
+            # vLLM's DFlash model is Qwen3-shaped for every verifier.
+            transformer_layer_config=draft_layer_config(
+                spec.verifier_dir, cfg.num_layers, spec.attn_impl, cfg.sliding_window, config_class=Qwen3Config
             ),
             draft_vocab_size=int(spec.d2t.shape[0]),
             block_size=cfg.block_size,
