@@ -84,4 +84,5 @@ def test_only_the_killed_shard_and_its_downstream_rerun(tmp_path, clean_env):
         "parity",
         "report",
         "compare",
+        "best_draft",
     }

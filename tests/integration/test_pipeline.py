@@ -285,10 +285,12 @@ DOWNSTREAM_OF_SYNTH = {
     "parity",
     "report",
     "compare",
+    "best_draft",
 }
-PER_DRAFT = {"train", "benchmark", "parity", "report", "compare"}
+# best_draft reads every variant's benchmark report and draft: it follows both.
+PER_DRAFT = {"train", "benchmark", "parity", "report", "compare", "best_draft"}
 GENERATE = {"generate", "generate_join"}  # the shard jobs and their join
-BENCHMARKS = {"baseline", "benchmark", "parity", "report", "compare"}
+BENCHMARKS = {"baseline", "benchmark", "parity", "report", "compare", "best_draft"}
 
 
 # One module per stage boundary, through Snakemake itself; every module's row of the table in
@@ -466,7 +468,14 @@ def planned(wf: Path, config: Path) -> set[tuple[str, str]]:
     [
         (
             {"lr-low": {"train": {"lr": 0.0003}}},
-            {("train", ""), ("benchmark", "lr-low"), ("parity", "lr-low"), ("report", "lr-low"), ("compare", "")},
+            {
+                ("train", ""),
+                ("benchmark", "lr-low"),
+                ("parity", "lr-low"),
+                ("report", "lr-low"),
+                ("compare", ""),
+                ("best_draft", ""),
+            },
         ),
         (
             {"vocab-512": {"vocab": {"draft_vocab_size": 512}}},
@@ -477,11 +486,12 @@ def planned(wf: Path, config: Path) -> set[tuple[str, str]]:
                 ("parity", "vocab-512"),
                 ("report", "vocab-512"),
                 ("compare", ""),
+                ("best_draft", ""),
             },
         ),
         (
             {"k1": {"benchmark": {"num_speculative_tokens": 1}}},
-            {("benchmark", "k1"), ("parity", "k1"), ("report", "k1"), ("compare", "")},
+            {("benchmark", "k1"), ("parity", "k1"), ("report", "k1"), ("compare", ""), ("best_draft", "")},
         ),
     ],
     ids=["train", "vocab", "k"],

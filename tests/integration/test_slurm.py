@@ -86,7 +86,7 @@ def test_production_profile_asks_for_nodes_gpus_and_cluster_settings(repo):
     assert by_rule["train"][0]["gpu"] == str(kimi["train"]["gpus"])
     assert all(
         "gpu" not in r
-        for rule in ("prepare_verifier", "prompts", "synth", "dataset", "vocab", "report", "compare")
+        for rule in ("prepare_verifier", "prompts", "synth", "dataset", "vocab", "report", "compare", "best_draft")
         for r in by_rule[rule]
     )
     assert all(r["slurm_partition"] == "<your-partition>" and r["slurm_account"] == "<your-account>" for _, r in jobs)

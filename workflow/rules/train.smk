@@ -10,6 +10,9 @@ rule train:
         logs("train.{draft}"),
     benchmark:
         benchmarks("train.{draft}")
+    # Every draft trained before any parity job, as every benchmark is (rules/benchmark.smk):
+    # the parity jobs then run back to back on one extraction server.
+    priority: 1
     conda:
         "../envs/train.yaml"
     threads: all_cores()
