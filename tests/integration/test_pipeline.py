@@ -511,7 +511,7 @@ def test_adding_a_variant_plans_only_its_own_jobs(finished_run, tmp_path, varian
 def test_the_run_report_has_the_comparison_of_its_one_variant(finished_run):
     r = finished_run / "results/small"
     md = (r / "report.md").read_text()
-    assert "| default | 3 |" in md and "No learning curve in this run" in md
+    assert "| default | eagle3 | 3 |" in md and "No learning curve in this run" in md
     assert "No run at another k to check the prediction against" in md
     assert "| mean acceptance length, mt_bench@T0 |" in md and "| mean acceptance length, humaneval@T0.7 |" in md
     baseline = json.loads((r / "baseline/report.json").read_text())

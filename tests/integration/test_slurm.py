@@ -75,15 +75,18 @@ def test_production_profile_asks_for_nodes_gpus_and_cluster_settings(repo):
     for rule, resources in jobs:
         by_rule.setdefault(rule, []).append(resources)
     kimi = yaml.safe_load(KIMI.read_text())
+    # One benchmark per variant (the example's draft methods), each on a whole node as well.
+    assert len(by_rule["benchmark"]) == 1 + len(kimi["variants"]) == len(by_rule["train"])
     for rule in ("generate", "baseline", "benchmark"):
-        (resources,) = by_rule[rule]
-        assert resources["gpu"] == str(kimi["server"]["gpus"]) == "8" and resources["slurm_extra"] == "--exclusive"
+        for resources in by_rule[rule]:
+            assert resources["gpu"] == str(kimi["server"]["gpus"]) == "8"
+            assert resources["slurm_extra"] == "--exclusive"
     shards = by_rule["hidden_states"]
     assert len(shards) == kimi["hidden_states"]["num_shards"]
     # vllm backend: the shard jobs share one extraction server, which takes server.gpus
     assert kimi["hidden_states"]["backend"] == "vllm"
     assert all(r["gpu"] == str(kimi["server"]["gpus"]) for r in shards)
-    assert by_rule["train"][0]["gpu"] == str(kimi["train"]["gpus"])
+    assert all(r["gpu"] == str(kimi["train"]["gpus"]) for r in by_rule["train"])
     assert all(
         "gpu" not in r
         for rule in ("prepare_verifier", "prompts", "synth", "dataset", "vocab", "report", "compare", "best_draft")
@@ -98,8 +101,8 @@ def test_production_profile_asks_for_nodes_gpus_and_cluster_settings(repo):
     components = dict(c.split("=") for c in profile["group-components"])
     assert int(components["hidden_states"]) >= kimi["hidden_states"]["num_shards"]
     assert int(components["parity"]) >= 1
-    (parity,) = by_rule["parity"]
-    assert parity["gpu"] == str(kimi["server"]["gpus"])
+    assert len(by_rule["parity"]) == 1 + len(kimi["variants"])
+    assert all(parity["gpu"] == str(kimi["server"]["gpus"]) for parity in by_rule["parity"])
     assert profile["resources"] == ["gpu=8"]
 
 
@@ -136,6 +139,7 @@ EXPECTED_JOBS = {
     # The run turns parity off (slurm_run): the default variant's report loses that input.
     "rule_report_wildcards_default",
     "rule_compare",
+    "rule_best_draft",
 }
 
 
