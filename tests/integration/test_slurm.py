@@ -244,7 +244,7 @@ def test_the_run_report_compares_its_variants(slurm_run):
     wf, _, _ = slurm_run
     r = wf / "results/small"
     md = (r / "report.md").read_text()
-    assert "| default | 3 |" in md and "| lc-50 | 3 |" in md
+    assert "| default | eagle3 | 3 |" in md and "| lc-50 | eagle3 | 3 |" in md
     assert "## Learning curve" in md and "do not support a fit: 2 training size(s)" in md
     for png in ("acceptance_by_variant.png", "learning_curve.png", "speculative_tokens.png"):
         assert (r / "report" / png).read_bytes()[:4] == b"\x89PNG"
