@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))  # the
 from bench.standard_sets import draft_dirs
 from devkit.runs import FinishedRun
 from eagleflow.benchmark.parity import extraction_job, replay_streams, stream_samples
+from eagleflow.benchmark.replay import draft_proposals
 from eagleflow.common.acceptance import context_edges
 from eagleflow.common.atomic import read_jsonl
 from eagleflow.runtime.logs import configure_logging
@@ -74,7 +75,7 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- |")
     for label, directory in drafts.items():
         draft = load_draft(str(directory), verifier, attn_impl="sdpa").eval()
-        for name, replay in sorted(replay_streams(draft, samples, streams, args.k, edges).items()):
+        for name, replay in sorted(replay_streams(draft_proposals, draft, samples, streams, args.k, edges).items()):
             summary = replay.visited.summary()
             per_pos = " / ".join(f"{x:.3f}" for x in summary["per_position_acceptance"])
             print(f"| {label} | {name} | {replay.streams} | {summary['mean_acceptance_length']:.3f} | {per_pos} |")

@@ -99,7 +99,7 @@ def test_the_speculative_config_is_vllms_reading_of_the_checkpoint(tiny_llama_di
     vllms = base.SpeculatorsConfig.build_vllm_speculative_config(config)
     k = vllms["num_speculative_tokens"]
     assert serving_config(config, k) == vllms
-    served = speculative_config(str(tmp_path / "draft"), k + 2)
+    served = speculative_config(str(tmp_path / "draft"), config, k + 2)
     assert served["model"] == str((tmp_path / "draft").resolve())
     assert served["num_speculative_tokens"] == (k + 2 if name == "eagle3" else k)
 

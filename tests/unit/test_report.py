@@ -17,6 +17,7 @@ REPORT = {
     "prompts": {"count": 4},
     "sampling": {"max_tokens": 32, "concurrency": 2},
     "num_speculative_tokens": 3,
+    "method": "eagle3",
     "baseline_measurement": "the run's baseline job (baseline/report.json)",
 }
 

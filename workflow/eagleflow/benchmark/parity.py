@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,16 +59,6 @@ from eagleflow.runtime.spec import ServerConfig
 from eagleflow.train.data import Sample, shift
 
 log = logging.getLogger(__name__)
-
-# The draft methods whose drafting the replay reproduces (benchmark/replay.py): EAGLE-3's chain
-# on shifted samples, DFlash's block on unshifted ones (train.methods).
-REPLAYED = ("eagle3", "dflash")
-
-
-def draft_aux_layer_ids(config) -> list[int]:
-    """The aux layers an exported draft names: EAGLE-3 and P-EAGLE's eagle_aux_hidden_state_layer_ids,
-    DFlash's aux_hidden_state_layer_ids (vLLM maps it to the same capture)."""
-    return list(getattr(config, "eagle_aux_hidden_state_layer_ids", None) or config.aux_hidden_state_layer_ids)
 
 
 def main(smk) -> None:
@@ -170,12 +161,8 @@ def stream_samples(extraction: ExtractionJob, streams: list[dict], shifted: bool
     for s, (aux, final) in zip(streams, states, strict=True):
         tokens = stream_tokens(s)
         mask = torch.tensor([0] * len(s["prompt_token_ids"]) + [1] * len(s["token_ids"]), dtype=torch.bool)
-        sample = Sample(torch.tensor(tokens), as_read_back(aux, n_aux, dtype), as_read_back(final, 1, dtype), mask)
-        out.append(
-            shift(sample.input_ids, sample.hidden_states, sample.verifier_last_hidden_states, mask)
-            if shifted
-            else sample
-        )
+        align = shift if shifted else Sample
+        out.append(align(torch.tensor(tokens), as_read_back(aux, n_aux, dtype), as_read_back(final, 1, dtype), mask))
     return out
 
 
@@ -198,12 +185,15 @@ class SetReplay:
 
 
 def replay_streams(
-    draft, samples: list[Sample], streams: list[dict], k: int, edges: list[int], method: str = "eagle3"
+    propose: Callable[[Any, Sample, int], list[list[int]]],
+    draft,
+    samples: list[Sample],
+    streams: list[dict],
+    k: int,
+    edges: list[int],
 ) -> dict[str, SetReplay]:
-    """Each set's replay of the draft over its served streams, by set name."""
-    from eagleflow.benchmark.replay import block_proposals, draft_proposals
-
-    propose = block_proposals if method == "dflash" else draft_proposals
+    """Each set's replay of the draft over its served streams, by set name; `propose`: the
+    method's proposals at every anchor (benchmark.replay.REPLAYS)."""
     out: dict[str, SetReplay] = {}
     for stream, sample in tqdm(list(zip(streams, samples, strict=True)), desc="replay", unit="stream", mininterval=2.0):
         proposals = propose(draft, sample, k)
@@ -273,7 +263,8 @@ def run_parity(
     """Replay, compare, check; write the parity report. Raises ParityError after writing it
     (to the rule log's directory, since a failed job's outputs are removed) when a check
     fails and parity.on_gap is `fail`."""
-    from eagleflow.train.draft import load_draft
+    from eagleflow.benchmark.replay import REPLAYS
+    from eagleflow.train.draft import draft_aux_layer_ids, load_draft
 
     report = json.loads(Path(benchmark_report).read_text())
     streams = read_jsonl(streams_path)
@@ -306,7 +297,7 @@ def run_parity(
     ]
     result = {
         "draft": draft_dir,
-        "method": report.get("method", "eagle3"),
+        "method": report["method"],
         "streams": {"path": streams_path, "count": len(eval_streams), "all_sets": len(streams)},
         "num_speculative_tokens": k,
         "vllm": {key: served[key] for key in ("mean_acceptance_length", "per_position_acceptance", "num_drafts")},
@@ -316,10 +307,10 @@ def run_parity(
         "tolerance": cfg.tolerance,
         "training_tolerance": cfg.training_tolerance,
     }
-    if result["method"] in REPLAYED:
+    if result["method"] in REPLAYS:
+        shifted, propose = REPLAYS[result["method"]]
         edges = context_edges(max_model_len)
-        samples = stream_samples(extraction, streams, shifted=result["method"] != "dflash")
-        replays = replay_streams(draft, samples, streams, k, edges, result["method"])
+        replays = replay_streams(propose, draft, stream_samples(extraction, streams, shifted), streams, k, edges)
         if EVAL not in replays:
             raise ValueError(f"{streams_path}: no stream of the eval split with a draft step to replay")
         replay, replay_every = replays[EVAL].visited.summary(), replays[EVAL].every.summary()

@@ -82,3 +82,9 @@ def block_proposals(draft, sample: Sample, k: int) -> list[list[int]]:
     predicted = verifier_ids(draft, logits[0].argmax(-1)).view(n, block).tolist()
     # Anchor i is the block at i + 1; the last position anchors nothing vLLM could check.
     return [[predicted[i + 1][s + 1] if i + 1 < n else -1 for i in range(n)] for s in range(k)]
+
+
+# The draft methods whose drafting the replay reproduces (train.methods): whether it reads the
+# streams shifted (EAGLE-3, as training's shift) or every position as it is (DFlash's blocks),
+# and what proposes at every anchor.
+REPLAYS = {"eagle3": (True, draft_proposals), "dflash": (False, block_proposals)}

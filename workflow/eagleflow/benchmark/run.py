@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from eagleflow.benchmark.cells import HEADLINE, cell_key
 from eagleflow.benchmark.metrics import acceptance
-from eagleflow.benchmark.speculative import draft_method_name, speculative_config
+from eagleflow.benchmark.speculative import draft_method_name, read_draft_config, speculative_config
 from eagleflow.benchmark.workload import (
     BenchmarkConfig,
     Workload,
@@ -199,7 +199,8 @@ def run_benchmark(
     set named) go to `streams_out`, the eval split's first, for the parity rule's replay."""
     workload = Workload.of(cfg, chat_template_kwargs)
     sets = read_sets(sets_path)
-    drafting = speculative_config(draft_dir, cfg.num_speculative_tokens)
+    draft_config = read_draft_config(draft_dir)
+    drafting = speculative_config(draft_dir, draft_config, cfg.num_speculative_tokens)
     k = drafting["num_speculative_tokens"]  # the draft's own length for a block or parallel drafter
     if baseline is None:
         base_cells = measure(sets, server, workload, f"{log_prefix}-baseline.log", "baseline")
@@ -228,7 +229,7 @@ def run_benchmark(
         "sets": sets_path,
         "prompts": {"count": len(cells[HEADLINE]["prompts"]), "ids": cells[HEADLINE]["prompts"]},
         "num_speculative_tokens": k,
-        "method": draft_method_name(json.loads((Path(draft_dir) / "config.json").read_text())),
+        "method": draft_method_name(draft_config),
         "speculative_config": {key: v for key, v in drafting.items() if key != "model"},
         "sampling": {"temperature": 0.0, "max_tokens": cfg.max_tokens, "concurrency": cfg.concurrency},
         "server": server_summary(server),

@@ -55,7 +55,11 @@ def draft_method_name(draft_config: dict[str, Any]) -> str:
     return draft_config.get("speculators_model_type", "eagle3")
 
 
-def speculative_config(draft_dir: str, k: int) -> dict[str, Any]:
-    """vLLM's --speculative-config for the draft in `draft_dir`."""
-    config = json.loads((Path(draft_dir) / "config.json").read_text())
-    return {**serving_config(config, k), "model": str(Path(draft_dir).resolve())}
+def read_draft_config(draft_dir: str) -> dict[str, Any]:
+    """The exported draft's config.json."""
+    return json.loads((Path(draft_dir) / "config.json").read_text())
+
+
+def speculative_config(draft_dir: str, draft_config: dict[str, Any], k: int) -> dict[str, Any]:
+    """vLLM's --speculative-config for the draft in `draft_dir` (its config.json: `draft_config`)."""
+    return {**serving_config(draft_config, k), "model": str(Path(draft_dir).resolve())}

@@ -113,7 +113,7 @@ def draft_params(g: Geometry, train: dict[str, Any], draft_vocab: int, num_aux: 
     Qwen3 layers of hidden-size input (q and k norms of head_dim), the final norm; DSpark adds
     its Markov bias (vocabulary x rank x draft vocabulary) and confidence head."""
     h, q, kv, num_layers = g.hidden_size, g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim, train["num_layers"]
-    method = train.get("method", "eagle3")
+    method = train["method"]
     mlp = 3 * h * g.intermediate_size
     frozen = g.vocab_size * h + 2 * draft_vocab * h + h
     if method in ("dflash", "dspark"):
@@ -135,7 +135,7 @@ def adamw_params(g: Geometry, train: dict[str, Any], num_aux: int) -> int:
     AdamW updates: the norms (two a layer, the first layer's state norm or DFlash's fc norm, the
     final norm), DFlash's q and k norms, P-EAGLE's embeddings and mask state, DSpark's confidence
     head. Pure."""
-    h, num_layers, method = g.hidden_size, train["num_layers"], train.get("method", "eagle3")
+    h, num_layers, method = g.hidden_size, train["num_layers"], train["method"]
     vectors = (2 * num_layers + 2) * h
     if method == "peagle":
         return vectors + g.vocab_size * h + num_aux * h
@@ -160,7 +160,7 @@ def draft_positions(train: dict[str, Any]) -> float:
     of ttt_steps over every token; P-EAGLE's COD samples (every token at depth 0, then a
     decaying share); a block drafter's anchors (up to speculators' max_anchors) times the block.
     Pure."""
-    tokens, method = train["batch_tokens"], train.get("method", "eagle3")
+    tokens, method = train["batch_tokens"], train["method"]
     if method == "peagle":
         ratio, floor = PEAGLE_DOWN_SAMPLE
         return tokens * (1 + sum(max(ratio**d, floor) for d in range(1, train["num_depths"])))

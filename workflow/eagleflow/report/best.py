@@ -39,7 +39,7 @@ def rank(reports: dict[str, dict[str, Any]], by: str, cell: str) -> list[dict[st
     rows = [
         {
             "variant": name,
-            "method": r.get("method", "eagle3"),
+            "method": r["method"],
             "k": r["num_speculative_tokens"],
             by: cell_figure(r, by, cell),
         }

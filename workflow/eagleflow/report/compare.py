@@ -87,7 +87,7 @@ def variant_row(
     spec = report["speculative"]
     return {
         "variant": name,
-        "method": report.get("method", "eagle3"),
+        "method": report["method"],
         "k": report["num_speculative_tokens"],
         "mean_acceptance_length": spec["mean_acceptance_length"],
         "per_position_acceptance": spec["per_position_acceptance"],

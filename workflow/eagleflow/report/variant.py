@@ -135,7 +135,7 @@ def describe_measurement(report: dict) -> str:
         f"Verifier `{report['verifier']}`, draft `{report['draft']}`, "
         f"{report['prompts']['count']} held-out prompts (first turns), temperature 0, "
         f"max {report['sampling']['max_tokens']} tokens, concurrency {report['sampling']['concurrency']}, "
-        f"a {report.get('method', 'eagle3')} draft of {report['num_speculative_tokens']} speculative tokens. "
+        f"a {report['method']} draft of {report['num_speculative_tokens']} speculative tokens. "
         "Measured by vLLM's own counters; "
         f"the verifier alone: {report['baseline_measurement']}."
     )
@@ -265,7 +265,7 @@ def render_markdown(
         "## Training",
         "",
         f"Best eval loss {best_eval['loss']:.4f} at step {best_eval['step']} (exported); "
-        f"training-time estimate of acceptance length ({ESTIMATES[report.get('method', 'eagle3')]}) = "
+        f"training-time estimate of acceptance length ({ESTIMATES[report['method']]}) = "
         f"{best_eval['estimated_acceptance_length']:.3f} (last eval: {last_eval['estimated_acceptance_length']:.3f}).",
         "",
         f"![training curves]({plots['training']})",

@@ -362,10 +362,7 @@ def load_draft(draft_dir: str, verifier_dir: str | None = None, attn_impl: str |
     config = config_class.from_dict(raw) if sidecar.is_file() else config_class.from_pretrained(draft_dir)
     if attn_impl is not None:
         config.transformer_layer_config._attn_implementation = attn_impl
-    aux_layer_ids = getattr(config, "eagle_aux_hidden_state_layer_ids", None) or getattr(
-        config, "aux_hidden_state_layer_ids", None
-    )
-    if not aux_layer_ids:
+    if not draft_aux_layer_ids(config):
         raise ValueError(f"{draft_dir}/config.json has no aux hidden state layer ids")
     if sidecar.is_file():
         from safetensors.torch import load_file
@@ -394,6 +391,16 @@ def load_draft(draft_dir: str, verifier_dir: str | None = None, attn_impl: str |
         model.verifier_norm.weight.copy_(load_verifier_final_norm(verifier_dir).to(model.verifier_norm.weight.dtype))
     freeze_verifier_parts(model)
     return model.float()
+
+
+def draft_aux_layer_ids(config) -> list[int]:
+    """The aux layers a draft's speculators config names: EAGLE-3's and P-EAGLE's
+    eagle_aux_hidden_state_layer_ids, DFlash's aux_hidden_state_layer_ids (vLLM captures the
+    same layers for both). Pure."""
+    ids = getattr(config, "eagle_aux_hidden_state_layer_ids", None) or getattr(
+        config, "aux_hidden_state_layer_ids", None
+    )
+    return list(ids or [])
 
 
 def verifier_ids(model, draft_index: torch.Tensor) -> torch.Tensor:
