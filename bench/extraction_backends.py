@@ -5,14 +5,15 @@
 
 DIR is a workflow copy whose run has its dataset (e.g. `snakemake results/demo/dataset/
 train.parquet results/demo/dataset/eval.parquet` in a copy of this repository). For each
-backend (`hf`, then `vllm`) the phase's shard jobs and index run through Snakemake as a user
+backend (`hf`, then `vllm`) the phase's part jobs and index run through Snakemake as a user
 runs them (`--forcerun hidden_states`, `hidden_states.backend` in a config file after the run's); a
-backend's shards are kept aside between runs, so that each run extracts (the shard cache
-would otherwise link the first run's shards back). Reported per backend: the phase's wall
-time, the server's start-up (from the shard logs), tokens/s after start-up, and the states'
-relative L2 distance between the backends' shards.
+backend's states (index, part manifests and store) are kept aside between runs, so that each
+run extracts (the store would otherwise hold the first run's samples). Reported per backend:
+the phase's wall time, the server's start-up (from the part logs), the part jobs' extraction
+times (their manifests' wall_s), tokens/s after start-up, and the states' relative L2 distance
+between the backends' samples.
 
-With `--tiny FAMILY`: one shard of random-token samples on a tiny verifier built from a config
+With `--tiny FAMILY`: one part of random-token samples on a tiny verifier built from a config
 (tests/helpers.py), through the vllm backend in the dtype vLLM serves it in (bfloat16 for MLA)
 and through the hf backend in float32 and in that dtype: how far vLLM's states are from
 transformers', next to how far transformers' own lower precision is.
@@ -36,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "workflow"))  # the eagleflow package, installed or not
 
-from eagleflow.hidden_states.shard_reader import read_shard  # noqa: E402
+from eagleflow.hidden_states.shard_reader import read_indexed  # noqa: E402
 
 
 def run_name(workdir: Path, configfiles: list[str]) -> str:
@@ -48,7 +49,7 @@ def run_name(workdir: Path, configfiles: list[str]) -> str:
 
 def phase(workdir: Path, run: str, backend: str, configfiles: list[str]) -> dict:
     results = workdir / "results" / run
-    shutil.rmtree(results / "hidden_states", ignore_errors=True)  # the shards and their cache
+    shutil.rmtree(results / "hidden_states", ignore_errors=True)  # the manifests, index and store
     override = workdir / f"bench-{backend}.yaml"
     override.write_text(yaml.safe_dump({"hidden_states": {"backend": backend}}))
     cmd = [sys.executable, "-m", "snakemake", f"results/{run}/hidden_states/index.json", "--cores", "all"]
@@ -58,9 +59,10 @@ def phase(workdir: Path, run: str, backend: str, configfiles: list[str]) -> dict
     wall = time.perf_counter() - started
     if proc.returncode != 0:
         raise SystemExit(f"{backend}: snakemake failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    logs = sorted((results / "logs").glob("hidden_states.shard-*.log"))
+    logs = sorted((results / "logs").glob("hidden_states.part-*.log"))
     waited = [int(m) for p in logs for m in re.findall(r"healthy \(waited (\d+) s\)", p.read_text())]
-    jobs = [float(m) for p in logs for m in re.findall(r"tokens in ([\d.]+) s", p.read_text())]
+    parts = sorted((results / "hidden_states").glob("part-*.json"))
+    jobs = [json.loads(p.read_text())["stats"]["wall_s"] for p in parts]
     kept = workdir / f"bench-shards-{backend}"
     shutil.rmtree(kept, ignore_errors=True)
     shutil.copytree(results / "hidden_states", kept, ignore=shutil.ignore_patterns(".done"))
@@ -69,7 +71,7 @@ def phase(workdir: Path, run: str, backend: str, configfiles: list[str]) -> dict
     startup = max(waited, default=0)
     return {
         "phase_wall_s": round(wall, 1),
-        "shard_jobs_s": [round(j, 1) for j in jobs],
+        "part_jobs_s": [round(j, 1) for j in jobs],
         "startup_s": startup,
         "tokens": tokens,
         "tokens_per_s_after_startup": round(tokens / max(wall - startup, 1e-9), 1),
@@ -79,15 +81,12 @@ def phase(workdir: Path, run: str, backend: str, configfiles: list[str]) -> dict
 
 def distance(a: Path, b: Path) -> dict:
     out = {"aux": [0.0, 0.0], "final": [0.0, 0.0]}
-    for shard in sorted(a.glob("shard-*.safetensors")):
-        _, xs = read_shard(shard)
-        _, ys = read_shard(b / shard.name)
-        for x, y in zip(xs, ys, strict=True):
-            assert x.id == y.id and torch.equal(x.input_ids, y.input_ids)
-            for name in out:
-                want, got = getattr(x, name), getattr(y, name)
-                out[name][0] += (got - want).pow(2).sum().item()
-                out[name][1] += want.pow(2).sum().item()
+    for x, y in zip(read_indexed(a / "index.json"), read_indexed(b / "index.json"), strict=True):
+        assert x.id == y.id and torch.equal(x.input_ids, y.input_ids)
+        for name in out:
+            want, got = getattr(x, name), getattr(y, name)
+            out[name][0] += (got - want).pow(2).sum().item()
+            out[name][1] += want.pow(2).sum().item()
     return {f"{name}_rel_l2": (num / den) ** 0.5 for name, (num, den) in out.items()}
 
 
@@ -100,7 +99,7 @@ def tiny(family: str, tmp: Path, num_samples: int = 12) -> dict:
     from devkit.configs import hidden_states_config, lean_server_config
     from devkit.verifiers import VERIFIER_BUILDERS
     from eagleflow.common.verifier_config import CPU_MLA_ROPE_ARGS, is_mla, read_text_config
-    from eagleflow.hidden_states.run import run_shard
+    from eagleflow.hidden_states.run import run_part
 
     verifier = VERIFIER_BUILDERS[family](tmp / family)
     config = read_text_config(str(verifier))
@@ -120,30 +119,30 @@ def tiny(family: str, tmp: Path, num_samples: int = 12) -> dict:
     server = lean_server_config(dtype=dtype, max_model_len=512, extra_args=[*small["extra_args"], *extra])
     # transformers on a CPU computes in float32 only (the config schema refuses bf16/fp16 with device cpu).
     runs = {"vllm": ("vllm", dtype), "hf_float32": ("hf", "float32")}
-    shards, report = {}, {"family": family, "mla": mla, "vllm_dtype": dtype}
+    parts, report = {}, {"family": family, "mla": mla, "vllm_dtype": dtype}
     for name, (backend, compute) in runs.items():
-        shards[name] = tmp / f"{name}.safetensors"
+        parts[name] = tmp / name / "part-00000.json"  # its store beside it, one per run
         settings = hidden_states_config(
             backend=backend, num_shards=1, dtype="float32", compute_dtype=compute, linger_s=0
         )
-        run_shard(
+        run_part(
             str(tmp / "train.parquet"),
             str(tmp / "eval.parquet"),
             str(verifier),
             0,
-            str(shards[name]),
+            str(parts[name]),
             settings=settings,
             server=server,
             threads=2,
             gpus=0,
             trust_remote_code=trust,
-            log_path=str(tmp / f"logs/{name}/hidden_states.shard-00000.log"),
+            log_path=str(tmp / f"logs/{name}/hidden_states.part-00000.log"),
         )
-    _, want = read_shard(shards["hf_float32"])
-    for name in shards:
+    want = read_indexed(parts["hf_float32"])
+    for name in parts:
         if name == "hf_float32":
             continue
-        _, got = read_shard(shards[name])
+        got = read_indexed(parts[name])
         for part in ("aux", "final"):
             per_sample = [
                 ((getattr(g, part) - getattr(w, part)).norm() / getattr(w, part).norm()).item()

@@ -14,9 +14,9 @@
 2. Extraction: a randomly initialised 1B-class Llama verifier (hidden 2048, 16 layers,
    vocab 128256) in bf16; tokens/s of the hf backend's capture path (`hidden_states.extract`)
    against a plain forward of the same batches (capture overhead as a ratio).
-3. The two hidden-state backends as the shard job runs them (`hidden_states.run.run_shard`):
+3. The two hidden-state backends as the part job runs them (`hidden_states.run.run_part`):
    the same 1B-class verifier (with a character tokenizer, so vLLM can serve it) saved to disk,
-   one shard of random-token samples through the `hf` backend and through the `vllm` backend
+   one part of random-token samples through the `hf` backend and through the `vllm` backend
    (vLLM's extract_hidden_states with eagleflow's connector); wall time, start-up, tokens/s and
    the states' relative L2 distance. `--no-vllm` leaves it out (CI runs the rest in --tiny).
 4. With `--peer-workdir DIR` (a copy of the workflow with a finished run, e.g. the demo's): the
@@ -332,15 +332,15 @@ def check_extraction(geometry: dict, batch_tokens: int, num_samples: int, rounds
 
 
 def check_backends(geometry: dict, num_samples: int, max_len: int, tmp: Path, device: torch.device) -> dict:
-    """One shard through each hidden-state backend; the states compared."""
+    """One part through each hidden-state backend; the states compared."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     from transformers import LlamaForCausalLM
 
     from devkit.configs import hidden_states_config, lean_server_config
     from devkit.verifiers import TINY_VOCAB, char_tokenizer
-    from eagleflow.hidden_states.run import run_shard
-    from eagleflow.hidden_states.shard_reader import read_shard
+    from eagleflow.hidden_states.run import run_part
+    from eagleflow.hidden_states.shard_reader import read_indexed
 
     cuda = device.type == "cuda"
     dtype = "bfloat16" if cuda else "float32"
@@ -365,7 +365,7 @@ def check_backends(geometry: dict, num_samples: int, max_len: int, tmp: Path, de
             dtype=dtype, max_model_len=max_len + 8, startup_timeout_s=1800, extra_args=[], env={}, gpus=1
         )
     row: dict = {"tokens": tokens, "samples": num_samples, "dtype": dtype}
-    shards = {}
+    parts = {}
     for backend in ("hf", "vllm"):
         settings = hidden_states_config(
             backend=backend,
@@ -376,19 +376,19 @@ def check_backends(geometry: dict, num_samples: int, max_len: int, tmp: Path, de
             linger_s=0,
             vllm={"storage_dir": str(tmp / "hs"), "concurrency": 16},
         )
-        log = tmp / f"logs/{backend}/hidden_states.shard-00000.log"
-        shards[backend] = tmp / f"{backend}.safetensors"
+        log = tmp / f"logs/{backend}/hidden_states.part-00000.log"
+        parts[backend] = tmp / backend / "part-00000.json"  # its store beside it, one per backend
         log.parent.mkdir(parents=True, exist_ok=True)
         handler = logging.FileHandler(log)  # what the stage's job log would hold
         logging.getLogger().addHandler(handler)
         logging.getLogger().setLevel(logging.INFO)
         started = time.perf_counter()
-        run_shard(
+        run_part(
             str(tmp / "train.parquet"),
             str(tmp / "eval.parquet"),
             str(verifier),
             0,
-            str(shards[backend]),
+            str(parts[backend]),
             settings=settings,
             server=server,
             threads=1 if cuda else 2,
@@ -406,8 +406,8 @@ def check_backends(geometry: dict, num_samples: int, max_len: int, tmp: Path, de
             "startup_s": startup,
             "tokens_per_s_after_startup": tokens / max(wall - startup, 1e-9),
         }
-    _, hf = read_shard(shards["hf"])
-    _, vl = read_shard(shards["vllm"])
+    hf = read_indexed(parts["hf"])
+    vl = read_indexed(parts["vllm"])
     for name in ("aux", "final"):
         got = torch.cat([getattr(s, name) for s in vl])
         want = torch.cat([getattr(s, name) for s in hf])

@@ -43,7 +43,6 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     run = FinishedRun.of(args.workdir, args.configfile)
-    shards = sorted(str(p) for p in (run.run / "hidden_states").glob("shard-*.safetensors"))
     from safetensors.torch import load_file
 
     vocab = load_file(str(run.run / "vocab/default/vocab_map.safetensors"))
@@ -52,7 +51,7 @@ def main() -> None:
     for name in args.methods:
         method = METHODS[name]
         cfg = typed(TrainConfig, {**run.config["train"], "method": name}, "train")
-        source = ShardSamples(shards, t2d=vocab["t2d"], align=method.align)
+        source = ShardSamples.from_index(run.run / "hidden_states/index.json", t2d=vocab["t2d"], align=method.align)
         train, _ = source.refs(cfg.sample_fraction)
         rt = Runtime(0, 1, torch.device("cpu"), method_attn_impl(method, "doc_sdpa"), "eager")
         torch.manual_seed(cfg.seed)

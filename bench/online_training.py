@@ -2,11 +2,11 @@
 
     .venv/bin/python bench/online_training.py [--workdir .] [--configfile my.yaml] [--epochs 1] [--rounds 2]
 
-Reads a finished run of the config (its dataset, hidden-state shards, vocab map and prepared
+Reads a finished run of the config (its dataset, hidden-state index, vocab map and prepared
 verifier) and trains the default draft with the config's train settings for `--epochs`,
 alternating within each round:
 
-- offline: from the shards, as the train rule runs it;
+- offline: from the stored states the index names, as the train rule runs it;
 - online: from the dataset, computing every batch's states with the verifier
   (`hidden_states.mode: online`).
 
@@ -39,10 +39,9 @@ from eagleflow.train.loop import run_from_json
 def spec(config: dict, workdir: Path, out: Path, mode: str, epochs: int) -> dict:
     run, hs = workdir / "results" / config["run"], config["hidden_states"]
     online = mode == "online"
-    shards = sorted(str(p) for p in (run / "hidden_states").glob("shard-*.safetensors"))
     verifier = workdir / "resources/verifier" / config["verifier"]["name"]
     return {
-        "shards": [] if online else shards,
+        "shards": [],  # offline, training reads the states the index names
         "index": None if online else str(run / "hidden_states/index.json"),
         "dataset": [str(run / "dataset/train.parquet"), str(run / "dataset/eval.parquet")] if online else [],
         "online": {k: hs[k] for k in ("aux_layer_ids", "dtype", "compute_dtype", "batch_tokens")}

@@ -3,7 +3,7 @@
     .venv/bin/python bench/peer_draft.py --workdir DIR [--configfile my.yaml ...] [--variant NAME] [--out OUT]
 
 Reads a finished run of the config in DIR (its prepared verifier, the dataset's train split,
-the hidden-state shards and the vocabulary of a variant's draft, `default` unless --variant
+the hidden states and the vocabulary of a variant's draft, `default` unless --variant
 says) and trains a draft of the variant's method (`train.method`: speculators'
 `--speculator-type`, with the variant's `num_depths` for P-EAGLE and `block_size` for DFlash)
 the way a user of speculators 0.9.0 would, through its console entry points:
@@ -12,13 +12,13 @@ the way a user of speculators 0.9.0 would, through its console entry points:
    speculators passes such rows through without rendering; it shuffles them and counts the
    loss tokens' frequencies into `token_freq.pt`). `--seq-length` is the longest row, so no
    row is cut.
-2. The shards rewritten as the files its trainer reads (the `file` hidden-state backend):
+2. The hidden states rewritten as the files its trainer reads (the `file` hidden-state backend):
    `data/hidden_states/hs_<i>.safetensors` for row i of the prepared dataset, `hidden_states`
    [tokens, aux + 1, hidden] (the aux states in layer order, then the final pre-norm state:
-   the convention both sides share) and `token_ids`. Rows are matched to shard samples by
+   the convention both sides share) and `token_ids`. Rows are matched to indexed samples by
    their tokens. The eval split is not given to it: it stays held out for the benchmark.
 3. `speculators train` with only what points it at that: the data, the verifier, the save
-   path, the shards' aux layer ids, and the run's draft shape (`train.num_layers` decoder
+   path, the states' aux layer ids, and the run's draft shape (`train.num_layers` decoder
    layers, Llama-style, and the draft vocabulary's size, which speculators picks itself from
    `token_freq.pt`). The rest is speculators' default: 20 epochs, packed 8192-token batches,
    90% of the rows for training and 10% for validation, Muon + AdamW at lr 1e-3 with linear
@@ -68,7 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))  # the
 
 from devkit.runs import FinishedRun
 from eagleflow.common.atomic import atomic_path, write_jsonl, write_safetensors
-from eagleflow.hidden_states.shard_reader import read_shard
+from eagleflow.hidden_states.shard_reader import ShardReader
 from eagleflow.runtime.logs import configure_logging
 from eagleflow.variants import draft_id, variant_config, vocab_id
 
@@ -76,7 +76,7 @@ log = logging.getLogger("peer_draft")
 
 
 def tokens_key(input_ids: np.ndarray) -> bytes:
-    """A row's identity for matching prepared rows to shard samples: a digest of its tokens."""
+    """A row's identity for matching prepared rows to indexed samples: a digest of its tokens."""
     return hashlib.blake2b(np.asarray(input_ids, dtype=np.int64).tobytes(), digest_size=16).digest()
 
 
@@ -124,18 +124,18 @@ def tokens_seen(metrics: Path) -> int:
 
 
 def shard_index(run: Path) -> dict:
-    """The hidden-state index, refused when its shards lack what speculators trains on."""
+    """The hidden-state index, refused when its states lack what speculators trains on."""
     index_path = run / "hidden_states/index.json"
     if not index_path.exists():
         raise SystemExit(
-            f"{index_path} is missing: the run has no hidden-state shards (hidden_states.mode: online?). "
+            f"{index_path} is missing: the run has no hidden states (hidden_states.mode: online?). "
             "speculators' trainer would compute the states through a vLLM server with its hidden-state "
             "connector (--vllm-endpoint), which this script does not start."
         )
     index = json.loads(index_path.read_text())
     if index["target_topk"]:
         raise SystemExit(
-            f"{index_path}: the shards keep the verifier's top-{index['target_topk']} logits instead of its "
+            f"{index_path}: the states keep the verifier's top-{index['target_topk']} logits instead of its "
             "final state (hidden_states.target: topk); speculators trains on the final state"
         )
     return index
@@ -143,7 +143,8 @@ def shard_index(run: Path) -> dict:
 
 def write_state_files(data: Path, run: Path, index: dict) -> None:
     """hs_<i>.safetensors for every row i of the prepared dataset that lacks one, from the
-    shard sample with the same tokens."""
+    indexed sample with the same tokens (read one at a time: a run's states need not fit in
+    memory)."""
     from datasets import load_from_disk
 
     rows: dict[bytes, list[int]] = {}
@@ -153,21 +154,22 @@ def write_state_files(data: Path, run: Path, index: dict) -> None:
     missing = {i for indices in rows.values() for i in indices if not (out / f"hs_{i}.safetensors").exists()}
     log.info("%d prepared rows, %d state files to write", sum(map(len, rows.values())), len(missing))
     hidden = index["hidden_size"]
-    for shard in index["shards"]:
+    for entry in index["samples"]:
         if not missing:
             break
-        _, samples = read_shard(run / "hidden_states" / shard["path"], torch.bfloat16)
-        for s in samples:
-            todo = [i for i in rows.get(tokens_key(s.input_ids.numpy()), []) if i in missing]
-            if not todo:
-                continue
-            n = len(s.input_ids)
-            states = torch.cat([s.aux.view(n, -1, hidden), s.final.view(n, 1, hidden)], dim=1)
-            for i in todo:
-                write_safetensors(out / f"hs_{i}.safetensors", {"hidden_states": states, "token_ids": s.input_ids})
-                missing.discard(i)
+        s = ShardReader(run / "hidden_states" / entry["file"]).sample(int(entry["row"]), torch.bfloat16)
+        todo = [i for i in rows.get(tokens_key(s.input_ids.numpy()), []) if i in missing]
+        if not todo:
+            continue
+        n = len(s.input_ids)
+        states = torch.cat([s.aux.view(n, -1, hidden), s.final.view(n, 1, hidden)], dim=1)
+        for i in todo:
+            write_safetensors(out / f"hs_{i}.safetensors", {"hidden_states": states, "token_ids": s.input_ids})
+            missing.discard(i)
     if missing:
-        raise SystemExit(f"{len(missing)} prepared rows have no sample with the same tokens in the shards of {run}")
+        raise SystemExit(
+            f"{len(missing)} prepared rows have no sample with the same tokens in the hidden states of {run}"
+        )
 
 
 def draft_vocab_size(vocab_map: Path) -> int:

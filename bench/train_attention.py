@@ -2,7 +2,7 @@
 
     python bench/train_attention.py results/demo --steps 20
 
-On one finished run's shards: two drafts built from the same seed, one per attention
+On one finished run's hidden states: two drafts built from the same seed, one per attention
 implementation, each takes the same packed batches (the demo's train settings) in turns, a
 forward, backward and AdamW step each; after two warm-up steps each the steps are timed. Prints
 seconds per step of each, the ratio, and the largest difference of their losses (they compute
@@ -20,7 +20,7 @@ import yaml
 from safetensors.torch import load_file
 from speculators.losses import resolve_loss_config
 
-from eagleflow.train.data import collate, load_shards, pack
+from eagleflow.train.data import ShardSamples, collate, pack
 from eagleflow.train.draft import build_draft
 
 
@@ -34,8 +34,8 @@ def main() -> None:
     cfg = config["train"]
     verifier = f"resources/verifier/{config['verifier']['name']}"
     vocab = load_file(str(run / "vocab/default/vocab_map.safetensors"))
-    shards = sorted(str(p) for p in (run / "hidden_states").glob("shard-*.safetensors"))
-    train, _, aux = load_shards(shards, t2d=vocab["t2d"])
+    source = ShardSamples.from_index(run / "hidden_states/index.json", t2d=vocab["t2d"])
+    train, aux = source.samples(source.refs()[0]), source.aux_layer_ids
     batches = [collate([train[i] for i in b], cfg["batch_tokens"]) for b in pack(train, cfg["batch_tokens"], 0)]
     batches = batches[: args.steps + 2]
     kwargs = {

@@ -35,12 +35,12 @@ LOSS_ON_PROMPTS = "loss_on_prompts"
 
 
 class LossOnPrompts(ShardSamples):
-    """The shards as training reads them, with every position of the training samples in the loss."""
+    """The states as training reads them, with every position of the training samples in the loss."""
 
     def samples(self, refs):
         out = super().samples(refs)
         for ref, sample in zip(refs, out, strict=True):
-            if not self.readers[ref.shard].is_eval[ref.index]:
+            if not ref.is_eval:
                 sample.loss_mask = torch.ones_like(sample.loss_mask)
         return out
 
@@ -49,7 +49,6 @@ def main(run_dir: str, schedules: list[str]) -> None:
     run = Path(run_dir)
     base = yaml.safe_load(Path("config/config.yaml").read_text())
     verifier = f"resources/verifier/{base['verifier']['name']}"
-    shards = sorted(str(p) for p in (run / "hidden_states").glob("shard-*.safetensors"))
     print("| schedule | steps | train wall s | best eval loss | estimated acceptance | walk acceptance | draft |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
     for spec in schedules:
@@ -58,7 +57,7 @@ def main(run_dir: str, schedules: list[str]) -> None:
         out = Path(tempfile.mkdtemp(prefix="eagleflow-schedule-"))
         started = time.perf_counter()
         job = TrainJob(
-            shards=shards,
+            shards=[],  # training reads the states the index names
             vocab_map=str(run / "vocab/default/vocab_map.safetensors"),
             index=str(run / "hidden_states/index.json"),
             verifier_dir=verifier,

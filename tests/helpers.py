@@ -103,27 +103,29 @@ def ordinal(t: torch.Tensor, magnitude_bits: int) -> torch.Tensor:
     return torch.where(bits & (magnitude_bits + 1) != 0, -magnitude, magnitude)
 
 
-def shards_beside_transformers(paths, verifier_dir, store_dtype: torch.dtype):
-    """For each shard at `paths`: (its metadata, [(sample, transformers' (aux, final))]): the
-    verifier's float32 forward in transformers (the hf backend's hooks) on the shard's own
-    tokens, handed over in `store_dtype`."""
+def stored_beside_transformers(index, verifier_dir, store_dtype: torch.dtype):
+    """[(sample, transformers' (aux, final))] for every sample `index` (an index.json or a
+    part's manifest) names: the verifier's float32 forward in transformers (the hf backend's
+    hooks) on the sample's own tokens, handed over in `store_dtype`."""
+    import json
+    from pathlib import Path
+
     import torch
 
     from eagleflow.hidden_states.forward import extract, load_verifier
-    from eagleflow.hidden_states.shard_reader import read_shard
+    from eagleflow.hidden_states.shard_reader import read_indexed
 
     verifier = load_verifier(str(verifier_dir), "cpu", torch.float32)
-    for path in paths:
-        meta, samples = read_shard(path)
-        expected = extract(
-            verifier,
-            [{"id": s.id, "input_ids": s.input_ids.tolist()} for s in samples],
-            meta.aux_layer_ids,
-            batch_tokens=1 << 16,
-            store_dtype=store_dtype,
-            progress=False,
-        )
-        yield meta, list(zip(samples, expected, strict=True))
+    samples = read_indexed(index)
+    expected = extract(
+        verifier,
+        [{"id": s.id, "input_ids": s.input_ids.tolist()} for s in samples],
+        json.loads(Path(index).read_text())["aux_layer_ids"],
+        batch_tokens=1 << 16,
+        store_dtype=store_dtype,
+        progress=False,
+    )
+    return list(zip(samples, expected, strict=True))
 
 
 # A draft of tests' tiny Llama verifier (tiny_llama_dir: vocab 128, hidden 128), on every other

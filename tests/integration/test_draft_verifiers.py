@@ -14,8 +14,8 @@ from devkit.configs import hidden_states_config, train_config
 from devkit.verifiers import VERIFIER_BUILDERS
 from eagleflow.common.verifier_config import draft_attention_geometry, read_text_config
 from eagleflow.common.verifier_weights import load_verifier_embeddings, load_verifier_lm_head
-from eagleflow.hidden_states.run import run_shard
-from eagleflow.hidden_states.shards import write_index
+from eagleflow.hidden_states.run import run_part
+from eagleflow.hidden_states.shards import write_index_of_parts
 from eagleflow.train.config import TrainJob
 from eagleflow.train.draft import draft_layer_config, load_draft
 from eagleflow.train.loop import run_train
@@ -91,20 +91,21 @@ def train_tiny_draft(verifier, trust: bool, tmp_path, hidden_states=None, **trai
         **{"backend": "hf", "batch_tokens": 256, "dtype": "bfloat16", "device": "cpu", "num_shards": 1}
         | (hidden_states or {})
     )
-    shard = str(tmp_path / "shard-00000.safetensors")
-    run_shard(
+    part = str(tmp_path / "part-00000.json")
+    manifest = run_part(
         str(tmp_path / "train.parquet"),
         str(tmp_path / "eval.parquet"),
         str(verifier),
         0,
-        shard,
+        part,
         settings=settings,
         server=None,
         threads=1,
         gpus=0,
         trust_remote_code=trust,
-        log_path=str(tmp_path / "logs/hidden_states.shard-00000.log"),
+        log_path=str(tmp_path / "logs/hidden_states.part-00000.log"),
     )
+    assert sorted(s["id"] for s in manifest["samples"]) == [r["id"] for r in rows]  # one part: every sample
 
     t2d = torch.zeros(128, dtype=torch.bool)
     t2d[torch.arange(0, 128, 2)] = True  # draft vocab: the even target ids
@@ -112,9 +113,9 @@ def train_tiny_draft(verifier, trust: bool, tmp_path, hidden_states=None, **trai
     save_file({"d2t": d2t, "t2d": t2d}, str(tmp_path / "vocab_map.safetensors"))
     draft_dir = tmp_path / "draft"
     index = str(tmp_path / "index.json")
-    write_index([shard], str(verifier), index)
+    write_index_of_parts([part], str(verifier), index)
     job = TrainJob(
-        shards=[shard],
+        shards=[],
         vocab_map=str(tmp_path / "vocab_map.safetensors"),
         index=index,
         verifier_dir=str(verifier),
@@ -171,8 +172,8 @@ def test_draft_for_each_verifier_trains_exports_and_reloads(tiny_verifier, tmp_p
 def test_compact_target_of_the_whole_vocabulary_trains_as_the_final_state(tiny_llama_dir, tmp_path):
     """hidden_states.target: topk with k the verifier's whole vocabulary keeps the distribution
     training builds from the final state (up to float16 logits): the same losses and
-    accuracies step by step. With a small k, the shard shrinks and the run still trains and
-    exports a draft vLLM's loader reads."""
+    accuracies step by step. With a small k, the stored states shrink and the run still trains
+    and exports a draft vLLM's loader reads."""
     rows = {}
     runs = {"state": None, "all": {"target": "topk", "topk": 128}, "top8": {"target": "topk", "topk": 8}}
     for name, hs in runs.items():
@@ -183,7 +184,7 @@ def test_compact_target_of_the_whole_vocabulary_trains_as_the_final_state(tiny_l
         assert load_draft(str(draft_dir)).config.eagle_aux_hidden_state_layer_ids == [2, 4, 5]
     header = {n: json.loads((tmp_path / n / "index.json").read_text()) for n in rows}
     assert [header[n]["target_topk"] for n in rows] == [0, 128, 8]
-    size = {n: (tmp_path / n / "shard-00000.safetensors").stat().st_size for n in rows}
+    size = {n: sum(p.stat().st_size for p in (tmp_path / n / "samples").rglob("*.safetensors")) for n in rows}
     assert size["top8"] < size["state"]  # 8 x 6 bytes instead of 64 x 2 per token
     keys = [k for k in rows["state"][-1] if k.startswith(("loss", "full_acc"))]
     assert keys

@@ -1,10 +1,11 @@
-"""The hf backend's extraction server (hidden_states.hf_server) as shard jobs use it: loaded
-once for every shard, the shards it makes equal to the in-process forward, and gone after the
+"""The hf backend's extraction server (hidden_states.hf_server) as part jobs use it: loaded
+once for every part, the samples it stores equal to the in-process forward, and gone after the
 linger time."""
 
 import json
 import os
 import time
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -13,8 +14,9 @@ from safetensors import safe_open
 
 from devkit.configs import hidden_states_config
 from eagleflow.hidden_states.forward import extract, load_verifier
-from eagleflow.hidden_states.run import run_shard
-from eagleflow.hidden_states.shards import write_index
+from eagleflow.hidden_states.run import run_part
+from eagleflow.hidden_states.shard_reader import read_indexed
+from eagleflow.hidden_states.shards import write_index_of_parts
 from eagleflow.hidden_states.storage import shard_bytes
 from eagleflow.runtime.ledger import read_loads
 from eagleflow.runtime.shared import SharedDir
@@ -38,11 +40,11 @@ def write_dataset(tmp_path, n=20):
     return rows
 
 
-def test_eight_shards_share_one_load_are_unpadded_and_equal_the_in_process_forward(tiny_llama_dir, tmp_path):
+def test_eight_parts_share_one_load_are_unpadded_and_equal_the_in_process_forward(tiny_llama_dir, tmp_path):
     rows = write_dataset(tmp_path)
-    shards = [str(tmp_path / f"shard-{k:05d}.safetensors") for k in range(8)]
-    for k, out in enumerate(shards):
-        run_shard(
+    parts = [str(tmp_path / f"part-{k:05d}.json") for k in range(8)]
+    manifests = [
+        run_part(
             str(tmp_path / "train.parquet"),
             str(tmp_path / "eval.parquet"),
             str(tiny_llama_dir),
@@ -53,39 +55,51 @@ def test_eight_shards_share_one_load_are_unpadded_and_equal_the_in_process_forwa
             threads=1,
             gpus=0,
             trust_remote_code=False,
-            log_path=str(tmp_path / f"logs/hidden_states.shard-{k:05d}.log"),
+            log_path=str(tmp_path / f"logs/hidden_states.part-{k:05d}.log"),
         )
+        for k, out in enumerate(parts)
+    ]
     servers = tmp_path / "logs/servers"
     assert [(r["stage"], r["kind"], r["shared"]) for r in read_loads(servers)] == [("hidden_states", "start", True)]
     model = load_verifier(str(tiny_llama_dir), "cpu", torch.float32)
     by_id = {r["id"]: r for r in rows}
     seen = []
-    for out in shards:
-        with safe_open(out, framework="pt") as f:
-            ids = json.loads(f.metadata()["sample_ids"])
-            assert f.metadata()["final_layer_id"] == "8" and f.metadata()["backend"] == "hf"
-            seen += ids
-            n_tokens = sum(len(by_id[i]["input_ids"]) for i in ids)
-            hs, final = f.get_tensor("hidden_states"), f.get_tensor("verifier_last_hidden_states")
-            offsets = f.get_tensor("offsets").tolist()
-        assert hs.shape == (n_tokens, 3 * 128) and hs.dtype == torch.bfloat16 and final.shape == (n_tokens, 128)
-        assert offsets[-1] == n_tokens
-        # nothing padded: the file is what the disk check counts (header aside)
-        assert (hs.numel() + final.numel()) * 2 == n_tokens * 4 * 128 * 2
-        # (the safetensors header, its JSON metadata, is the rest: under 2 KB)
-        assert 0 <= os.path.getsize(out) - shard_bytes(n_tokens, len(ids), 4, 128, "bfloat16") < 2048
+    for k, (out, manifest) in enumerate(zip(parts, manifests, strict=True)):
+        assert json.loads(Path(out).read_text()) == manifest
+        assert (manifest["part"], manifest["num_parts"], manifest["backend"]) == (k, 8, "hf")
+        assert manifest["stats"]["extracted_samples"] == len(manifest["samples"])
+        ids = [s["id"] for s in manifest["samples"]]
+        seen += ids
         # The server's forward is the one the job would run itself: same batches, same padding,
         # and one thread as the server runs (a thread count is a summation order on a CPU).
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            expected = extract(model, [by_id[i] for i in ids], [2, 4, 5], 32, torch.bfloat16)
+            expected = extract(model, [by_id[i] for i in ids], [2, 4, 5], 32, torch.bfloat16) if ids else []
         finally:
             torch.set_num_threads(threads)
-        for k, (aux, fin) in enumerate(expected):
-            assert hs[offsets[k] : offsets[k + 1]].equal(aux) and final[offsets[k] : offsets[k + 1]].equal(fin)
-    assert sorted(seen) == sorted(by_id)
-    write_index(shards, str(tiny_llama_dir), str(tmp_path / "index.json"))
+        for s, (aux, fin) in zip(manifest["samples"], expected, strict=True):
+            n_tokens = len(by_id[s["id"]]["input_ids"])
+            assert s["num_tokens"] == n_tokens and s["split"] == ("eval" if int(s["id"][1:]) >= 16 else "train")
+            path = tmp_path / "samples" / s["key"][:2] / f"{s['key']}.safetensors"
+            with safe_open(str(path), framework="pt") as f:
+                assert json.loads(f.metadata()["sample_ids"]) == [s["key"]]
+                assert f.metadata()["final_layer_id"] == "8" and f.metadata()["backend"] == "hf"
+                hs, final = f.get_tensor("hidden_states"), f.get_tensor("verifier_last_hidden_states")
+                offsets = f.get_tensor("offsets").tolist()
+            assert hs.shape == (n_tokens, 3 * 128) and hs.dtype == torch.bfloat16 and final.shape == (n_tokens, 128)
+            assert offsets == [0, n_tokens]
+            # nothing padded: the file is what the disk check counts (header aside)
+            assert (hs.numel() + final.numel()) * 2 == n_tokens * 4 * 128 * 2
+            # (the safetensors header, its JSON metadata, is the rest: under 2 KB)
+            assert 0 <= os.path.getsize(path) - shard_bytes(n_tokens, 1, 4, 128, "bfloat16") < 2048
+            assert hs.equal(aux) and final.equal(fin)
+        # read back as training reads it: the manifest's ids and splits, the same states
+        for s, got, (aux, fin) in zip(manifest["samples"], read_indexed(out, torch.bfloat16), expected, strict=True):
+            assert (got.id, got.is_eval) == (s["id"], s["split"] == "eval")
+            assert got.aux.equal(aux) and got.final.equal(fin)
+    assert sorted(seen) == sorted(by_id)  # every sample in exactly one part
+    write_index_of_parts(parts, str(tiny_llama_dir), str(tmp_path / "index.json"))
     index = json.loads((tmp_path / "index.json").read_text())
     assert index["aux_layer_ids"] == [2, 4, 5] and index["vllm_layer_ids"] == [2, 4, 5, 8]
     assert index["num_samples"] == 20 and index["backends"] == ["hf"]

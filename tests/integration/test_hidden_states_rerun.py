@@ -1,5 +1,6 @@
-"""A job killed mid-shard leaves only a temporary that Snakemake does not count; the next
-run redoes that shard and what depends on it, never the shards that finished."""
+"""A part job killed before its manifest leaves only a temporary that Snakemake does not count;
+the next run redoes that part and what depends on it, never the parts that finished (inside
+the part, the store keeps each finished sample: tests/unit/test_hidden_states.py)."""
 
 import subprocess
 import sys
@@ -25,7 +26,7 @@ def planned_jobs(wf, env) -> list[tuple[str, str]]:
     return [j for j in jobs if j[0] != "all"]
 
 
-def test_only_the_killed_shard_and_its_downstream_rerun(tmp_path, clean_env):
+def test_only_the_killed_part_and_its_downstream_rerun(tmp_path, clean_env):
     wf = copy_workflow(tmp_path)
     # Every output of the DAG as a placeholder, then --touch so Snakemake records them as
     # produced by a finished run (no vLLM, no model: this is about the DAG and the files).
@@ -57,13 +58,13 @@ def test_only_the_killed_shard_and_its_downstream_rerun(tmp_path, clean_env):
     )
     assert planned_jobs(wf, clean_env) == []
 
-    # The state a SIGKILLed shard job leaves: its write never reached the rename, so only
-    # the temporary next to the target exists, and nothing downstream was made.
+    # The state a SIGKILLed part job leaves: its manifest's write never reached the rename, so
+    # only the temporary next to the target exists, and nothing downstream was made.
     hs = wf / "results/small/hidden_states"
-    (hs / "shard-00001.safetensors").unlink()
-    partial = hs / ".shard-00001.safetensors.killed.tmp"
+    (hs / "part-00001.json").unlink()
+    partial = hs / ".part-00001.json.killed.tmp"
     partial.mkdir()
-    (partial / "shard-00001.safetensors").write_text("half a shard")
+    (partial / "part-00001.json").write_text('{"half": ')
     for done_downstream in (
         "hidden_states/index.json",
         "drafts/default/train/metrics.jsonl",
@@ -75,7 +76,7 @@ def test_only_the_killed_shard_and_its_downstream_rerun(tmp_path, clean_env):
         (wf / "results/small" / done_downstream).unlink()
 
     jobs = planned_jobs(wf, clean_env)
-    assert [j for j in jobs if j[0] == "hidden_states"] == [("hidden_states", "wildcards: shard=00001")]
+    assert [j for j in jobs if j[0] == "hidden_states"] == [("hidden_states", "wildcards: states_part=00001")]
     assert {rule for rule, _ in jobs} == {
         "hidden_states",
         "hidden_states_index",

@@ -158,7 +158,7 @@ def test_a_draft_trained_without_the_verifier_norm_is_caught(run, tmp_path, monk
     monkeypatch.setattr(draft_module, "load_verifier_final_norm", lambda verifier_dir: torch.ones(576))
     r = run.wf / "results/small"
     job = TrainJob(
-        shards=sorted(str(p) for p in (r / "hidden_states").glob("shard-*.safetensors")),
+        shards=[],
         vocab_map=run.vocab_map,
         index=str(r / "hidden_states/index.json"),
         verifier_dir=run.verifier,

@@ -85,9 +85,14 @@ def test_every_stage_output_meets_its_contract(finished_run):
     assert json.loads((r / "vocab/default/stats.json").read_text())["coverage_train"] > 0.9
 
     index = json.loads((r / "hidden_states/index.json").read_text())
-    assert index["aux_layer_ids"] == [2, 15, 27] and len(index["shards"]) == 2
+    assert index["aux_layer_ids"] == [2, 15, 27] and len(list((r / "hidden_states").glob("part-*.json"))) == 2
     assert index["num_tokens"] == sum(len(x["input_ids"]) for x in train + evals)
-    with safe_open(str(r / "hidden_states/shard-00000.safetensors"), framework="pt") as f:
+    assert sorted(s["id"] for s in index["samples"]) == sorted(x["id"] for x in train + evals)
+    # One file per sample in the store (none shared: no two samples have the same tokens here).
+    assert len({s["file"] for s in index["samples"]}) == index["num_samples"]
+    stats = json.loads((r / "hidden_states/stats.json").read_text())
+    assert stats["samples"] == index["num_samples"] and stats["tokens"] == index["num_tokens"]
+    with safe_open(str(r / "hidden_states" / index["samples"][0]["file"]), framework="pt") as f:
         assert f.get_slice("hidden_states").get_shape()[1] == 3 * 576
 
     metrics = [json.loads(line) for line in (r / "drafts/default/train/metrics.jsonl").read_text().splitlines()]
@@ -246,7 +251,7 @@ def test_no_vllm_process_outlives_the_run(finished_run):
 def test_the_hf_shard_jobs_load_the_verifier_once_and_the_report_counts_every_load(finished_run):
     run = finished_run / "results/small"
     loads = count_loads(read_loads(run / "logs/servers"))
-    shard_logs = sorted((run / "logs").glob("hidden_states.shard-*.log"))
+    shard_logs = sorted((run / "logs").glob("hidden_states.part-*.log"))
     assert len(shard_logs) == 2
     assert loads["hidden_states"] == {"start": 1}, loads
     launcher = "this job started the phase's shared hf extraction server"
@@ -347,7 +352,7 @@ def test_a_copy_elsewhere_plans_nothing_and_a_fix_that_changes_no_byte_costs_no_
     draft = json.loads((run / "drafts/default/draft/config.json").read_text())
     assert Path(draft["speculators_config"]["verifier"]["name_or_path"]).is_dir()
 
-    kept = ["dataset/train.parquet", "dataset/eval.parquet", "hidden_states/shard-00000.safetensors"]
+    kept = ["dataset/train.parquet", "dataset/eval.parquet", "hidden_states/index.json"]
     kept += [str(p.relative_to(run)) for p in sorted((run / "drafts/default/draft").iterdir())]
     before = {name: (run / name).read_bytes() for name in kept}
     loads_before = len(read_loads(run / "logs/servers"))
@@ -376,7 +381,9 @@ def test_a_copy_elsewhere_plans_nothing_and_a_fix_that_changes_no_byte_costs_no_
     assert stats["sent"] == 0 and stats["reused"] == stats["requests"]
     logs = run / "logs"
     # Each message is written only by a job that links its outputs back.
-    assert "made from the same inputs before; linked from" in (logs / "hidden_states.shard-00000.log").read_text()
+    # The part jobs found every sample stored: none reached the verifier.
+    assert "; 0 to extract (0 tokens)" in (logs / "hidden_states.part-00000.log").read_text()
+    assert json.loads((run / "hidden_states/stats.json").read_text())["extracted_samples"] == 0
     assert "0 training steps" in (logs / "train.default.log").read_text()
     # The baseline reads only the verifier and the eval prompts: not downstream of generate.
     assert "baseline" not in stale
@@ -519,13 +526,15 @@ def test_the_run_report_has_the_comparison_of_its_one_variant(finished_run):
     assert report["baseline"]["output_tokens_per_s"] == baseline["output_tokens_per_s"]
 
 
-def test_the_plan_counts_the_bytes_the_shards_take(finished_run):
+def test_the_plan_counts_the_bytes_the_stored_states_take(finished_run):
     from eagleflow.plan.needs import load_merged_config, make_plan
 
     config = load_merged_config([str(REPO / "tests/config/small.yaml")], finished_run)
     plan = make_plan(config, finished_run)
     assert plan.tokens.source.startswith("exact")
-    written = sum(p.stat().st_size for p in (finished_run / "results/small/hidden_states").glob("shard-*.safetensors"))
+    written = sum(
+        p.stat().st_size for p in (finished_run / "results/small/hidden_states/samples").rglob("*.safetensors")
+    )
     assert plan.disk[0]["bytes"] == pytest.approx(written, rel=0.05)
 
 

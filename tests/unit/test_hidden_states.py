@@ -5,12 +5,12 @@ import fcntl
 import json
 import threading
 import time
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from devkit.configs import hidden_states_config, server_config
@@ -30,7 +30,7 @@ from eagleflow.hidden_states.layers import (
     resolve_aux_layer_ids,
     verifier_geometry,
 )
-from eagleflow.hidden_states.run import run_shard
+from eagleflow.hidden_states.run import run_part
 from eagleflow.hidden_states.shards import check_disk_space
 from eagleflow.hidden_states.vllm import extraction_server_args
 
@@ -187,9 +187,9 @@ def write_dataset(tmp_path, n=7):
 HF_SETTINGS = {"backend": "hf", "batch_tokens": 32, "dtype": "bfloat16", "device": "cpu", "compute_dtype": "auto"}
 
 
-def run_hf_shard(tmp_path, verifier, shard: int, out: str, num_shards: int) -> None:
-    """Shard `shard` of `num_shards` of write_dataset's data, by the hf backend on CPU."""
-    run_shard(
+def run_hf_part(tmp_path, verifier, shard: int, out: str, num_shards: int, force: bool = False) -> dict:
+    """Part `shard` of `num_shards` of write_dataset's data, by the hf backend on CPU."""
+    return run_part(
         str(tmp_path / "train.parquet"),
         str(tmp_path / "eval.parquet"),
         str(verifier),
@@ -200,7 +200,8 @@ def run_hf_shard(tmp_path, verifier, shard: int, out: str, num_shards: int) -> N
         threads=1,
         gpus=0,
         trust_remote_code=False,
-        log_path=str(tmp_path / f"logs/hidden_states.shard-{shard:05d}.log"),
+        log_path=str(tmp_path / f"logs/hidden_states.part-{shard:05d}.log"),
+        force=force,
     )
 
 
@@ -220,37 +221,142 @@ def test_disk_check_logs_the_total_and_refuses_without_room(tmp_path, caplog, mo
     assert f"need {need} bytes" in str(err.value) and f"only {need - 1} bytes" in str(err.value)
 
 
-def test_run_shard_refuses_before_loading_the_verifier(tiny_llama_dir, tmp_path, monkeypatch):
+def test_a_part_refuses_before_loading_the_verifier(tiny_llama_dir, tmp_path, monkeypatch):
     write_dataset(tmp_path)
     import eagleflow.hidden_states.hf as hf
     import eagleflow.hidden_states.shards as shards
 
     monkeypatch.setattr(shards.shutil, "disk_usage", lambda p: type("U", (), {"free": 10})())
     monkeypatch.setattr(hf, "SharedServer", lambda *a, **k: pytest.fail("started the verifier before the disk check"))
-    out = tmp_path / "shard-00000.safetensors"
+    out = tmp_path / "hs/part-00000.json"
     with pytest.raises(OSError, match="only 10 bytes"):
-        run_hf_shard(tmp_path, tiny_llama_dir, 0, str(out), num_shards=1)
+        run_hf_part(tmp_path, tiny_llama_dir, 0, str(out), num_shards=1)
     assert not out.exists()
 
 
-def test_a_failed_extraction_leaves_no_shard(tiny_llama_dir, tmp_path, monkeypatch):
-    """The shard appears only by rename after a complete write: a job killed or failing
-    mid-shard leaves nothing that looks complete (no file, no temporary under its name)."""
-    write_dataset(tmp_path)
-    import contextlib
+class Killed(Exception):
+    """The job dies here."""
 
+
+def stored(out) -> list:
+    return sorted(p.name for p in (Path(out).parent / "samples").rglob("*.safetensors"))
+
+
+def test_a_failed_extraction_keeps_each_finished_chunk_and_nothing_half_written(tiny_llama_dir, tmp_path, monkeypatch):
+    """A job killed mid-part leaves whole sample files only, and no manifest: the rerun
+    extracts what is missing and nothing it stored."""
+    write_dataset(tmp_path)
     import eagleflow.hidden_states.run as run
 
-    class Dies:
-        def extract(self, *a, **k):
-            raise KeyboardInterrupt
+    out = tmp_path / "hs/part-00000.json"
+    real = run.open_backend
+    calls = []
+    dying = [True]
 
-    monkeypatch.setattr(run, "open_backend", lambda name, job: contextlib.nullcontext(Dies()))
-    out = tmp_path / "shard-00000.safetensors"
-    with pytest.raises(KeyboardInterrupt):
-        run_hf_shard(tmp_path, tiny_llama_dir, 0, str(out), num_shards=1)
+    def dies_on_the_second_chunk(name, job):
+        backend = real(name, job)
+
+        class Wrapped:
+            def __enter__(self):
+                inner = backend.__enter__()
+
+                class Dies:
+                    def extract(self, samples, *a, **k):
+                        calls.append([s["id"] for s in samples])
+                        if len(calls) == 2 and dying:
+                            raise Killed
+                        return inner.extract(samples, *a, **k)
+
+                return Dies()
+
+            def __exit__(self, *exc):
+                return backend.__exit__(*exc)
+
+        return Wrapped()
+
+    monkeypatch.setattr(run, "CHUNK_TOKENS", 12)  # the 7 samples of 3..9 tokens in several chunks
+    monkeypatch.setattr(run, "open_backend", dies_on_the_second_chunk)
+    with pytest.raises(Killed):
+        run_hf_part(tmp_path, tiny_llama_dir, 0, str(out), num_shards=1)
     assert not out.exists()
-    assert list(tmp_path.glob("*shard*")) == []
+    first_chunk = calls[0]
+    assert len(stored(out)) == len(first_chunk) and [p for p in (tmp_path / "hs").rglob("*") if "tmp" in p.name] == []
+    calls.clear()
+    dying.clear()
+    manifest = run_hf_part(tmp_path, tiny_llama_dir, 0, str(out), num_shards=1)
+    again = [i for chunk in calls for i in chunk]
+    assert set(again).isdisjoint(first_chunk) and len(again) == 7 - len(first_chunk)
+    assert manifest["stats"]["stored_samples"] == len(first_chunk) and manifest["stats"]["extracted_samples"] == len(
+        again
+    )
+    assert len(stored(out)) == 7
+
+
+def test_a_grown_dataset_extracts_only_its_new_samples_and_a_changed_one_only_itself(tiny_llama_dir, tmp_path):
+    """The store keys a sample by its tokens and loss mask (and the extraction's settings),
+    not its id or split, so unchanged samples never reach the verifier again."""
+    rows = write_dataset(tmp_path, n=7)
+    parts = [tmp_path / f"hs/part-{k:05d}.json" for k in range(2)]
+    first = [run_hf_part(tmp_path, tiny_llama_dir, k, str(p), num_shards=2) for k, p in enumerate(parts)]
+    assert sum(m["stats"]["extracted_samples"] for m in first) == 7
+    before = {s["id"]: s["digest"] for m in first for s in m["samples"]}
+    # Three new conversations, and one changed (its reply ends otherwise).
+    new = [
+        {**rows[0], "id": f"n{i}", "input_ids": [9, 8, 7 + i, 6], "loss_mask": [0, 1, 1, 1], "length": 4}
+        for i in range(3)
+    ]
+    changed = {**rows[1], "input_ids": rows[1]["input_ids"][:-1] + [11], "loss_mask": rows[1]["loss_mask"]}
+    grown = [rows[0], changed, *rows[2:5], *new]
+    pq.write_table(pa.Table.from_pylist(grown), tmp_path / "train.parquet")
+    second = [run_hf_part(tmp_path, tiny_llama_dir, k, str(p), num_shards=2) for k, p in enumerate(parts)]
+    assert sum(m["stats"]["extracted_samples"] for m in second) == 4  # the 3 new and the changed one
+    assert sum(m["stats"]["stored_samples"] for m in second) == 6
+    assert sum(m["stats"]["verifier_loads"] for m in second) == sum(
+        bool(m["stats"]["extracted_samples"]) for m in second
+    )
+    after = {s["id"]: s["digest"] for m in second for s in m["samples"]}
+    assert {i for i in before if i in after and after[i] == before[i]} == {r["id"] for r in rows} - {"s1"}
+    # The index over both parts reads back each sample's own tokens under its id and split.
+    from eagleflow.hidden_states.shard_reader import read_indexed
+    from eagleflow.hidden_states.shards import write_index_of_parts
+
+    doc = write_index_of_parts(
+        [str(p) for p in parts], str(tiny_llama_dir), str(tmp_path / "hs/index.json"), str(tmp_path / "hs/stats.json")
+    )
+    assert doc["num_samples"] == 10 and json.loads((tmp_path / "hs/stats.json").read_text())["extracted_samples"] == 4
+    want = {r["id"]: r for r in [*grown, *rows[5:]]}
+    for sample in read_indexed(tmp_path / "hs/index.json"):
+        assert sample.input_ids.tolist() == list(want[sample.id]["input_ids"])
+        assert sample.is_eval == (sample.id in {"s5", "s6"})
+    # A forced rerun (-R) extracts every sample of the part again, to the same states.
+    forced = run_hf_part(tmp_path, tiny_llama_dir, 0, str(parts[0]), num_shards=2, force=True)
+    assert forced["stats"]["extracted_samples"] == len(forced["samples"])
+    assert [s["digest"] for s in forced["samples"]] == [s["digest"] for s in second[0]["samples"]]
+
+
+def test_a_sample_joins_one_part_and_moves_no_other():
+    from eagleflow.hidden_states.sample_keys import part_of
+
+    ids = [f"p{i}#t0" for i in range(400)]
+    assign = {i: part_of(i, 4) for i in ids}
+    assert set(assign.values()) == {0, 1, 2, 3} and max(list(assign.values()).count(k) for k in range(4)) < 140
+    assert all(part_of(i, 5) == part_of(i, 5) for i in ids) and part_of("p1#t0", 4) == assign["p1#t0"]
+
+
+def test_prune_removes_the_stored_samples_no_index_names(tmp_path):
+    from eagleflow.runtime.state_store import SampleStore, prune_unreferenced
+
+    states = tmp_path / "results/run/hidden_states"
+    store = SampleStore(states / "samples")
+    for key in ("aa11", "bb22", "cc33"):
+        store.path(key).parent.mkdir(parents=True, exist_ok=True)
+        store.path(key).write_bytes(b"x" * 10)
+    (states / "part-00000.json").write_text(json.dumps({"samples": [{"key": "aa11"}]}))
+    (states / "index.json").write_text(json.dumps({"samples": [{"key": "bb22"}]}))
+    assert prune_unreferenced(tmp_path / "results", dry_run=True) == [(states / "samples", 1, 10)]
+    assert store.has("cc33")
+    prune_unreferenced(tmp_path / "results")
+    assert sorted(store.keys()) == ["aa11", "bb22"]
 
 
 def test_unknown_backend_names_the_known_ones(tmp_path):
@@ -527,8 +633,8 @@ def test_vllm_backend_matches_hf_backend_on_gpu(tiny_llama_dir, tmp_path):
             "compute_dtype": "bfloat16",
             "vllm": {"storage_dir": str(tmp_path / "hs"), "concurrency": 4},
         }
-        outs[backend] = str(tmp_path / f"{backend}.safetensors")
-        run_shard(
+        outs[backend] = str(tmp_path / f"{backend}/part-00000.json")
+        run_part(
             str(tmp_path / "train.parquet"),
             str(tmp_path / "eval.parquet"),
             str(tiny_llama_dir),
@@ -541,12 +647,13 @@ def test_vllm_backend_matches_hf_backend_on_gpu(tiny_llama_dir, tmp_path):
             trust_remote_code=False,
             log_path=str(tmp_path / f"logs/{backend}/hidden_states.shard-00000.log"),
         )
-    with safe_open(outs["hf"], framework="pt") as hf, safe_open(outs["vllm"], framework="pt") as vl:
-        assert hf.metadata()["sample_ids"] == vl.metadata()["sample_ids"]
-        assert torch.equal(hf.get_tensor("input_ids"), vl.get_tensor("input_ids"))
-        for name in ("hidden_states", "verifier_last_hidden_states"):
-            assert rel_err(vl.get_tensor(name), hf.get_tensor(name)) < 2e-2, name
-        assert json.loads(vl.metadata()["sample_ids"]) == sorted(r["id"] for r in rows)
+    from eagleflow.hidden_states.shard_reader import read_indexed
+
+    hf, vl = read_indexed(outs["hf"]), read_indexed(outs["vllm"])
+    assert [s.id for s in vl] == [s.id for s in hf] == sorted(r["id"] for r in rows)
+    for a, b in zip(hf, vl, strict=True):
+        assert torch.equal(a.input_ids, b.input_ids)
+        assert rel_err(b.aux, a.aux) < 2e-2 and rel_err(b.final, a.final) < 2e-2
 
 
 def test_the_shard_key_ignores_operational_settings_and_follows_content():

@@ -191,36 +191,41 @@ def test_the_dry_run_line_says_what_recomputes_and_what_may_be_restored(monkeypa
     monkeypatch.delenv(cache_plan.SWITCH, raising=False)
     line = describe_cache_plan(
         [
-            PlannedJob("hidden_states", ("a",), ("forced (-R/--forcerun/--forceall/-f)",)),
-            PlannedJob("hidden_states", ("b",), ("output missing: b",)),
-            PlannedJob("hidden_states", ("c",), (), kept=False),
+            PlannedJob("parity", ("a",), ("forced (-R/--forcerun/--forceall/-f)",)),
+            PlannedJob("benchmark", ("b",), ("output missing: b",)),
+            PlannedJob("benchmark", ("c",), (), kept=False),
             PlannedJob("train", ("d", "e"), (), kept=True),
+            # The hidden states' store is their cache: forced, every sample again; else what it lacks.
+            PlannedJob("hidden_states", ("f",), ("forced (-R/--forcerun/--forceall/-f)",)),
+            PlannedJob("hidden_states", ("g",), ("output missing: g",)),
+            PlannedJob("hidden_states", ("h",), ()),
         ]
     )
-    assert line.startswith("Output cache: recomputed: hidden_states 2 (")
-    assert "forced (-R/--forcerun/--forceall/-f)" in line and "output missing" in line
-    assert "; computed (no entry kept): hidden_states 1;" in line
+    assert line.startswith("Output cache: recomputed: parity 1 (forced (-R/--forcerun/--forceall/-f)), benchmark 1 (")
+    assert "hidden_states 1 (forced" in line and "output missing" in line
+    assert "; computed (no entry kept): benchmark 1;" in line
+    assert "; compute only what their store lacks: hidden_states 2;" in line
     assert line.endswith("restored if their key matches the entry kept: train 1")
     assert describe_cache_plan([]) is None
 
 
 def test_the_plan_finds_the_entries_the_jobs_keep(workdir):
-    """entry_location is where the jobs keep (hidden_states.run names a shard's slot itself):
-    an entry kept by a job is found from the job's outputs, and only its own."""
-    shard = "results/run/hidden_states/shard-00002.safetensors"
+    """entry_location is where the jobs keep: an entry kept by a job is found from the job's
+    outputs, and only its own."""
+    shard = "results/run/parity/d/parity.json"
     draft, metrics = "results/run/drafts/d/draft", "results/run/drafts/d/train/metrics.jsonl"
-    assert entry_location("hidden_states", [shard]) == (Path("results/run/hidden_states/.done"), "shard-00002")
+    assert entry_location("parity", [shard]) == (Path("results/run/parity/d/.done"), "parity")
     assert entry_location("train", [draft, metrics]) == (Path("results/run/drafts/d/train/done"), "draft")
     report = "results/run/benchmarks/d/report.json"
     assert entry_location("benchmark", [report]) == (Path("results/run/benchmarks/d/.done"), "benchmark")
-    assert kept_keys("hidden_states", [shard]) == []
+    assert kept_keys("parity", [shard]) == []
     for path in (shard, metrics, report):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text("x")
-    OutputCache(*entry_location("hidden_states", [shard])).keep("k2", {"shard": shard})
+    OutputCache(*entry_location("parity", [shard])).keep("k2", {"parity": shard})
     OutputCache(*entry_location("benchmark", [report])).keep("kb", {"report": report})
-    assert kept_keys("hidden_states", [shard]) == ["k2"]
-    assert kept_keys("hidden_states", ["results/run/hidden_states/shard-00001.safetensors"]) == []
+    assert kept_keys("parity", [shard]) == ["k2"]
+    assert kept_keys("parity", ["results/run/parity/other/parity.json"]) == []
     assert kept_keys("benchmark", [report]) == ["kb"] and kept_keys("train", [draft, metrics]) == []
 
 

@@ -61,10 +61,10 @@ def test_an_unknown_rate_leaves_its_stage_and_the_total_open():
 def test_a_finished_run_supplies_the_rates_it_measured(tmp_path):
     run = tmp_path / "results/r"
     write_json(run / "generate/stats.json", {"sent_tokens": 3000, "server_s": 20.0})
-    write_json(run / "hidden_states/index.json", {"num_tokens": 5000})
+    write_json(run / "hidden_states/stats.json", {"tokens": 9000, "extracted_tokens": 5000})
     for i, seconds in enumerate((4.0, 6.0)):
         (run / "benchmarks").mkdir(parents=True, exist_ok=True)
-        (run / f"benchmarks/hidden_states.shard-0000{i}.tsv").write_text(f"s\th:m:s\n{seconds}\t0:00:0{seconds:.0f}\n")
+        (run / f"benchmarks/hidden_states.part-0000{i}.tsv").write_text(f"s\th:m:s\n{seconds}\t0:00:0{seconds:.0f}\n")
     (run / "drafts/default/train").mkdir(parents=True)
     rows = [{"split": "train", "tokens_per_s": v} for v in (100, 300, 200)] + [{"split": "eval"}]
     (run / "drafts/default/train/metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -61,7 +61,7 @@ VERIFIER_ARGV = ServerSpec.from_config(
 
 
 wildcard_constraints:
-    shard=r"\d{5}",
+    states_part=r"\d{5}",
     part=r"\d+-of-\d+",
     variant="|".join(re.escape(v) for v in VARIANTS),
     vocab=r"default|v-[0-9a-f]{8}",
@@ -267,9 +267,11 @@ def gpus(stage):
     return config[stage]["gpus"]
 
 
-def shard_paths():
+def part_paths():
+    """The extraction parts' manifests (hidden_states.run: one job per part, its samples by a
+    stable hash of their ids)."""
     n = config["hidden_states"]["num_shards"]
-    return [results(f"hidden_states/shard-{i:05d}.safetensors") for i in range(n)]
+    return [results(f"hidden_states/part-{i:05d}.json") for i in range(n)]
 
 
 # The conda environment of the jobs that extract the verifier's states (shards, parity), by
@@ -394,7 +396,7 @@ def synth_parsing():
 
 
 def train_states(wildcards):
-    """What the train job reads the verifier's states from: the shards and their index, or
+    """What the train job reads the verifier's states from: the index of the stored samples, or
     (hidden_states.mode: online) the dataset, whose states it computes itself."""
     if config["hidden_states"]["mode"] == "online":
         return {
@@ -403,7 +405,7 @@ def train_states(wildcards):
                 results("dataset/eval.parquet"),
             ]
         }
-    return {"index": results("hidden_states/index.json"), "shards": shard_paths()}
+    return {"index": results("hidden_states/index.json")}
 
 
 def online_states():

@@ -1,19 +1,23 @@
-# One extraction server (vLLM, or transformers for the hf backend) serves every shard job:
-# the first job launches it, the others attach, and hidden_states_index stops it
-# (workflow/eagleflow/hidden_states/backend.py: sharing). The SLURM profile puts the shard
-# jobs in one group, so that they run in one submission on the node holding the server.
+# The hidden states are kept per sample (runtime/state_store.py, keyed by hidden_states/sample_keys.py): each job extracts the
+# samples of its part (a stable hash of their ids) that the store lacks and writes the part's
+# manifest, so a grown or corrected dataset extracts only what it adds or changes. One
+# extraction server (vLLM, or transformers for the hf backend) serves every part job: the
+# first job launches it, the others attach, and hidden_states_index stops it
+# (workflow/eagleflow/hidden_states/backend.py: sharing); a job with nothing to extract
+# starts none. The SLURM profile puts the part jobs in one group, so that they run in one
+# submission on the node holding the server.
 rule hidden_states:
     input:
         verifier=VERIFIER_DIR,
         train=results("dataset/train.parquet"),
         eval=results("dataset/eval.parquet"),
     output:
-        results("hidden_states/shard-{shard}.safetensors"),
+        results("hidden_states/part-{states_part}.json"),
     log:
-        logs("hidden_states.shard-{shard}"),
+        logs("hidden_states.part-{states_part}"),
     benchmark:
-        benchmarks("hidden_states.shard-{shard}")
-    # Before other GPU jobs that are ready at the same time: between two shard jobs the
+        benchmarks("hidden_states.part-{states_part}")
+    # Before other GPU jobs that are ready at the same time: between two part jobs the
     # server would otherwise hold the GPUs another job was given.
     priority: 10
     conda:
@@ -33,9 +37,10 @@ rule hidden_states:
 rule hidden_states_index:
     input:
         verifier=VERIFIER_DIR,
-        shards=shard_paths(),
+        parts=part_paths(),
     output:
-        results("hidden_states/index.json"),
+        index=results("hidden_states/index.json"),
+        stats=results("hidden_states/stats.json"),
     log:
         logs("hidden_states_index"),
     conda:

@@ -1,5 +1,6 @@
-"""One shard job: pick the shard's samples, check the disk, run the configured backend and
-write the shard."""
+"""One extraction job: the samples of its part (a stable hash of their ids: sample_keys.part_of)
+that the sample store lacks, extracted by the configured backend and stored one file per
+sample; then the part's manifest, which names every sample of the part by its key."""
 
 from __future__ import annotations
 
@@ -9,42 +10,47 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
+from eagleflow.common.atomic import write_json
 from eagleflow.common.cache_keys import extraction_stack
 from eagleflow.common.config import typed
+from eagleflow.common.identity import verifier_fingerprint
 from eagleflow.common.server_args import result_args
 
 # Importing a backend registers it. hf_server runs in its own process (the hf backend's
-# server); imported here so that an edit to it restales the shards (common.fingerprint).
+# server); imported here so that an edit to it restales the stored samples (common.fingerprint).
 from eagleflow.hidden_states import hf, hf_server, vllm  # noqa: F401
 from eagleflow.hidden_states.backend import ExtractionJob, HiddenStatesConfig, open_backend
 from eagleflow.hidden_states.layers import resolve_aux_layer_ids, verifier_geometry
-from eagleflow.hidden_states.shard_file import ShardMeta, write_shard
-from eagleflow.hidden_states.shards import (
-    check_disk_space,
-    samples_for_shard,
-    shard_key,
-)
+from eagleflow.hidden_states.sample_keys import sample_key, settings_key
+from eagleflow.hidden_states.shard_file import ShardMeta, shard_content_digest, write_shard
+from eagleflow.hidden_states.shards import check_disk_space, samples_for_part
 from eagleflow.hidden_states.storage import extraction_dtype, num_stored_states, torch_dtype
 from eagleflow.hidden_states.targets import TopkHead, head_device
-from eagleflow.runtime.cache_plan import clear_mark
-from eagleflow.runtime.output_cache import OutputCache
+from eagleflow.runtime.cache_plan import clear_mark, recompute_reason, recomputes_all
 from eagleflow.runtime.smk import stage
 from eagleflow.runtime.spec import ServerConfig, ServerSpec
+from eagleflow.runtime.state_store import STORE_DIR, SampleStore
 
 log = logging.getLogger(__name__)
 
+# Samples extracted between two writes to the store: what a job killed mid-phase loses at
+# most, and what host memory holds at once (the states of this many tokens).
+CHUNK_TOKENS = 32768
+
 
 def main(smk) -> None:
-    """The hidden_states rule's job (workflow/rules/hidden_states.smk): one shard."""
+    """The hidden_states rule's job (workflow/rules/hidden_states.smk): one part."""
     # The job's GPUs go to the phase's shared server: the job that launches it claims them for
     # it (runtime.shared_server.SharedServer); the jobs that attach use the server's.
     with stage(smk, claim_gpus=False):
         settings = typed(HiddenStatesConfig, smk.params.hidden_states, "hidden_states")
-        run_shard(
+        run_part(
             smk.input.train,
             smk.input.eval,
             smk.input.verifier,
-            int(smk.wildcards.shard),
+            int(smk.wildcards.states_part),
             smk.output[0],
             settings=settings,
             # The vllm backend's server; the hf backend has none, and no server setting restales
@@ -55,10 +61,12 @@ def main(smk) -> None:
             trust_remote_code=smk.params.trust_remote_code,
             log_path=smk.log[0],
             code=smk.params.code,
+            # -R (or EAGLEFLOW_OUTPUT_CACHE=off): extract the part's samples again, stored or not.
+            force=recomputes_all(recompute_reason([smk.output[0]])),
         )
 
 
-# Settings that cannot change a shard's bytes: a change of these must not redo an extraction.
+# Settings that cannot change a sample's states: a change of these must not redo an extraction.
 OPERATIONAL = {"mode", "num_shards", "linger_s", "gpus", "vllm"}
 
 
@@ -70,7 +78,7 @@ def content_settings(
     code: str,
     stack: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The settings a shard's bytes depend on (the shard cache's key): `server_args`, the
+    """The settings a sample's states depend on (sample_keys.settings_key): `server_args`, the
     result flags of the vllm backend's server as launched (common.server_args; None for hf),
     and the `stack` that computes them (common.cache_keys.extraction_stack). Pure."""
     return {
@@ -83,11 +91,25 @@ def content_settings(
     }
 
 
-def run_shard(
+def chunks(samples: list[dict[str, Any]], max_tokens: int) -> list[list[dict[str, Any]]]:
+    """`samples` in order, cut into runs of at most `max_tokens` tokens (a longer sample alone). Pure."""
+    out: list[list[dict[str, Any]]] = []
+    tokens = 0
+    for s in samples:
+        n = len(s["input_ids"])
+        if not out or tokens + n > max_tokens:
+            out.append([])
+            tokens = 0
+        out[-1].append(s)
+        tokens += n
+    return out
+
+
+def run_part(
     train: str,
     eval_: str,
     verifier_dir: str,
-    shard: int,
+    part: int,
     out: str,
     *,
     settings: HiddenStatesConfig,
@@ -97,63 +119,122 @@ def run_shard(
     trust_remote_code: bool,
     log_path: str,
     code: str = "",
-) -> None:
-    """Extract shard `shard` of `settings.num_shards` with the configured backend, or link it
-    back from the shard cache when it was made from the same inputs before."""
-    num_shards = settings.num_shards
-    samples = samples_for_shard(train, eval_, shard, num_shards)
-    if not samples:
-        raise ValueError(f"shard {shard} of {num_shards} has no samples: lower hidden_states.num_shards")
+    force: bool = False,
+) -> dict[str, Any]:
+    """Extract the samples of part `part` of `settings.num_shards` that the store lacks (all of
+    them with `force`) and write the part's manifest to `out`. Returns the manifest."""
+    num_parts = settings.num_shards
+    samples = samples_for_part(train, eval_, part, num_parts)
     geometry = verifier_geometry(verifier_dir)
     layer_ids = resolve_aux_layer_ids(settings.aux_layer_ids, geometry)
-    # Snakemake removes every output of a failed group job (under SLURM all shard jobs are one
-    # group), and restales shards when a setting that cannot change them changes (linger_s,
-    # concurrency) or an upstream file is rewritten with the same bytes.
-    cache = OutputCache(Path(out).parent / ".done", f"shard-{shard:05d}")
     server_args = result_args(ServerSpec.from_config(server, verifier_dir).command(0)) if server else None
     stack = extraction_stack(settings.backend, settings.device, server.env if server else None)
-    key = shard_key(
-        samples, verifier_dir, content_settings(settings, server_args, layer_ids, trust_remote_code, code, stack)
+    made_by = settings_key(
+        content_settings(settings, server_args, layer_ids, trust_remote_code, code, stack),
+        verifier_fingerprint(verifier_dir),
     )
-    if cache.restore(key, {"shard": out}):
-        log.info("shard %d/%d: made from the same inputs before; linked from %s", shard, num_shards, cache.dir)
-        return
-    # The backends hand over states in the extraction dtype; fp8 is quantized on write.
-    store_dtype = torch_dtype(extraction_dtype(settings.dtype))
-    num_tokens = sum(len(s["input_ids"]) for s in samples)
+    store = SampleStore(Path(out).parent / STORE_DIR)
+    for s in samples:
+        s["key"] = sample_key(made_by, s["input_ids"], s["loss_mask"])
+    # One extraction per key: the same tokens under two ids are one sample of the store.
+    todo = list({s["key"]: s for s in samples if force or not store.has(s["key"])}.values())
+    extracted = sum(len(s["input_ids"]) for s in todo)
+    log.info(
+        "part %d/%d: %d samples; %d to extract (%d tokens), %d found stored%s",
+        part,
+        num_parts,
+        len(samples),
+        len(todo),
+        extracted,
+        len(samples) - len(todo),
+        " (forced: every sample again)" if force else "",
+    )
+    started = time.monotonic()
+    if todo:
+        extract_into(
+            store, todo, verifier_dir, layer_ids, geometry, settings, server, trust_remote_code, log_path, threads, gpus
+        )
+    manifest = {
+        "part": part,
+        "num_parts": num_parts,
+        "settings_key": made_by,
+        "aux_layer_ids": layer_ids,
+        "num_layers": geometry.num_layers,
+        "hidden_size": geometry.hidden_size,
+        "dtype": settings.dtype,
+        "target_topk": settings.target_topk,
+        "backend": settings.backend,
+        "samples": [
+            {
+                "id": s["id"],
+                "split": s["split"],
+                "key": s["key"],
+                "num_tokens": len(s["input_ids"]),
+                "digest": shard_content_digest(store.path(s["key"])),
+            }
+            for s in samples
+        ],
+        "stats": {
+            "samples": len(samples),
+            "tokens": sum(len(s["input_ids"]) for s in samples),
+            "extracted_samples": len(todo),
+            "extracted_tokens": extracted,
+            "stored_samples": len(samples) - len(todo),
+            "stored_tokens": sum(len(s["input_ids"]) for s in samples) - extracted,
+            "verifier_loads": 1 if todo else 0,
+            "wall_s": round(time.monotonic() - started, 3),
+        },
+    }
+    write_json(out, manifest)
+    clear_mark([out])
+    return manifest
+
+
+def extract_into(
+    store: SampleStore,
+    todo: list[dict[str, Any]],
+    verifier_dir: str,
+    layer_ids: list[int],
+    geometry: Any,
+    settings: HiddenStatesConfig,
+    server: ServerConfig | None,
+    trust_remote_code: bool,
+    log_path: str,
+    threads: int,
+    gpus: int,
+) -> None:
+    """Run the backend over `todo` a chunk at a time and store each sample as its chunk ends:
+    a job killed mid-part keeps every finished chunk."""
     topk = settings.target_topk
     check_disk_space(
-        Path(out).parent,
-        num_tokens,
-        len(samples),
+        store.root,
+        sum(len(s["input_ids"]) for s in todo),
+        len(todo),
         num_stored_states(len(layer_ids), topk),
         geometry.hidden_size,
         settings.dtype,
         topk,
     )
+    # The backends hand over states in the extraction dtype; fp8 is quantized on write.
+    store_dtype = torch_dtype(extraction_dtype(settings.dtype))
     job = ExtractionJob(
         verifier_dir, layer_ids, geometry, store_dtype, settings, server, trust_remote_code, log_path, threads, gpus
     )
-    backend_name = settings.backend
-    started = time.monotonic()
-    with open_backend(backend_name, job) as backend:
-        states = backend.extract(samples)
-    targets = None
-    if topk:  # the compact target: the verifier's top-k logits replace the final state
-        head = TopkHead(verifier_dir, topk, head_device(settings.device))
-        targets = [head(final) for _, final in states]
-    ids = [s["id"] for s in samples]
-    meta = ShardMeta(ids, layer_ids, geometry.num_layers, geometry.hidden_size, backend_name, made_from=key)
-    write_shard(out, samples, states, meta, settings.dtype, targets)
-    cache.keep(key, {"shard": out})
-    clear_mark([out])
-    log.info(
-        "shard %d/%d (%s): %d samples, %d tokens in %.1f s -> %s",
-        shard,
-        num_shards,
-        backend_name,
-        len(samples),
-        num_tokens,
-        time.monotonic() - started,
-        out,
-    )
+    head = TopkHead(verifier_dir, topk, head_device(settings.device)) if topk else None
+    total = sum(len(s["input_ids"]) for s in todo)
+    with (
+        open_backend(settings.backend, job) as backend,
+        tqdm(total=total, desc="store", unit="tok", mininterval=2.0) as bar,
+    ):
+        for chunk in chunks(todo, CHUNK_TOKENS):
+            states = backend.extract(chunk)
+            for s, st in zip(chunk, states, strict=True):
+                # The compact target: the verifier's top-k logits replace the final state.
+                targets = [head(st[1])] if head is not None else None
+                meta = ShardMeta([s["key"]], layer_ids, geometry.num_layers, geometry.hidden_size, settings.backend)
+                path = store.path(s["key"])
+                if path.exists():  # forced: replace it (read-only once written)
+                    path.unlink()
+                write_shard(path, [{**s, "id": s["key"], "split": "train"}], [st], meta, settings.dtype, targets)
+                store.seal(s["key"])
+            bar.update(sum(len(s["input_ids"]) for s in chunk))

@@ -167,6 +167,18 @@ def shard_tensors(
     }
 
 
+def shard_samples(path: str | os.PathLike) -> list[tuple[str, int, bool]]:
+    """(id, tokens, is eval) of each sample a shard holds, in order: read from its header and
+    its small tensors."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        ids = json.loads((f.metadata() or {})["sample_ids"])
+        offsets = f.get_tensor(OFFSETS).tolist()
+        is_eval = [bool(x) for x in f.get_tensor(IS_EVAL).tolist()]
+    return [(i, offsets[k + 1] - offsets[k], is_eval[k]) for k, i in enumerate(ids)]
+
+
 def read_shard_header(path: str) -> dict[str, Any]:
     from safetensors import safe_open
 

@@ -95,3 +95,21 @@ def read_shard(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> t
     """A shard's metadata and all its samples, states in `dtype`."""
     reader = ShardReader(path)
     return reader.meta, [reader.sample(i, dtype) for i in range(len(reader))]
+
+
+def read_indexed(doc_path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> list[ShardSample]:
+    """Every sample an index.json or an extraction part's manifest names, in its order, under
+    the id and split the document gives (a stored sample's file names it by its key)."""
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    from eagleflow.runtime.state_store import STORE_DIR, relative_path
+
+    base = Path(doc_path).parent
+    out = []
+    for s in json.loads(Path(doc_path).read_text())["samples"]:
+        file = base / s["file"] if "file" in s else base / STORE_DIR / relative_path(s["key"])
+        sample = ShardReader(file).sample(int(s.get("row", 0)), dtype)
+        out.append(dataclasses.replace(sample, id=s["id"], is_eval=s["split"] == "eval"))
+    return out

@@ -5,7 +5,7 @@ rates in `throughput` (or those a finished run measured), for 1..N verifier repl
   `generate_tokens_per_s` per replica (written turns at `prompts.written.max_tokens`, replies
   at `throughput.reply_tokens`, else `generate.max_tokens`: the upper bound);
 - hidden_states: a start of the extraction server, then every sample token at
-  `extract_tokens_per_s` (one server per run: the shard jobs share it, in one submission on
+  `extract_tokens_per_s` (one server per run: the part jobs share it, in one submission on
   SLURM; none online, where training computes the states);
 - train: every sample token, `train.epochs` times, at `train_tokens_per_s` (one job);
 - benchmark: the baseline and one speculative run, a start each, every measured request at
@@ -117,7 +117,7 @@ def total_hours(hours: dict[str, float | None]) -> float | None:
 
 def measured_rates(root: Path, run: str, rates: Rates) -> tuple[Rates, list[str]]:
     """`rates` with each unset rate taken from what run `run` under `root` measured, and a
-    line per rate taken: generate's sent tokens over its server time, the shard jobs' tokens
+    line per rate taken: generate's sent tokens over its server time, the part jobs' tokens
     over their wall time, training's median tokens/s."""
     base = root / f"results/{run}"
     found: dict[str, float] = {}
@@ -128,13 +128,15 @@ def measured_rates(root: Path, run: str, rates: Rates) -> tuple[Rates, list[str]
         if s.get("sent_tokens") and s.get("server_s"):
             found["generate_tokens_per_s"] = s["sent_tokens"] / s["server_s"]
             notes.append(f"generate_tokens_per_s {found['generate_tokens_per_s']:.0f}: measured by {stats}")
-    index = base / "hidden_states/index.json"
-    shard_times = sorted((base / "benchmarks").glob("hidden_states.shard-*.tsv"))
-    if rates.extract_tokens_per_s is None and index.exists() and shard_times:
-        wall = sum(float(p.read_text().splitlines()[1].split("\t")[0]) for p in shard_times)
-        found["extract_tokens_per_s"] = json.loads(index.read_text())["num_tokens"] / wall
+    # The tokens the part jobs extracted (stats.json): those the store answered took no time.
+    extracted = base / "hidden_states/stats.json"
+    part_times = sorted((base / "benchmarks").glob("hidden_states.part-*.tsv"))
+    tokens = json.loads(extracted.read_text()).get("extracted_tokens", 0) if extracted.exists() else 0
+    if rates.extract_tokens_per_s is None and tokens and part_times:
+        wall = sum(float(p.read_text().splitlines()[1].split("\t")[0]) for p in part_times)
+        found["extract_tokens_per_s"] = tokens / wall
         notes.append(
-            f"extract_tokens_per_s {found['extract_tokens_per_s']:.0f}: measured by {len(shard_times)} shard jobs "
+            f"extract_tokens_per_s {found['extract_tokens_per_s']:.0f}: measured by {len(part_times)} part jobs "
             "(their server's start included)"
         )
     metrics = sorted((base / "drafts").glob("*/train/metrics.jsonl"))

@@ -104,17 +104,22 @@ def make_plan(
     num_states = num_stored_states(num_aux, topk)
     per_token = token_bytes(num_states, g.hidden_size, hs["dtype"], topk)
     states_dir = root / f"results/{run}/hidden_states"
+    # What the phase writes: the samples its store lacks (plan.tokens: stored_samples).
     shard_total = (
-        0 if online else shard_bytes(tokens.tokens, tokens.samples, num_states, g.hidden_size, hs["dtype"], topk)
+        0
+        if online
+        else shard_bytes(tokens.new_tokens, tokens.new_samples, num_states, g.hidden_size, hs["dtype"], topk)
     )
+    stored = f"; {tokens.stored_samples} of {tokens.samples} samples stored already" if tokens.stored_samples else ""
     plan.disk.append(
         {
             "stage": "hidden_states",
-            "what": "no shards (hidden_states.mode: online)"
+            "what": "no stored states (hidden_states.mode: online)"
             if online
-            else f"{hs['num_shards']} shards: {num_states} states x {g.hidden_size} in {hs['dtype']}"
+            else f"{tokens.new_samples} samples in {hs['num_shards']} extraction jobs: {num_states} states x "
+            f"{g.hidden_size} in {hs['dtype']}"
             + (f" + top-{topk} logits" if topk else "")
-            + f", {per_token} B/token",
+            + f", {per_token} B/token{stored}",
             "bytes": shard_total,
             "where": states_dir,
         }
@@ -314,9 +319,11 @@ def summary_line(plan: Plan) -> str:
     if not shards["bytes"]:
         return "Hidden states: none on disk (hidden_states.mode: online: the train job computes them)"
     fits = "fits" if not plan.suggestions else "DOES NOT FIT (python -m eagleflow.plan names settings that do)"
+    stored = f" ({t.stored_samples:,} of {t.samples:,} samples stored already)" if t.stored_samples else ""
     return (
-        f"Hidden states this run writes: {gb(shards['bytes'])} for {t.tokens:,} tokens "
-        f"({t.source.split(':')[0]}) in {shards['where']}, {gb(shards['free'])} free: {fits}"
+        f"Hidden states this run writes: {gb(shards['bytes'])} for {t.new_tokens:,} tokens of "
+        f"{t.new_samples:,} samples{stored} ({t.source.split(':')[0]}) in {shards['where']}, "
+        f"{gb(shards['free'])} free: {fits}"
     )
 
 

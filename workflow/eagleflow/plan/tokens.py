@@ -18,6 +18,18 @@ class Tokens:
     tokens: int
     longest: int
     source: str  # where the figures come from, said in the plan
+    # Of those, what the hidden states' store already holds (stored_samples): the phase
+    # extracts the rest only.
+    stored_samples: int = 0
+    stored_tokens: int = 0
+
+    @property
+    def new_samples(self) -> int:
+        return self.samples - self.stored_samples
+
+    @property
+    def new_tokens(self) -> int:
+        return self.tokens - self.stored_tokens
 
 
 def tokens_from_dataset(paths: list[Path]) -> Tokens:
@@ -38,7 +50,7 @@ def planned_tokens(config: dict[str, Any], root: Path, assume_prompt_tokens: int
     """Exact tokens from the dataset when it exists, else the upper bound from the prompts."""
     dataset = [root / f"results/{config['run']}/dataset/{split}.parquet" for split in ("train", "eval")]
     if all(p.exists() for p in dataset):
-        return tokens_from_dataset(dataset)
+        return stored_samples(tokens_from_dataset(dataset), root / f"results/{config['run']}/hidden_states", dataset)
     max_tokens, cut = config["generate"]["max_tokens"], config["dataset"]["max_seq_len"]
     prompts_cfg = config["prompts"]
     split = root / f"results/{config['run']}/prompts/train.jsonl"
@@ -77,3 +89,30 @@ def planned_tokens(config: dict[str, Any], root: Path, assume_prompt_tokens: int
         train = train[: prompts_cfg["max_train"]]
     how = f"upper bound: {' + '.join(hows)}, every reply at generate.max_tokens {max_tokens}"
     return tokens_from_prompts(train, max_tokens, cut, how)
+
+
+def stored_samples(tokens: Tokens, states_dir: Path, dataset: list[Path]) -> Tokens:
+    """`tokens` with the samples of `dataset` that the hidden states' store holds under the
+    settings of the last extraction (its part manifests' settings key; hidden_states.run):
+    what a grown or corrected dataset does not extract again. A settings change since then
+    (other layers, dtype, verifier, code) extracts every sample, which the plan cannot tell
+    before the jobs key their samples: it counts on the last settings and says so."""
+    import dataclasses
+    import json
+
+    import pyarrow.parquet as pq
+
+    from eagleflow.hidden_states.sample_keys import sample_key
+    from eagleflow.runtime.state_store import PART_GLOB, STORE_DIR, SampleStore
+
+    made_by = {json.loads(p.read_text()).get("settings_key") for p in sorted(states_dir.glob(PART_GLOB))}
+    if len(made_by) != 1 or None in made_by:
+        return tokens  # nothing extracted yet, or parts of different settings: count every sample
+    key, store = made_by.pop(), SampleStore(states_dir / STORE_DIR)
+    n = t = 0
+    for path in dataset:
+        for r in pq.read_table(path, columns=["input_ids", "loss_mask"]).to_pylist():
+            if store.has(sample_key(key, r["input_ids"], r["loss_mask"])):
+                n, t = n + 1, t + len(r["input_ids"])
+    source = f"{tokens.source}; {n} samples stored under the last extraction's settings"
+    return dataclasses.replace(tokens, stored_samples=n, stored_tokens=t, source=source)

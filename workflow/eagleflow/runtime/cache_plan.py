@@ -27,19 +27,22 @@ RESTORE_MISSING = "missing"
 # (shared with the jobs, on a cluster too: .snakemake sits there).
 MARKS = Path(".snakemake/eagleflow/recompute")
 MANIFEST = ".manifest.json"  # in an entry: each kept file's sha256 and the outputs it restores
+# The blocker of a job the user forced.
+FORCED = "forced (-R/--forcerun/--forceall/-f)"
 # Rules whose jobs keep their outputs in the cache (the plan marks only those).
 CACHED_RULES = frozenset({"hidden_states", "train", "baseline", "benchmark", "parity"})
+# Of those, the rules whose jobs keep per-item results in a store of their own instead of
+# entries (runtime/state_store.py): they compute only what the store lacks unless
+# forced (recomputes_all).
+STORE_RULES = frozenset({"hidden_states"})
 
 
 def entry_location(rule: str, outputs: Sequence[str | os.PathLike]) -> tuple[Path, str]:
     """(directory, slot) of the entries a job of cached `rule` keeps, from its outputs in the
-    rule's order: a shard's beside it, by its name (the shard job, hidden_states.run, names it
-    so itself: an edit there would restale every shard); a draft's in its train/done/ (beside
-    its metrics, the second output); the other rules' beside their first output, by the rule.
-    Pure."""
+    rule's order: a draft's in its train/done/ (beside its metrics, the second output); the
+    other rules' beside their first output, by the rule (hidden_states keeps none: its store
+    is its cache, STORE_RULES). Pure."""
     first = Path(outputs[0])
-    if rule == "hidden_states":
-        return first.parent / ".done", first.stem
     if rule == "train":
         return Path(outputs[1]).parent / "done", "draft"
     return first.parent / ".done", rule
@@ -85,6 +88,13 @@ def recompute_reason(outputs: Iterable[str | os.PathLike]) -> str | None:
         return None
 
 
+def recomputes_all(reason: str | None) -> bool:
+    """Whether a job whose mark says `reason` (recompute_reason) must redo all its work, as a
+    job that keeps per-item results (the hidden-state store) reads it: the user forced it, or
+    the cache is off. A missing output alone is not a reason: its items are still stored. Pure."""
+    return reason is not None and (FORCED in reason or reason == f"{SWITCH}=off")
+
+
 def clear_mark(outputs: Iterable[str | os.PathLike]) -> None:
     """The job recomputed its outputs: a later plan decides afresh."""
     _mark_path(outputs).unlink(missing_ok=True)
@@ -97,7 +107,7 @@ def restore_blockers(reason: Any, missing_blocks: bool = True) -> list[str]:
     leave it to the key. Pure."""
     why = []
     if getattr(reason, "forced", False):
-        why.append("forced (-R/--forcerun/--forceall/-f)")
+        why.append(FORCED)
     missing = getattr(reason, "missing_output", None)
     if missing and missing_blocks:
         why.append("output missing: " + ", ".join(sorted(map(str, missing))[:2]))
@@ -146,9 +156,12 @@ def describe_cache_plan(jobs: list[PlannedJob]) -> str | None:
         return None
     kept: dict[str, int] = {}
     none_kept: dict[str, int] = {}
+    stored: dict[str, int] = {}
     recompute: dict[str, list[str]] = {}
     for job in jobs:
-        if job.blockers or not cache_enabled():
+        if job.rule in STORE_RULES and cache_enabled() and not recomputes_all("; ".join(job.blockers) or None):
+            stored[job.rule] = stored.get(job.rule, 0) + 1
+        elif job.blockers or not cache_enabled():
             recompute.setdefault(job.rule, []).append(job.blockers[0].split(":")[0] if job.blockers else "cache off")
         elif job.kept:
             kept[job.rule] = kept.get(job.rule, 0) + 1
@@ -162,6 +175,8 @@ def describe_cache_plan(jobs: list[PlannedJob]) -> str | None:
         )
     if none_kept:
         parts.append("computed (no entry kept): " + ", ".join(f"{rule} {n}" for rule, n in none_kept.items()))
+    if stored:
+        parts.append("compute only what their store lacks: " + ", ".join(f"{r} {n}" for r, n in stored.items()))
     if kept:
         parts.append("restored if their key matches the entry kept: " + ", ".join(f"{r} {n}" for r, n in kept.items()))
     return "Output cache: " + "; ".join(parts)

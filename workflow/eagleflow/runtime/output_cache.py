@@ -364,7 +364,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     show = sub.add_parser("usage", help="entries and the bytes only the cache holds")
     show.add_argument("results", nargs="?", default="results")
-    pr = sub.add_parser("prune", help="drop entries of slots that no longer exist, then the oldest over a size bound")
+    pr = sub.add_parser(
+        "prune",
+        help="drop entries of slots that no longer exist, then the oldest over a size bound, and the stored "
+        "hidden states no index names",
+    )
     pr.add_argument("results", nargs="?", default="results")
     pr.add_argument("--max-gb", type=float, help="keep at most this many GB that only the cache holds")
     pr.add_argument("--dry-run", action="store_true", help="list what would be dropped")
@@ -380,6 +384,12 @@ def main(argv: list[str] | None = None) -> int:
         why = "slot gone" if not entry.live else "oldest over the bound"
         print(f"{verb} {entry.path} ({entry.exclusive_bytes / 1e9:.3f} GB, {why})")
     print(f"{verb} {len(dropped)} entries, {sum(e.exclusive_bytes for e in dropped) / 1e9:.3f} GB")
+    # The hidden states' sample stores: what neither an index nor a part manifest names
+    # (a sample whose conversation was dropped or changed) is no longer read by anything.
+    from eagleflow.runtime.state_store import prune_unreferenced
+
+    for store, files, nbytes in prune_unreferenced(args.results, args.dry_run):
+        print(f"{verb} {files} stored samples no index names under {store} ({nbytes / 1e9:.3f} GB)")
     return 0
 
 

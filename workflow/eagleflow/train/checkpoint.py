@@ -44,9 +44,9 @@ NON_DETERMINING_KEYS = frozenset({"checkpoint_every", "keep_checkpoints", "gpus"
 PREFIX = "step-"
 
 
-# What training reads of the shards' index.json; the rest names paths and backends, which the
-# shards' content digests make irrelevant (a re-extraction by the other backend that writes the
-# same states is the same data).
+# What training reads of index.json besides its samples; the rest names paths and backends,
+# which the samples' content digests make irrelevant (a re-extraction by the other backend that
+# writes the same states is the same data).
 INDEX_LAYOUT_KEYS = (
     "aux_layer_ids",
     "final_layer_id",
@@ -64,8 +64,10 @@ INDEX_LAYOUT_KEYS = (
 def index_identity(index: str) -> dict[str, Any]:
     """The part of index.json that shapes training. Reads the file."""
     data = json.loads(Path(index).read_text())
+    # Each sample by id, split, length and the digest of what its file holds for it: not where
+    # the file lies (file, row) or its store key (which names the software that extracted it).
     return {k: data.get(k) for k in INDEX_LAYOUT_KEYS} | {
-        "shards": [{k: v for k, v in h.items() if k not in ("path", "backend")} for h in data.get("shards", [])]
+        "samples": [[s["id"], s["split"], s["num_tokens"], s["digest"]] for s in data.get("samples", [])]
     }
 
 
@@ -81,13 +83,14 @@ def training_fingerprint(
     """What a checkpoint is valid for: train config, input identity and code fingerprint.
 
     The vocab map is hashed by content (a small file); index.json by what training reads of
-    it (the layout: layers, sizes, dtype, target, counts), not by where the shards and the
-    verifier were or which backend wrote them (`index_identity`). A shard counts by its
-    name and the digest of what it holds, which its job writes into its header
-    (hidden_states.shard_file): hashing hundreds of GB on every start is too slow, and a
-    re-extraction that writes the same states is the same shard (early cut-off by content: no
-    draft is retrained for it). Online, the dataset's parquet files count by content, and the
-    settings the states are computed with. `verifier`: the verifier's content fingerprint
+    it (the layout: layers, sizes, dtype, target, counts, and each sample by the digest of what
+    its file holds, which the extraction writes into the file's header and the index copies),
+    not by where the files and the verifier were or which backend wrote them
+    (`index_identity`): hashing hundreds of GB on every start is too slow, and a re-extraction
+    that writes the same states is the same data (early cut-off by content: no draft is
+    retrained for it). `shards`: files given besides the index (tests), by name and digest.
+    Online, the dataset's parquet files count by content, and the settings the states are
+    computed with. `verifier`: the verifier's content fingerprint
     (training reads its embeddings and head, and online its states).
     """
 

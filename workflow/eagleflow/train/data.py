@@ -18,10 +18,15 @@ vocabulary here; positions where none of them is in it leave the loss.
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -66,21 +71,40 @@ def trained_on(sample_id: str, num_tokens: int, is_eval: bool, train_fraction: f
 
 @dataclass(frozen=True)
 class ShardRef:
-    """A shard's sample before its states are read: which shard (ShardSamples.readers), which
-    sample of it, and its length, the shifted sample's (n - 1)."""
+    """A sample before its states are read: which file holds it (ShardSamples.files), its
+    row there, and its length, the shifted sample's (n - 1)."""
 
     shard: int
     index: int
     num_tokens: int
+    is_eval: bool = False
 
     def __len__(self) -> int:
         return self.num_tokens - 1
 
 
+@dataclass(frozen=True)
+class Located:
+    """Where a sample's states are and what training needs before reading them. Pure data."""
+
+    file: int  # into ShardSamples.files
+    row: int
+    id: str
+    num_tokens: int
+    is_eval: bool
+
+
+# Files a ShardSamples keeps open at once: the store keeps one file per sample, and a run of
+# 30,000 samples must not hold 30,000 open files (nor their maps).
+OPEN_FILES = 64
+
+
 class ShardSamples:
-    """The hidden-state shards of a training run, open for reading: refs (what training
-    packs) and, per batch, the shifted samples they stand for, states in `dtype`. Shards
-    with the compact target need the draft vocabulary (`t2d`, the vocab map's)."""
+    """The hidden states of a training run, open for reading: refs (what training packs) and,
+    per batch, the shifted samples they stand for, states in `dtype`. From an index
+    (`from_index`: the pipeline's, over the per-sample store) or from shard files (tests and
+    benchmarks). Files with the compact target need the draft vocabulary (`t2d`, the vocab
+    map's). Files are opened when a batch reads them, at most OPEN_FILES at once."""
 
     def __init__(
         self,
@@ -89,13 +113,11 @@ class ShardSamples:
         dtype: torch.dtype = torch.float32,
         align: Callable[..., Sample] | None = None,
     ):
-        self.readers = [ShardReader(p) for p in paths]
-        self.dtype = dtype
-        self.align = align or shift  # the draft method's alignment (train.methods)
-        if not self.readers:
+        readers = [ShardReader(p) for p in paths]
+        if not readers:
             raise ValueError("no hidden-state shards to train on")
-        first = self.readers[0]
-        for r in self.readers[1:]:
+        first = readers[0]
+        for r in readers[1:]:
             if r.meta.aux_layer_ids != first.meta.aux_layer_ids:
                 raise ValueError(
                     f"{r.path}: aux_layer_ids {r.meta.aux_layer_ids} differ from {first.path}'s "
@@ -103,26 +125,86 @@ class ShardSamples:
                 )
             if r.compact != first.compact:
                 raise ValueError(f"{r.path}: its target differs from {first.path}'s (one keeps top-k logits)")
-        if first.compact and t2d is None:
-            raise ValueError(f"{first.path}: the shard keeps top-k logits (hidden_states.target: topk); pass t2d")
-        self.aux_layer_ids: list[int] = first.meta.aux_layer_ids
-        self.compact = first.compact
-        self.to_draft = draft_index(t2d) if t2d is not None and self.compact else None
+        located = [
+            Located(k, i, sample_id, r.num_tokens(i), r.is_eval[i])
+            for k, r in enumerate(readers)
+            for i, sample_id in enumerate(r.meta.sample_ids)
+        ]
+        self._setup([r.path for r in readers], located, first.meta.aux_layer_ids, first.compact, t2d, dtype, align)
+
+    @classmethod
+    def from_index(
+        cls,
+        index: str | os.PathLike,
+        t2d: torch.Tensor | None = None,
+        dtype: torch.dtype = torch.float32,
+        align: Callable[..., Sample] | None = None,
+    ) -> ShardSamples:
+        """The samples index.json names (hidden_states.shards.index_document), files relative to it."""
+        doc = json.loads(Path(index).read_text())
+        if "samples" not in doc:
+            raise ValueError(
+                f"{index}: an index without per-sample entries (written before 2026-12-05): rerun hidden_states_index"
+            )
+        base = Path(index).parent
+        files: dict[str, int] = {}
+        located = []
+        for s in doc["samples"]:
+            k = files.setdefault(str(base / s["file"]), len(files))
+            located.append(Located(k, int(s["row"]), s["id"], int(s["num_tokens"]), s["split"] == "eval"))
+        if not located:
+            raise ValueError(f"{index}: no samples to train on")
+        self = cls.__new__(cls)
+        self._setup(list(files), located, list(doc["aux_layer_ids"]), bool(doc["target_topk"]), t2d, dtype, align)
+        return self
+
+    def _setup(self, files, located, aux_layer_ids, compact, t2d, dtype, align) -> None:
+        self.files: list[str] = files
+        self.located: list[Located] = located
+        self.aux_layer_ids: list[int] = aux_layer_ids
+        self.compact: bool = compact
+        self.dtype = dtype
+        self.align = align or shift  # the draft method's alignment (train.methods)
+        if compact and t2d is None:
+            raise ValueError(f"{files[0]}: the states keep top-k logits (hidden_states.target: topk); pass t2d")
+        self.to_draft = draft_index(t2d) if t2d is not None and compact else None
+        self._open: OrderedDict[int, ShardReader] = OrderedDict()
+        self._lock = threading.Lock()  # read_ahead reads in a thread beside the caller
+
+    def reader(self, k: int) -> ShardReader:
+        """File `k`, opened now or kept open from a recent read."""
+        with self._lock:
+            if k in self._open:
+                self._open.move_to_end(k)
+                return self._open[k]
+            r = ShardReader(self.files[k])
+            if r.meta.aux_layer_ids != self.aux_layer_ids:
+                raise ValueError(
+                    f"{r.path}: aux_layer_ids {r.meta.aux_layer_ids} differ from the index's ({self.aux_layer_ids})"
+                )
+            self._open[k] = r
+            if len(self._open) > OPEN_FILES:
+                self._open.popitem(last=False)
+            return r
 
     def refs(self, train_fraction: float = 1.0) -> tuple[list[ShardRef], list[ShardRef]]:
-        """(train, eval) refs of the samples training reads (trained_on), in shard order."""
+        """(train, eval) refs of the samples training reads (trained_on), in file order."""
         train, evals = [], []
-        for k, r in enumerate(self.readers):
-            for i, sample_id in enumerate(r.meta.sample_ids):
-                if trained_on(sample_id, r.num_tokens(i), r.is_eval[i], train_fraction):
-                    (evals if r.is_eval[i] else train).append(ShardRef(k, i, r.num_tokens(i)))
+        for s in self.located:
+            if trained_on(s.id, s.num_tokens, s.is_eval, train_fraction):
+                (evals if s.is_eval else train).append(ShardRef(s.file, s.row, s.num_tokens, s.is_eval))
         return train, evals
 
     def samples(self, refs: list[ShardRef]) -> list[Sample]:
-        """The samples `refs` stand for, read from the shards now, in the method's alignment."""
+        """The samples `refs` stand for, read from their files now, in the method's alignment."""
         out = []
         for ref in refs:
-            s = self.readers[ref.shard].sample(ref.index, self.dtype)
+            s = self.reader(ref.shard).sample(ref.index, self.dtype)
+            if s.input_ids.shape[0] != ref.num_tokens:
+                raise ValueError(
+                    f"{self.files[ref.shard]}: row {ref.index} holds {s.input_ids.shape[0]} tokens, "
+                    f"the index says {ref.num_tokens}: rerun hidden_states_index"
+                )
             target_ids = None if s.target_ids is None else self.to_draft[s.target_ids]
             out.append(self.align(s.input_ids, s.aux, s.final, s.loss_mask, target_ids, s.target_logits))
         return out

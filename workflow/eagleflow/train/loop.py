@@ -130,11 +130,11 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         fingerprint = job_fingerprint(job, cfg)
         method = draft_method(cfg.method)
-        # Data: refs to the shards' samples, or (online) the dataset's tokens and the verifier,
+        # Data: refs to the samples the index names, or (online) the dataset's tokens and the verifier,
         # in the method's alignment.
         vocab = load_file(job.vocab_map)
         if job.online is None:
-            source = ShardSamples(job.shards, t2d=vocab["t2d"], align=method.align)
+            source = ShardSamples.from_index(job.index, t2d=vocab["t2d"], align=method.align)
             train, evals = source.refs(cfg.sample_fraction)
         else:
             train, eval_tokens = load_token_samples(*job.dataset, train_fraction=cfg.sample_fraction)
