@@ -61,10 +61,10 @@ def test_only_the_killed_part_and_its_downstream_rerun(tmp_path, clean_env):
     # The state a SIGKILLed part job leaves: its manifest's write never reached the rename, so
     # only the temporary next to the target exists, and nothing downstream was made.
     hs = wf / "results/small/hidden_states"
-    (hs / "part-00001.json").unlink()
-    partial = hs / ".part-00001.json.killed.tmp"
+    (hs / "part-00000.json").unlink()
+    partial = hs / ".part-00000.json.killed.tmp"
     partial.mkdir()
-    (partial / "part-00001.json").write_text('{"half": ')
+    (partial / "part-00000.json").write_text('{"half": ')
     for done_downstream in (
         "hidden_states/index.json",
         "drafts/default/train/metrics.jsonl",
@@ -76,7 +76,7 @@ def test_only_the_killed_part_and_its_downstream_rerun(tmp_path, clean_env):
         (wf / "results/small" / done_downstream).unlink()
 
     jobs = planned_jobs(wf, clean_env)
-    assert [j for j in jobs if j[0] == "hidden_states"] == [("hidden_states", "wildcards: states_part=00001")]
+    assert [j for j in jobs if j[0] == "hidden_states"] == [("hidden_states", "wildcards: states_part=00000")]
     assert {rule for rule, _ in jobs} == {
         "hidden_states",
         "hidden_states_index",

@@ -12,7 +12,7 @@ from eagleflow.plan.loads import planned_loads
 from tests.helpers import REPO
 
 DOC = REPO / "docs/invalidation.md"
-COLUMNS = ("module", "rules that run it", "also rebuilt downstream", "verifier loads", "requests", "shard tokens")
+COLUMNS = ("module", "rules that run it", "also rebuilt downstream", "verifier loads", "requests", "tokens extracted")
 HEADER = "| " + " | ".join((*COLUMNS, "training steps")) + " |"
 
 
@@ -62,17 +62,20 @@ def downstream() -> dict[str, set[str]]:
 def edit_cost(rerun: set[str], runs: set[str]) -> tuple[str, str, str, str]:
     """What an edit that changes the outputs of the rules in `runs` costs on the default config,
     when the rules in `rerun` run again: verifier loads (plan.loads.planned_loads), requests,
-    shard tokens extracted again, training steps run again."""
+    tokens extracted again (the samples an upstream edit changed: the store holds the rest;
+    every sample when the extraction's own code changes, which keys every sample), training
+    steps run again."""
     config = yaml.safe_load((REPO / "config/config.yaml").read_text())
     jobs = {rule: config["hidden_states"]["num_shards"] if rule == "hidden_states" else 1 for rule in rerun}
     loads = sum(planned_loads(jobs, config).values())
     requests = "changed ones" if "generate" in runs else "0"
-    return str(loads), requests, "all" if "hidden_states" in rerun else "0", "all" if "train" in rerun else "0"
+    extracted = "all" if "hidden_states" in runs else "changed ones" if "hidden_states" in rerun else "0"
+    return str(loads), requests, extracted, "all" if "train" in rerun else "0"
 
 
 def expected_table() -> list[tuple[str, ...]]:
     """(module file, rules that run it, rules rebuilt downstream of those, and what such an
-    edit costs: loads, requests, shard tokens, training steps), one row per module."""
+    edit costs: loads, requests, tokens extracted, training steps), one row per module."""
     scripts, after = rule_scripts(), downstream()
     runs: dict[str, set[str]] = {}
     for rule, script in scripts.items():

@@ -85,7 +85,7 @@ def test_every_stage_output_meets_its_contract(finished_run):
     assert json.loads((r / "vocab/default/stats.json").read_text())["coverage_train"] > 0.9
 
     index = json.loads((r / "hidden_states/index.json").read_text())
-    assert index["aux_layer_ids"] == [2, 15, 27] and len(list((r / "hidden_states").glob("part-*.json"))) == 2
+    assert index["aux_layer_ids"] == [2, 15, 27] and len(list((r / "hidden_states").glob("part-*.json"))) == 1
     assert index["num_tokens"] == sum(len(x["input_ids"]) for x in train + evals)
     assert sorted(s["id"] for s in index["samples"]) == sorted(x["id"] for x in train + evals)
     # One file per sample in the store (none shared: no two samples have the same tokens here).
@@ -248,15 +248,14 @@ def test_no_vllm_process_outlives_the_run(finished_run):
     assert list((finished_run / "results/small/logs/servers").glob("*.json")) == []
 
 
-def test_the_hf_shard_jobs_load_the_verifier_once_and_the_report_counts_every_load(finished_run):
+def test_the_hidden_state_phase_loads_the_verifier_once_and_the_report_counts_every_load(finished_run):
     run = finished_run / "results/small"
-    loads = count_loads(read_loads(run / "logs/servers"))
-    shard_logs = sorted((run / "logs").glob("hidden_states.part-*.log"))
-    assert len(shard_logs) == 2
+    records = read_loads(run / "logs/servers")
+    loads = count_loads(records)
+    assert len(sorted((run / "logs").glob("hidden_states.part-*.log"))) == 1
+    # One job on this machine, with its own server: one load, shared with no other job.
     assert loads["hidden_states"] == {"start": 1}, loads
-    launcher = "this job started the phase's shared hf extraction server"
-    started = [p.name for p in shard_logs if launcher in p.read_text()]
-    assert len(started) == 1, started
+    assert [r["shared"] for r in records if r["stage"] == "hidden_states"] == [False]
     # generate: the hard-killed run's start, the rerun's, and the restart after its SIGKILL.
     assert loads["generate"] == {"start": 2, "restart": 1} and loads["baseline"] == loads["benchmark"] == {"start": 1}
     assert loads["write_prompts"] == {"start": 1}  # before the hard kill; the rerun found its outputs

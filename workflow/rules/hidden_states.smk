@@ -1,11 +1,9 @@
-# The hidden states are kept per sample (runtime/state_store.py, keyed by hidden_states/sample_keys.py): each job extracts the
-# samples of its part (a stable hash of their ids) that the store lacks and writes the part's
-# manifest, so a grown or corrected dataset extracts only what it adds or changes. One
-# extraction server (vLLM, or transformers for the hf backend) serves every part job: the
-# first job launches it, the others attach, and hidden_states_index stops it
-# (workflow/eagleflow/hidden_states/backend.py: sharing); a job with nothing to extract
-# starts none. The SLURM profile puts the part jobs in one group, so that they run in one
-# submission on the node holding the server.
+# The hidden states are kept per sample (runtime/state_store.py, keyed by
+# hidden_states/sample_keys.py): each job extracts the samples of its part (a stable hash of
+# their ids) that the store lacks and writes the part's manifest, so a grown or corrected
+# dataset extracts only what it adds or changes. One job per node (hidden_states.num_shards),
+# each with its own extraction server (vLLM, or transformers for the hf backend); a job with
+# nothing to extract starts none. Under SLURM each job is a whole node's submission.
 rule hidden_states:
     input:
         verifier=VERIFIER_DIR,

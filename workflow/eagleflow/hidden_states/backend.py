@@ -47,6 +47,7 @@ class HiddenStatesConfig:
     mode: str
     backend: str
     num_shards: int
+    store_every_tokens: int
     aux_layer_ids: tuple[int, ...] | None
     dtype: str
     target: str
@@ -77,23 +78,34 @@ class ExtractionJob:
     trust_remote_code: bool
     log_path: str  # the shard job's log; the phase's server logs next to it
     threads: int
-    gpus: int  # GPUs of the phase's server, claimed by the job that launches it
-    # The phase whose jobs share one server: the shard jobs, or the parity jobs' replay.
+    gpus: int  # GPUs of the job's server (of the phase's, claimed by the job that launches it)
+    # The phase the job's server serves: the hidden-state phase (one job per node, its own
+    # server) or the parity jobs' replays (SHARED_PHASES).
     phase: str = "hidden_states"
 
 
-def sharing(job: ExtractionJob) -> Sharing:
-    """Every job of the phase uses one server (runtime.shared_server.SharedServer)."""
+# Phases whose jobs on one node share one server (runtime.shared_server.SharedServer): the
+# parity jobs, one per variant. The hidden-state phase runs one job per node (its samples
+# bucketed by hidden_states.shards), which launches its own.
+SHARED_PHASES = frozenset({"parity"})
+
+
+def sharing(job: ExtractionJob) -> Sharing | None:
+    """How the job's phase shares its server; None: the job launches its own."""
+    if job.phase not in SHARED_PHASES:
+        return None
     return Sharing(name=job.phase, linger_s=job.settings.linger_s, gpus=job.gpus)
 
 
-def storage_dir(parent: str | None, key: str) -> Path:
-    """Where the server writes per-sample states files: named after the server (`key`) and
-    its host (one server per host shares a phase) and the workflow directory it serves (two
-    runs of one config in two directories run two servers), so that every job sharing it reads
-    from the same place and no other server's stop removes it (ServerSpec.scratch_dirs)."""
+def storage_dir(parent: str | None, key: str, job: ExtractionJob) -> Path:
+    """Where the server writes per-sample states files: named after the server (`key`), its
+    host (one server per host shares a phase), the workflow directory it serves (two runs of
+    one config in two directories run two servers) and, for a job's own server, the job (its
+    log), so that every job sharing it reads from the same place and no other server's stop
+    removes it (ServerSpec.scratch_dirs)."""
     workdir = hashlib.sha256(os.getcwd().encode()).hexdigest()[:8]
-    path = Path(parent or tempfile.gettempdir()) / f"eagleflow-hs-{key}-{workdir}-{socket.gethostname()}"
+    owner = "" if sharing(job) else f"-{Path(job.log_path).stem}"
+    path = Path(parent or tempfile.gettempdir()) / f"eagleflow-hs-{key}-{workdir}-{socket.gethostname()}{owner}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 

@@ -10,7 +10,6 @@ import logging
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any, ClassVar
 
 from eagleflow.hidden_states.backend import ExtractionJob, register_backend, sharing, storage_dir
@@ -19,8 +18,7 @@ from eagleflow.hidden_states.forward import token_budget_batches
 from eagleflow.hidden_states.layers import States
 from eagleflow.hidden_states.storage import extraction_dtype
 from eagleflow.runtime.concurrency import Concurrency
-from eagleflow.runtime.recovery import RestartSharedServer
-from eagleflow.runtime.shared_server import SharedServer
+from eagleflow.runtime.serving import launched
 from eagleflow.runtime.spec import spec_key
 
 log = logging.getLogger(__name__)
@@ -110,10 +108,10 @@ def hf_backend(job: ExtractionJob) -> Iterator[HfBackend]:
         threads=job.threads,
         trust_remote_code=job.trust_remote_code,
     )
-    spec = replace(spec, storage_dir=str(storage_dir(None, spec_key(spec))))
-    with SharedServer(spec, sharing(job), Path(job.log_path).parent / "servers") as server:
+    spec = replace(spec, storage_dir=str(storage_dir(None, spec_key(spec), job)))
+    with launched(spec, job.log_path, MAX_RESTARTS, sharing(job)) as server:
         client = ExtractionClient(
-            base_url=server.base_url,
+            base_url=server.url,
             served_model_name="hf",
             num_aux=len(job.aux_layer_ids),
             hidden_size=job.geometry.hidden_size,
@@ -121,7 +119,7 @@ def hf_backend(job: ExtractionJob) -> Iterator[HfBackend]:
             # Two requests in flight: the server computes one batch while this job reads the last.
             limit=Concurrency(2, adaptive=False, name="hidden states"),
             request_timeout_s=STARTUP_TIMEOUT_S,
-            recovery=RestartSharedServer(server, MAX_RESTARTS),
+            recovery=server.recovery,
             what="transformers",
         )
         yield HfBackend(client, settings.batch_tokens)

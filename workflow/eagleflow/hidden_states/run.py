@@ -35,16 +35,11 @@ from eagleflow.runtime.state_store import STORE_DIR, SampleStore
 
 log = logging.getLogger(__name__)
 
-# Samples extracted between two writes to the store: what a job killed mid-phase loses at
-# most, and what host memory holds at once (the states of this many tokens).
-CHUNK_TOKENS = 32768
-
 
 def main(smk) -> None:
     """The hidden_states rule's job (workflow/rules/hidden_states.smk): one part."""
-    # The job's GPUs go to the phase's shared server: the job that launches it claims them for
-    # it (runtime.shared_server.SharedServer); the jobs that attach use the server's.
-    with stage(smk, claim_gpus=False):
+    # The job claims its GPUs, as generate does: its own extraction server runs on them.
+    with stage(smk):
         settings = typed(HiddenStatesConfig, smk.params.hidden_states, "hidden_states")
         run_part(
             smk.input.train,
@@ -67,7 +62,7 @@ def main(smk) -> None:
 
 
 # Settings that cannot change a sample's states: a change of these must not redo an extraction.
-OPERATIONAL = {"mode", "num_shards", "linger_s", "gpus", "vllm"}
+OPERATIONAL = {"mode", "num_shards", "store_every_tokens", "linger_s", "gpus", "vllm"}
 
 
 def content_settings(
@@ -89,6 +84,11 @@ def content_settings(
         "trust_remote_code": trust_remote_code,
         "code": code,
     }
+
+
+def content_name(sample: dict[str, Any]) -> str:
+    """What a stored file calls its sample: its tokens and loss mask, hashed. Pure."""
+    return sample_key("", sample["input_ids"], sample["loss_mask"])
 
 
 def chunks(samples: list[dict[str, Any]], max_tokens: int) -> list[list[dict[str, Any]]]:
@@ -226,15 +226,19 @@ def extract_into(
         open_backend(settings.backend, job) as backend,
         tqdm(total=total, desc="store", unit="tok", mininterval=2.0) as bar,
     ):
-        for chunk in chunks(todo, CHUNK_TOKENS):
+        # A chunk's states are stored as it ends: what a killed job loses at most.
+        for chunk in chunks(todo, settings.store_every_tokens):
             states = backend.extract(chunk)
             for s, st in zip(chunk, states, strict=True):
                 # The compact target: the verifier's top-k logits replace the final state.
                 targets = [head(st[1])] if head is not None else None
-                meta = ShardMeta([s["key"]], layer_ids, geometry.num_layers, geometry.hidden_size, settings.backend)
+                # The file names its sample by content alone (not the key, which names the
+                # software that made it): the same states under another key digest the same.
+                name = content_name(s)
+                meta = ShardMeta([name], layer_ids, geometry.num_layers, geometry.hidden_size, settings.backend)
                 path = store.path(s["key"])
                 if path.exists():  # forced: replace it (read-only once written)
                     path.unlink()
-                write_shard(path, [{**s, "id": s["key"], "split": "train"}], [st], meta, settings.dtype, targets)
+                write_shard(path, [{**s, "id": name, "split": "train"}], [st], meta, settings.dtype, targets)
                 store.seal(s["key"])
             bar.update(sum(len(s["input_ids"]) for s in chunk))

@@ -18,7 +18,6 @@ from eagleflow.hidden_states.layers import CONVENTION, vllm_layer_ids
 from eagleflow.hidden_states.sample_keys import part_of
 from eagleflow.hidden_states.shard_file import read_shard_header, shard_content_digest, shard_samples
 from eagleflow.hidden_states.storage import FP8, shard_bytes
-from eagleflow.runtime.shared_server import stop_idle_shared_servers
 from eagleflow.runtime.smk import stage
 from eagleflow.runtime.state_store import STORE_DIR, relative_path
 
@@ -70,9 +69,6 @@ def main(smk) -> None:
     """The hidden_states_index rule's job (workflow/rules/hidden_states.smk)."""
     with stage(smk):
         write_index_of_parts(list(smk.input.parts), smk.input.verifier, smk.output.index, smk.output.stats)
-        # Every shard is written: the phase's server has no job left to serve, and its GPUs
-        # are free for the next stage now rather than after hidden_states.linger_s.
-        stop_idle_shared_servers(Path(smk.log[0]).parent / "servers", "hidden_states")
 
 
 # Layout fields every part (and every shard) of one index must agree on.

@@ -60,8 +60,9 @@ def extraction_server_args(
 @register_backend("vllm")
 @contextlib.contextmanager
 def vllm_backend(job: ExtractionJob) -> Iterator[ExtractionClient]:
-    """vLLM with the extraction method, shared by every shard job of the phase (launched by
-    the first, through the one server launcher), or an already running one
+    """vLLM with the extraction method, the job's own (a hidden-state part) or shared by the
+    phase's jobs (parity: launched by the first, through the one server launcher), or an
+    already running one
     (`hidden_states.vllm.endpoint`, started with the same layer ids and a storage path this
     job can read)."""
     if job.server is None:
@@ -72,7 +73,7 @@ def vllm_backend(job: ExtractionJob) -> Iterator[ExtractionClient]:
     spec = replace(spec, extra_args=(*spec.extra_args, *trust))
     # The storage directory is named after the server it belongs to, so that every job
     # sharing the server (same spec, same key) names the same one.
-    storage = storage_dir(opts.storage_dir, spec_key(spec))
+    storage = storage_dir(opts.storage_dir, spec_key(spec), job)
     speculative_config, extra = extraction_server_args(job.aux_layer_ids, job.geometry.num_layers, str(storage))
     spec = replace(
         spec,

@@ -5,8 +5,8 @@ rates in `throughput` (or those a finished run measured), for 1..N verifier repl
   `generate_tokens_per_s` per replica (written turns at `prompts.written.max_tokens`, replies
   at `throughput.reply_tokens`, else `generate.max_tokens`: the upper bound);
 - hidden_states: a start of the extraction server, then every sample token at
-  `extract_tokens_per_s` (one server per run: the part jobs share it, in one submission on
-  SLURM; none online, where training computes the states);
+  `extract_tokens_per_s` (one job and one server per node; none online, where training
+  computes the states);
 - train: every sample token, `train.epochs` times, at `train_tokens_per_s` (one job);
 - benchmark: the baseline and one speculative run, a start each, every measured request at
   its `benchmark.max_tokens`, at `generate_tokens_per_s`.

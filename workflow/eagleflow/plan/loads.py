@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 # The rules whose jobs share one server per run, and what their jobs are called.
-SHARED = {"hidden_states": "shard", "parity": "parity"}
+SHARED = {"parity": "parity"}
 
 
 LOADING_RULES = ("write_prompts", "generate", "hidden_states", "train", "baseline", "benchmark", "parity")
@@ -32,8 +32,9 @@ def by_eagleflow_rule(jobs: dict[str, int]) -> dict[str, int]:
 def planned_loads(jobs: dict[str, int], config: dict[str, Any]) -> dict[str, int]:
     """Loads per rule for a run of `jobs` (rule -> job count, as Snakemake plans them). Pure.
 
-    Every shard job of hidden_states shares one server: one load for the phase; so do the
-    parity jobs (the replay's states, computed by the same backend). A stage that
+    A hidden_states job (one per node) launches its own server, and only when the sample
+    store lacks some of its samples: at most one load per job. The parity jobs (the replay's
+    states, computed by the same backend) share one server: one load. A stage that
     uses an already running server (`server.endpoint`, `hidden_states.vllm.endpoint`) loads
     nothing. Online (`hidden_states.mode: online`) every train job loads the verifier itself."""
     jobs = by_eagleflow_rule(jobs)
@@ -45,7 +46,8 @@ def planned_loads(jobs: dict[str, int], config: dict[str, Any]) -> dict[str, int
         # nothing, which the plan cannot know: this is the upper bound.
         "write_prompts": jobs.get("write_prompts", 0) if own_server else 0,
         "generate": jobs.get("generate", 0) if own_server else 0,
-        "hidden_states": 0 if extraction_endpoint else min(jobs.get("hidden_states", 0), 1),
+        # An upper bound: a job whose samples the store holds starts nothing.
+        "hidden_states": 0 if extraction_endpoint else jobs.get("hidden_states", 0),
         "train": jobs.get("train", 0) if hs["mode"] == "online" else 0,
         "baseline": jobs.get("baseline", 0),
         "benchmark": jobs.get("benchmark", 0),

@@ -47,9 +47,19 @@ def serve(
             check_endpoint(url, expected, config.api_key_env, config.endpoint_wait_s)
         yield Served(endpoint, WaitForEndpoint(config.endpoint_wait_s))
         return
+    with launched(spec, log_path, config.max_restarts, sharing) as served:
+        yield served
+
+
+@contextlib.contextmanager
+def launched(
+    spec: Launchable, log_path: str | os.PathLike, max_restarts: int, sharing: Sharing | None = None
+) -> Iterator[Served]:
+    """A server launched as `spec` says and stopped on exit, or with `sharing` the phase's
+    shared one (launched by whichever job comes first), restarted up to `max_restarts` times."""
     if sharing is not None:
         with SharedServer(spec, sharing, Path(log_path).parent / "servers") as shared:
-            yield Served(shared.base_url, RestartSharedServer(shared, config.max_restarts))
+            yield Served(shared.base_url, RestartSharedServer(shared, max_restarts))
         return
     with VllmServer(spec, log_path) as server:
-        yield Served(server.base_url, RestartDeadServer(server, config.max_restarts))
+        yield Served(server.base_url, RestartDeadServer(server, max_restarts))
