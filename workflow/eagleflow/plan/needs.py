@@ -114,6 +114,7 @@ def make_plan(
     plan.disk.append(
         {
             "stage": "hidden_states",
+            "online": online,
             "what": "no stored states (hidden_states.mode: online)"
             if online
             else f"{tokens.new_samples} samples in {hs['num_shards']} extraction jobs: {num_states} states x "
@@ -316,7 +317,7 @@ def summary_line(plan: Plan) -> str:
     if not plan.disk:
         return "Hidden states: " + (plan.notes[0] if plan.notes else "unknown")
     shards, t = plan.disk[0], plan.tokens
-    if not shards["bytes"]:
+    if shards.get("online"):
         return "Hidden states: none on disk (hidden_states.mode: online: the train job computes them)"
     fits = "fits" if not plan.suggestions else "DOES NOT FIT (python -m eagleflow.plan names settings that do)"
     stored = f" ({t.stored_samples:,} of {t.samples:,} samples stored already)" if t.stored_samples else ""
