@@ -60,7 +60,7 @@ def phase(workdir: Path, run: str, backend: str, configfiles: list[str]) -> dict
     if proc.returncode != 0:
         raise SystemExit(f"{backend}: snakemake failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     logs = sorted((results / "logs").glob("hidden_states.part-*.log"))
-    waited = [int(m) for p in logs for m in re.findall(r"healthy \(waited (\d+) s\)", p.read_text())]
+    waited = [int(m) for p in logs for m in re.findall(r"healthy after (\d+) s", p.read_text())]
     parts = sorted((results / "hidden_states").glob("part-*.json"))
     jobs = [json.loads(p.read_text())["stats"]["wall_s"] for p in parts]
     kept = workdir / f"bench-shards-{backend}"

@@ -399,7 +399,7 @@ def check_backends(geometry: dict, num_samples: int, max_len: int, tmp: Path, de
         wall = time.perf_counter() - started
         logging.getLogger().removeHandler(handler)
         handler.close()
-        waited = [float(w) for w in re.findall(r"healthy \(waited (\d+) s\)", log.read_text())]
+        waited = [float(w) for w in re.findall(r"healthy after (\d+) s", log.read_text())]
         startup = waited[0] if waited else 0.0
         row[backend] = {
             "wall_s": wall,

@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 from devkit.configs import hidden_states_config
 from eagleflow.hidden_states.forward import extract, load_verifier
-from eagleflow.hidden_states.run import run_part
+from eagleflow.hidden_states.run import content_name, run_part
 from eagleflow.hidden_states.shard_reader import read_indexed
 from eagleflow.hidden_states.shards import write_index_of_parts
 from eagleflow.hidden_states.storage import shard_bytes
@@ -88,7 +88,8 @@ def test_each_part_loads_its_own_server_and_stores_unpadded_the_in_process_forwa
             assert s["num_tokens"] == n_tokens and s["split"] == ("eval" if int(s["id"][1:]) >= 16 else "train")
             path = tmp_path / "samples" / s["key"][:2] / f"{s['key']}.safetensors"
             with safe_open(str(path), framework="pt") as f:
-                assert json.loads(f.metadata()["sample_ids"]) == [s["key"]]
+                # named by its tokens and mask, not its key (which names the software that made it)
+                assert json.loads(f.metadata()["sample_ids"]) == [content_name(by_id[s["id"]])]
                 assert f.metadata()["final_layer_id"] == "8" and f.metadata()["backend"] == "hf"
                 hs, final = f.get_tensor("hidden_states"), f.get_tensor("verifier_last_hidden_states")
                 offsets = f.get_tensor("offsets").tolist()

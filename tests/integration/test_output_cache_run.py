@@ -110,8 +110,10 @@ def test_forced_stages_recompute_and_identical_states_restore_the_draft(finished
     assert not any((run / "hidden_states" / f).exists() for f in states)
     assert stored_states(run) == refactored
 
-    # A deleted manifest is written again from the store: no sample extracted.
+    # Deleted outputs (a manifest and the index: what a failed cluster job leaves) are written
+    # again from the store: no sample extracted.
     parts[0].unlink()
+    (run / "hidden_states/index.json").unlink()
     snakemake(wf, "--cores", "2", "--until", "hidden_states_index")
     assert "; 0 to extract (0 tokens)" in logs.new(names[0])
     assert planned_jobs(snakemake(wf, "-n", "--until", "hidden_states_index")) == {}
@@ -133,6 +135,12 @@ def test_a_grown_dataset_extracts_exactly_its_new_samples(finished_run, tmp_path
     for r in grown:
         r["length"] = len(r["input_ids"])
     pq.write_table(pa.Table.from_pylist(rows + grown, schema=train.schema), run / "dataset/train.parquet")
+    # The plan counts what the grown dataset adds, not the whole dataset again.
+    from eagleflow.plan.needs import load_merged_config, make_plan
+
+    plan = make_plan(load_merged_config([str(REPO / "tests/config/small.yaml")], wf), wf)
+    assert (plan.tokens.new_samples, plan.tokens.stored_samples) == (len(grown), before["num_samples"])
+    assert plan.tokens.new_tokens == sum(len(r["input_ids"]) for r in grown)
     snakemake(wf, "--cores", "2", "--until", "hidden_states_index")
     stats = json.loads((run / "hidden_states/stats.json").read_text())
     assert stats["extracted_samples"] == len(grown) and stats["stored_samples"] == before["num_samples"]

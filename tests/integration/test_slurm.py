@@ -7,7 +7,7 @@ what that node cannot give changed (`profile_for_test_cluster`). It starts from 
 run the pipeline tests share and adds a variant to it, a two-point learning curve (`lc-50`):
 its train job (multi-threaded), its benchmark (a whole-node vLLM job), its report and the
 comparison of the two drafts go through sbatch, without generating and extracting the same
-data a second time. The comparison report it ends in is checked here too. The shard jobs as
+data a second time. The comparison report it ends in is checked here too. The extraction jobs as
 the 8-GPU example runs them: test_slurm_shards.py; generate in shard jobs, one killed:
 test_slurm_generate.py.
 """
@@ -60,7 +60,7 @@ def test_profile_names_only_rules_of_the_workflow(repo):
 
 def test_production_profile_asks_for_nodes_gpus_and_cluster_settings(repo):
     """With the Kimi example config: serving rules take a whole 8-GPU node, every
-    hidden_states shard and training the GPUs their config gives them, and the partition and
+    hidden_states job and training the GPUs their config gives them, and the partition and
     account are the placeholders a user fills in."""
     jobs = dry_run_jobs(
         repo,
@@ -121,8 +121,8 @@ def test_each_generate_shard_is_a_whole_node_submission_with_one_replicas_gpus(r
 def test_cpu_config_requests_no_gpus(repo):
     jobs = dry_run_jobs(repo, "--configfile", str(SMALL))
     gpu_rules = ("generate", "hidden_states", "train", "baseline", "benchmark")
-    # generate, 2 shards, train, baseline, benchmark
-    assert [r["gpu"] for rule, r in jobs if rule in gpu_rules] == ["0"] * 6
+    # generate, the one extraction job, train, baseline, benchmark
+    assert [r["gpu"] for rule, r in jobs if rule in gpu_rules] == ["0"] * 5
 
 
 # ----------------------------------------------------------------------------------------

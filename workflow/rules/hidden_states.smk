@@ -43,7 +43,12 @@ rule hidden_states_index:
         logs("hidden_states_index"),
     conda:
         "../envs/train.yaml"
+    # The extraction's settings, as the part jobs have them: not read here, but a change reruns
+    # the index, and with it a part whose manifest a killed job left missing (Snakemake does
+    # not rebuild a missing input of an output it holds for current).
     params:
+        hidden_states=section("hidden_states"),
+        server=hidden_states_server(),
         code=code("hidden_states_index"),
     script:
         "../eagleflow/entry/hidden_states_index.py"

@@ -4,9 +4,9 @@ rates in `throughput` (or those a finished run measured), for 1..N verifier repl
 - write_prompts and generate: a start of each replica, then the tokens they write at
   `generate_tokens_per_s` per replica (written turns at `prompts.written.max_tokens`, replies
   at `throughput.reply_tokens`, else `generate.max_tokens`: the upper bound);
-- hidden_states: a start of the extraction server, then every sample token at
-  `extract_tokens_per_s` (one job and one server per node; none online, where training
-  computes the states);
+- hidden_states: a start of the extraction server, then every sample token the store lacks
+  at `extract_tokens_per_s` (one job and one server per node; none when the store holds
+  every sample, and none online, where training computes the states);
 - train: every sample token, `train.epochs` times, at `train_tokens_per_s` (one job);
 - benchmark: the baseline and one speculative run, a start each, every measured request at
   its `benchmark.max_tokens`, at `generate_tokens_per_s`.
@@ -50,9 +50,16 @@ class Work:
     written_tokens: int  # tokens the verifier writes as prompts
     reply_tokens: int  # tokens it writes as replies
     benchmark_tokens: int  # tokens one benchmark pass generates (baseline or speculative)
+    stored_tokens: int = 0  # of `tokens`, those the hidden states' store holds: not extracted again
+
+    @property
+    def extract_tokens(self) -> int:
+        return max(0, self.tokens - self.stored_tokens)
 
 
-def planned_work(samples: int, tokens: int, exact: bool, config: dict[str, Any], rates: Rates) -> Work:
+def planned_work(
+    samples: int, tokens: int, exact: bool, config: dict[str, Any], rates: Rates, stored_tokens: int = 0
+) -> Work:
     """The work of a run of `samples` samples of `tokens` tokens in all (`exact`: counted in
     the dataset; else the plan's upper bound, every reply at generate.max_tokens, which
     `throughput.reply_tokens` brings down to the expected length). Pure."""
@@ -72,11 +79,13 @@ def planned_work(samples: int, tokens: int, exact: bool, config: dict[str, Any],
         written_tokens=written["count"] * written["turns"] * written["max_tokens"],
         reply_tokens=samples * reply,
         benchmark_tokens=requests * bench["max_tokens"] * len(bench["temperatures"]),
+        stored_tokens=stored_tokens,
     )
 
 
 def scaled(work: Work, samples: int) -> Work:
-    """The same run at `samples` samples: prompts and tokens in proportion. Pure."""
+    """The same run at `samples` samples: prompts and tokens in proportion, the store's as it
+    is (a run grown to `samples` extracts what it adds). Pure."""
     f = samples / work.samples if work.samples else 0.0
     return replace(
         work,
@@ -102,7 +111,7 @@ def stage_hours(work: Work, rates: Rates, replicas: int, config: dict[str, Any])
     return {
         "write_prompts": served(work.written_tokens, rates.generate_tokens_per_s, replicas),
         "generate": served(work.reply_tokens, rates.generate_tokens_per_s, replicas),
-        "hidden_states": 0.0 if online else served(work.tokens, rates.extract_tokens_per_s, 1),
+        "hidden_states": 0.0 if online else served(work.extract_tokens, rates.extract_tokens_per_s, 1),
         "train": train,
         # The baseline and the draft's run, one server each, one after the other.
         "benchmark": None
