@@ -342,6 +342,22 @@ def test_a_sample_joins_one_part_and_moves_no_other():
     assert all(part_of(i, 5) == part_of(i, 5) for i in ids) and part_of("p1#t0", 4) == assign["p1#t0"]
 
 
+def test_a_sample_key_is_its_tokens_and_mask_under_the_settings_whatever_holds_them():
+    import numpy as np
+
+    from eagleflow.hidden_states.sample_keys import sample_key
+
+    ids, mask = [5, 6, 7], [0, 1, 1]
+    key = sample_key("s", ids, mask)
+    # The job keys lists, the plan numpy slices of the dataset's columns: the same key.
+    assert key == sample_key("s", np.array(ids, dtype=np.int32), np.array(mask, dtype=np.int8))
+    assert (
+        len({key, sample_key("t", ids, mask), sample_key("s", [5, 6, 8], mask), sample_key("s", ids, [1, 1, 1])}) == 4
+    )
+    # Where the tokens end and the mask begins counts: no two splits of one sequence collide.
+    assert sample_key("s", [1, 2], [3]) != sample_key("s", [1], [2, 3])
+
+
 def test_prune_removes_the_stored_samples_no_index_names(tmp_path):
     from eagleflow.runtime.state_store import SampleStore, prune_unreferenced
 

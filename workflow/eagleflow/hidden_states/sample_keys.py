@@ -35,9 +35,16 @@ def settings_key(settings: dict[str, Any], verifier_fingerprint: str) -> str:
 
 def sample_key(settings: str, input_ids: Iterable[int], loss_mask: Iterable[int]) -> str:
     """A sample's key: the extraction's `settings` (settings_key) and the sample's tokens and
-    loss mask. Pure."""
-    body = json.dumps([settings, [int(t) for t in input_ids], [int(m) for m in loss_mask]])
-    return hashlib.sha256(body.encode()).hexdigest()[:32]
+    loss mask, as int64 bytes (the plan keys 30,000 samples from numpy slices in seconds:
+    plan.tokens.stored_samples). Pure."""
+    import numpy as np
+
+    digest = hashlib.sha256(settings.encode())
+    for values in (input_ids, loss_mask):
+        data = np.asarray(values, dtype=np.int64)
+        digest.update(len(data).to_bytes(8, "little"))
+        digest.update(data.tobytes())
+    return digest.hexdigest()[:32]
 
 
 def part_of(sample_id: str, num_parts: int) -> int:

@@ -117,7 +117,8 @@ def make_plan(
             "online": online,
             "what": "no stored states (hidden_states.mode: online)"
             if online
-            else f"{tokens.new_samples} samples in {hs['num_shards']} extraction jobs: {num_states} states x "
+            else f"{tokens.new_samples} samples in {hs['num_shards']} extraction job{'s' * (hs['num_shards'] > 1)}: "
+            f"{num_states} states x "
             f"{g.hidden_size} in {hs['dtype']}"
             + (f" + top-{topk} logits" if topk else "")
             + f", {per_token} B/token{stored}",

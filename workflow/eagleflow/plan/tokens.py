@@ -111,8 +111,14 @@ def stored_samples(tokens: Tokens, states_dir: Path, dataset: list[Path]) -> Tok
     key, store = made_by.pop(), SampleStore(states_dir / STORE_DIR)
     n = t = 0
     for path in dataset:
-        for r in pq.read_table(path, columns=["input_ids", "loss_mask"]).to_pylist():
-            if store.has(sample_key(key, r["input_ids"], r["loss_mask"])):
-                n, t = n + 1, t + len(r["input_ids"])
+        table = pq.read_table(path, columns=["input_ids", "loss_mask"])
+        ids, masks = (table.column(c).combine_chunks() for c in ("input_ids", "loss_mask"))
+        offsets, id_values = ids.offsets.to_numpy(), ids.values.to_numpy()
+        mask_offsets, mask_values = masks.offsets.to_numpy(), masks.values.to_numpy()
+        for i in range(len(table)):
+            a, b = offsets[i], offsets[i + 1]
+            mask = mask_values[mask_offsets[i] : mask_offsets[i + 1]]
+            if store.has(sample_key(key, id_values[a:b], mask)):
+                n, t = n + 1, t + int(b - a)
     source = f"{tokens.source}; {n} samples stored under the last extraction's settings"
     return dataclasses.replace(tokens, stored_samples=n, stored_tokens=t, source=source)
