@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig
 
+from eagleflow.hidden_states.index import write_index
 from eagleflow.hidden_states.shard_file import ShardMeta, write_shard
-from eagleflow.hidden_states.shards import write_index
 
 AUX_LAYERS = 3
 

@@ -14,8 +14,8 @@ from devkit.configs import hidden_states_config, train_config
 from devkit.verifiers import VERIFIER_BUILDERS
 from eagleflow.common.verifier_config import draft_attention_geometry, read_text_config
 from eagleflow.common.verifier_weights import load_verifier_embeddings, load_verifier_lm_head
+from eagleflow.hidden_states.index import write_index_of_parts
 from eagleflow.hidden_states.run import run_part
-from eagleflow.hidden_states.shards import write_index_of_parts
 from eagleflow.train.config import TrainJob
 from eagleflow.train.draft import draft_layer_config, load_draft
 from eagleflow.train.loop import run_train

@@ -13,9 +13,9 @@ from safetensors import safe_open
 
 from devkit.configs import hidden_states_config
 from eagleflow.hidden_states.forward import extract, load_verifier
+from eagleflow.hidden_states.index import write_index_of_parts
 from eagleflow.hidden_states.run import content_name, run_part
 from eagleflow.hidden_states.shard_reader import read_indexed
-from eagleflow.hidden_states.shards import write_index_of_parts
 from eagleflow.hidden_states.storage import shard_bytes
 from eagleflow.runtime.ledger import read_loads
 

@@ -316,8 +316,8 @@ def test_a_grown_dataset_extracts_only_its_new_samples_and_a_changed_one_only_it
     after = {s["id"]: s["digest"] for m in second for s in m["samples"]}
     assert {i for i in before if i in after and after[i] == before[i]} == {r["id"] for r in rows} - {"s1"}
     # The index over both parts reads back each sample's own tokens under its id and split.
+    from eagleflow.hidden_states.index import write_index_of_parts
     from eagleflow.hidden_states.shard_reader import read_indexed
-    from eagleflow.hidden_states.shards import write_index_of_parts
 
     doc = write_index_of_parts(
         [str(p) for p in parts], str(tiny_llama_dir), str(tmp_path / "hs/index.json"), str(tmp_path / "hs/stats.json")

@@ -30,8 +30,15 @@ def test_each_stage_is_a_load_and_its_tokens_at_its_rate():
     assert one["write_prompts"] == pytest.approx((60 + 1000 / 100) / 3600)
     assert one["generate"] == pytest.approx((60 + 16_000 / 100) / 3600)
     assert four["generate"] == pytest.approx((60 + 16_000 / 400) / 3600)
-    # One extraction server per run, whatever the replicas; training is one job.
+    # One extraction server per node, whatever the replicas; training is one job.
     assert one["hidden_states"] == four["hidden_states"] == pytest.approx((60 + 36_000 / 1000) / 3600)
+    two_nodes = merged(config, {"hidden_states": {"num_shards": 2}})
+    assert stage_hours(work, RATES, 1, two_nodes)["hidden_states"] == pytest.approx((60 + 36_000 / 2000) / 3600)
+    # A grown run extracts what the store lacks; a run the store answers in full loads nothing.
+    grown = planned_work(samples=100, tokens=36_000, exact=True, config=config, rates=RATES, stored_tokens=30_000)
+    assert stage_hours(grown, RATES, 1, config)["hidden_states"] == pytest.approx((60 + 6_000 / 1000) / 3600)
+    stored = planned_work(samples=100, tokens=36_000, exact=True, config=config, rates=RATES, stored_tokens=36_000)
+    assert stage_hours(stored, RATES, 1, config)["hidden_states"] == 0
     assert one["train"] == pytest.approx(36_000 * CONFIG["train"]["epochs"] / 500 / 3600)
     online = merged(config, {"hidden_states": {"mode": "online"}})
     assert stage_hours(work, RATES, 1, online)["hidden_states"] == 0
@@ -61,10 +68,9 @@ def test_an_unknown_rate_leaves_its_stage_and_the_total_open():
 def test_a_finished_run_supplies_the_rates_it_measured(tmp_path):
     run = tmp_path / "results/r"
     write_json(run / "generate/stats.json", {"sent_tokens": 3000, "server_s": 20.0})
-    write_json(run / "hidden_states/stats.json", {"tokens": 9000, "extracted_tokens": 5000})
-    for i, seconds in enumerate((4.0, 6.0)):
-        (run / "benchmarks").mkdir(parents=True, exist_ok=True)
-        (run / f"benchmarks/hidden_states.part-0000{i}.tsv").write_text(f"s\th:m:s\n{seconds}\t0:00:0{seconds:.0f}\n")
+    # The extracted tokens over the seconds the jobs extracted (not their servers' starts; the
+    # stored tokens took none).
+    write_json(run / "hidden_states/stats.json", {"tokens": 9000, "extracted_tokens": 5000, "extract_s": 10.0})
     (run / "drafts/default/train").mkdir(parents=True)
     rows = [{"split": "train", "tokens_per_s": v} for v in (100, 300, 200)] + [{"split": "eval"}]
     (run / "drafts/default/train/metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

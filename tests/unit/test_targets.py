@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from eagleflow.common.config import ConfigError, load_config, validate_config
+from eagleflow.hidden_states.index import write_index
 from eagleflow.hidden_states.shard_file import ShardMeta, read_shard_header, write_shard
-from eagleflow.hidden_states.shards import write_index
 from eagleflow.hidden_states.storage import num_stored_states, shard_bytes, token_bytes
 from eagleflow.hidden_states.targets import FILL, TopkHead, dense_targets, draft_index
 from eagleflow.train.data import collate, load_shards

@@ -274,7 +274,7 @@ def part_paths():
     return [results(f"hidden_states/part-{i:05d}.json") for i in range(n)]
 
 
-# The conda environment of the jobs that extract the verifier's states (shards, parity), by
+# The conda environment of the jobs that extract the verifier's states (hidden_states, parity), by
 # backend: vLLM's extraction server starts with the job's own interpreter.
 EXTRACTION_ENVS = {"hf": "../envs/train.yaml", "vllm": "../envs/extract.yaml"}
 

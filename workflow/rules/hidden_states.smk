@@ -15,8 +15,8 @@ rule hidden_states:
         logs("hidden_states.part-{states_part}"),
     benchmark:
         benchmarks("hidden_states.part-{states_part}")
-    # Before other GPU jobs that are ready at the same time: between two part jobs the
-    # server would otherwise hold the GPUs another job was given.
+    # Before other GPU jobs that are ready at the same time: the phase's jobs take whole nodes
+    # (a GPU host's every GPU), and training waits for their index anyway.
     priority: 10
     conda:
         EXTRACTION_ENVS[config["hidden_states"]["backend"]]

@@ -1,3 +1,3 @@
-from eagleflow.hidden_states.shards import main
+from eagleflow.hidden_states.index import main
 
 main(snakemake)

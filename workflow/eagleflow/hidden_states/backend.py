@@ -76,7 +76,7 @@ class ExtractionJob:
     settings: HiddenStatesConfig
     server: ServerConfig | None  # the `server` section, for the vllm backend only
     trust_remote_code: bool
-    log_path: str  # the shard job's log; the phase's server logs next to it
+    log_path: str  # the job's log; its own server logs into it, a shared one next to it
     threads: int
     gpus: int  # GPUs of the job's server (of the phase's, claimed by the job that launches it)
     # The phase the job's server serves: the hidden-state phase (one job per node, its own
@@ -86,7 +86,7 @@ class ExtractionJob:
 
 # Phases whose jobs on one node share one server (runtime.shared_server.SharedServer): the
 # parity jobs, one per variant. The hidden-state phase runs one job per node (its samples
-# bucketed by hidden_states.shards), which launches its own.
+# bucketed by hidden_states.sample_keys.part_of), which launches its own.
 SHARED_PHASES = frozenset({"parity"})
 
 

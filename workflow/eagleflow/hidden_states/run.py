@@ -28,7 +28,7 @@ from eagleflow.hidden_states.shard_file import ShardMeta, shard_content_digest, 
 from eagleflow.hidden_states.shards import check_disk_space, samples_for_part
 from eagleflow.hidden_states.storage import extraction_dtype, num_stored_states, torch_dtype
 from eagleflow.hidden_states.targets import TopkHead, head_device
-from eagleflow.runtime.cache_plan import clear_mark, recompute_reason, recomputes_all
+from eagleflow.runtime.cache_plan import cache_enabled, clear_mark, recompute_reason, recomputes_all
 from eagleflow.runtime.smk import stage
 from eagleflow.runtime.spec import ServerConfig, ServerSpec
 from eagleflow.runtime.state_store import STORE_DIR, SampleStore
@@ -57,7 +57,7 @@ def main(smk) -> None:
             log_path=smk.log[0],
             code=smk.params.code,
             # -R (or EAGLEFLOW_OUTPUT_CACHE=off): extract the part's samples again, stored or not.
-            force=recomputes_all(recompute_reason([smk.output[0]])),
+            force=recomputes_all(recompute_reason([smk.output[0]])) or not cache_enabled(),
         )
 
 
@@ -150,9 +150,25 @@ def run_part(
         " (forced: every sample again)" if force else "",
     )
     started = time.monotonic()
+    extract_s = 0.0
     if todo:
-        extract_into(
-            store, todo, verifier_dir, layer_ids, geometry, settings, server, trust_remote_code, log_path, threads, gpus
+        # What this job is extracting, named beside the store until its manifest is written:
+        # prune keeps those samples, so a killed job's rerun finds what it stored.
+        pending = Path(out).with_suffix(".pending.json")
+        write_json(pending, {"samples": [{"key": s["key"]} for s in todo]})
+        extract_s = extract_into(
+            store,
+            todo,
+            verifier_dir,
+            layer_ids,
+            geometry,
+            settings,
+            server,
+            trust_remote_code,
+            log_path,
+            threads,
+            gpus,
+            force,
         )
     manifest = {
         "part": part,
@@ -183,9 +199,13 @@ def run_part(
             "stored_tokens": sum(len(s["input_ids"]) for s in samples) - extracted,
             "verifier_loads": 1 if todo else 0,
             "wall_s": round(time.monotonic() - started, 3),
+            # From the server's first answer to the last sample stored: the extraction's rate
+            # (plan.hours), without the start a planned load already counts.
+            "extract_s": round(extract_s, 3),
         },
     }
     write_json(out, manifest)
+    Path(out).with_suffix(".pending.json").unlink(missing_ok=True)
     clear_mark([out])
     return manifest
 
@@ -202,9 +222,11 @@ def extract_into(
     log_path: str,
     threads: int,
     gpus: int,
-) -> None:
+    force: bool = False,
+) -> float:
     """Run the backend over `todo` a chunk at a time and store each sample as its chunk ends:
-    a job killed mid-part keeps every finished chunk."""
+    a job killed mid-part keeps every finished chunk. Returns the seconds from the server's
+    readiness to the last sample stored."""
     topk = settings.target_topk
     check_disk_space(
         store.root,
@@ -226,19 +248,23 @@ def extract_into(
         open_backend(settings.backend, job) as backend,
         tqdm(total=total, desc="store", unit="tok", mininterval=2.0) as bar,
     ):
+        ready = time.monotonic()
         # A chunk's states are stored as it ends: what a killed job loses at most.
         for chunk in chunks(todo, settings.store_every_tokens):
             states = backend.extract(chunk)
             for s, st in zip(chunk, states, strict=True):
+                if not force and store.has(s["key"]):
+                    continue  # another job stored it meanwhile: the first writer's bytes stand
                 # The compact target: the verifier's top-k logits replace the final state.
                 targets = [head(st[1])] if head is not None else None
                 # The file names its sample by content alone (not the key, which names the
                 # software that made it): the same states under another key digest the same.
                 name = content_name(s)
                 meta = ShardMeta([name], layer_ids, geometry.num_layers, geometry.hidden_size, settings.backend)
-                path = store.path(s["key"])
-                if path.exists():  # forced: replace it (read-only once written)
-                    path.unlink()
-                write_shard(path, [{**s, "id": name, "split": "train"}], [st], meta, settings.dtype, targets)
+                # A forced job replaces the file (the rename replaces a read-only file too).
+                write_shard(
+                    store.path(s["key"]), [{**s, "id": name, "split": "train"}], [st], meta, settings.dtype, targets
+                )
                 store.seal(s["key"])
             bar.update(sum(len(s["input_ids"]) for s in chunk))
+        return time.monotonic() - ready

@@ -99,7 +99,7 @@ def read_shard(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> t
 
 def read_indexed(doc_path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> list[ShardSample]:
     """Every sample an index.json or an extraction part's manifest names, in its order, under
-    the id and split the document gives (a stored sample's file names it by its key)."""
+    the id and split the document gives (a stored sample's file names it by its content)."""
     import dataclasses
     import json
     from pathlib import Path

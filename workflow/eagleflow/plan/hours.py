@@ -111,7 +111,10 @@ def stage_hours(work: Work, rates: Rates, replicas: int, config: dict[str, Any])
     return {
         "write_prompts": served(work.written_tokens, rates.generate_tokens_per_s, replicas),
         "generate": served(work.reply_tokens, rates.generate_tokens_per_s, replicas),
-        "hidden_states": 0.0 if online else served(work.extract_tokens, rates.extract_tokens_per_s, 1),
+        # One job and one server per node (hidden_states.num_shards), side by side.
+        "hidden_states": 0.0
+        if online
+        else served(work.extract_tokens, rates.extract_tokens_per_s, config["hidden_states"]["num_shards"]),
         "train": train,
         # The baseline and the draft's run, one server each, one after the other.
         "benchmark": None
@@ -137,16 +140,16 @@ def measured_rates(root: Path, run: str, rates: Rates) -> tuple[Rates, list[str]
         if s.get("sent_tokens") and s.get("server_s"):
             found["generate_tokens_per_s"] = s["sent_tokens"] / s["server_s"]
             notes.append(f"generate_tokens_per_s {found['generate_tokens_per_s']:.0f}: measured by {stats}")
-    # The tokens the part jobs extracted (stats.json): those the store answered took no time.
+    # The tokens the part jobs extracted over the time they took once their server answered
+    # (stats.json): the store answered the rest, and a planned load counts the start.
     extracted = base / "hidden_states/stats.json"
-    part_times = sorted((base / "benchmarks").glob("hidden_states.part-*.tsv"))
-    tokens = json.loads(extracted.read_text()).get("extracted_tokens", 0) if extracted.exists() else 0
-    if rates.extract_tokens_per_s is None and tokens and part_times:
-        wall = sum(float(p.read_text().splitlines()[1].split("\t")[0]) for p in part_times)
-        found["extract_tokens_per_s"] = tokens / wall
+    stats = json.loads(extracted.read_text()) if extracted.exists() else {}
+    tokens, seconds = stats.get("extracted_tokens", 0), stats.get("extract_s", 0)
+    if rates.extract_tokens_per_s is None and tokens and seconds:
+        found["extract_tokens_per_s"] = tokens / seconds
         notes.append(
-            f"extract_tokens_per_s {found['extract_tokens_per_s']:.0f}: measured by {len(part_times)} part jobs "
-            "(their server's start included)"
+            f"extract_tokens_per_s {found['extract_tokens_per_s']:.0f}: measured by the extraction jobs "
+            f"({extracted}; per server, its start left out)"
         )
     metrics = sorted((base / "drafts").glob("*/train/metrics.jsonl"))
     if rates.train_tokens_per_s is None and metrics:

@@ -19,8 +19,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 # "off": recompute every planned job (entries are still kept); "missing": a missing output may
-# be restored too (a rerun after a failed SLURM group job, whose finished shards Snakemake
-# removed with the failed one); anything else: forced jobs and missing outputs recompute.
+# be restored too (a rerun after a failed SLURM group job, whose finished parity jobs' outputs
+# Snakemake removed with the failed one); anything else: forced jobs and missing outputs recompute.
 SWITCH = "EAGLEFLOW_OUTPUT_CACHE"
 RESTORE_MISSING = "missing"
 # Where the plan marks the jobs that must recompute, relative to the workflow's working directory

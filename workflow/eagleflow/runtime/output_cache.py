@@ -5,8 +5,8 @@ generate whose code changed but whose requests did not), and when a setting that
 change the job's outputs changes. A job that computes a key over what really decides its
 outputs (docs/invalidation.md: inputs by content, the settings and code that shape them, the
 software, hardware and environment that compute them) finds them here and links them back in
-seconds instead of loading the verifier again: shards, drafts, benchmark measurements, parity
-replays.
+seconds instead of loading the verifier again: drafts, benchmark measurements, parity
+replays. (The hidden states keep a store of their own, per sample: runtime.state_store.)
 
 What the cache never does:
 - serve a job the user forced (`-R`, `--forcerun`, `--forceall`, `-f`) or whose output was
@@ -62,8 +62,8 @@ READ_ONLY = ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH)
 
 
 class OutputCache:
-    """Outputs (files or directories, by name) of one slot (a shard, a draft, a variant's
-    benchmark), by key, in directory `dir`: one entry per slot, `<dir>/<slot>.<key>/`."""
+    """Outputs (files or directories, by name) of one slot (a draft, a variant's benchmark),
+    by key, in directory `dir`: one entry per slot, `<dir>/<slot>.<key>/`."""
 
     def __init__(self, dir: str | os.PathLike, slot: str):
         self.dir = Path(dir)

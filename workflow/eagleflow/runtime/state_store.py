@@ -2,9 +2,10 @@
 
 Layout: `<run>/hidden_states/samples/<key[:2]>/<key>.safetensors`, each a shard of one sample
 (hidden_states.shard_file), written atomically and read-only once written. A job killed
-mid-phase leaves whole files only; its rerun finds them. Two jobs that extract the same
-sample write the same bytes to the same name (the rename is atomic), so nothing is stored
-twice. What neither the index nor a part manifest beside the store names is removed by
+mid-phase leaves whole files only; its rerun finds them. One key is one file, so nothing is
+stored twice; where two jobs extract the same sample, the first writer's file stands (the job
+skips a key stored meanwhile). What neither the index nor a part manifest (or a running
+job's pending list) beside the store names is removed by
 `python -m eagleflow.runtime.output_cache prune` (prune_unreferenced); run it when no job runs.
 
 Run-only: where states lie and when they are dropped, never what they hold.

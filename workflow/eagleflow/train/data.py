@@ -182,6 +182,8 @@ class ShardSamples:
                 raise ValueError(
                     f"{r.path}: aux_layer_ids {r.meta.aux_layer_ids} differ from the index's ({self.aux_layer_ids})"
                 )
+            if r.compact != self.compact:
+                raise ValueError(f"{r.path}: its target differs from the index's (one keeps top-k logits)")
             self._open[k] = r
             if len(self._open) > OPEN_FILES:
                 self._open.popitem(last=False)
