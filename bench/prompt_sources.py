@@ -35,8 +35,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "workflow"))  # the eagleflow package, installed or not
 
 from bench.standard_sets import measure_drafts, set_spec  # noqa: E402
-from eagleflow.benchmark.set_job import conversation_tokens  # noqa: E402
 from eagleflow.benchmark.sets import SetSpec, build_sets  # noqa: E402
+from eagleflow.benchmark.sized_sets import conversation_tokens  # noqa: E402
 from eagleflow.benchmark.workload import BenchmarkConfig  # noqa: E402
 from eagleflow.common.atomic import read_jsonl, write_json  # noqa: E402
 from eagleflow.common.config import typed  # noqa: E402

@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))  # the
 
 from devkit.runs import FinishedRun
 from eagleflow.benchmark.run import run_baseline, run_benchmark
-from eagleflow.benchmark.set_job import conversation_tokens
 from eagleflow.benchmark.sets import SetSpec, build_sets
+from eagleflow.benchmark.sized_sets import conversation_tokens
 from eagleflow.benchmark.workload import BenchmarkConfig, Workload
 from eagleflow.common.atomic import read_jsonl, write_json
 from eagleflow.common.config import typed

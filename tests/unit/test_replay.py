@@ -24,7 +24,7 @@ from eagleflow.common.acceptance import (
     visited_anchors,
     walk,
 )
-from eagleflow.common.train_metrics import exported_eval
+from eagleflow.common.exported_eval import exported_eval
 
 VOCAB = 5
 

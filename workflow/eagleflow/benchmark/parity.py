@@ -46,7 +46,7 @@ from eagleflow.common.acceptance import AcceptanceCounts, ContextBuckets, contex
 from eagleflow.common.atomic import read_jsonl, write_json
 from eagleflow.common.cache_keys import TRAIN_PACKAGES, extraction_stack, software
 from eagleflow.common.config import typed
-from eagleflow.common.train_metrics import exported_eval
+from eagleflow.common.exported_eval import exported_eval
 
 # Importing a backend registers it (as in the hidden_states stage, whose backends replay uses).
 from eagleflow.hidden_states import hf, vllm  # noqa: F401

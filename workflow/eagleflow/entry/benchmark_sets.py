@@ -1,3 +1,3 @@
-from eagleflow.benchmark.set_job import main
+from eagleflow.benchmark.sized_sets import main
 
 main(snakemake)

@@ -27,11 +27,11 @@ from eagleflow.common.atomic import read_jsonl, write_json
 from eagleflow.common.replies import write_replies
 from eagleflow.common.requests import history_message, request_payload, samples_with_seed, server_identity
 from eagleflow.common.token_estimate import turn_contexts
-from eagleflow.runtime.answering import Client, StoreFront, answer, verifier_access
 from eagleflow.runtime.client import RequestFailed
 from eagleflow.runtime.smk import stage
 from eagleflow.runtime.spec import ServerConfig, ServerSpec
 from eagleflow.runtime.store import ResponseStore, older_stores, shard_store
+from eagleflow.runtime.store_or_server import Client, StoreFront, answer, verifier_access
 
 log = logging.getLogger(__name__)
 

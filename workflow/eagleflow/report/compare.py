@@ -25,7 +25,7 @@ from typing import Any
 
 from eagleflow.benchmark.cells import HEADLINE
 from eagleflow.common.atomic import read_jsonl, write_text
-from eagleflow.common.train_metrics import exported_eval
+from eagleflow.common.exported_eval import exported_eval
 from eagleflow.report.compare_plots import plot_acceptance_by_variant, plot_concurrency, plot_k, plot_learning_curve
 from eagleflow.runtime.ledger import count_loads, read_loads
 from eagleflow.runtime.shared_server import stop_idle_shared_servers

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from eagleflow.common.atomic import read_jsonl, write_text
-from eagleflow.common.train_metrics import exported_eval
+from eagleflow.common.exported_eval import exported_eval
 from eagleflow.report.variant_plots import (
     bucket_label,
     plot_acceptance,
