@@ -86,7 +86,9 @@ def kill_vllm(wf: Path) -> int | None:
 
 
 def stored(wf: Path) -> set[str]:
-    return {p.name for p in (wf / "results/small/hidden_states/samples").rglob("*.safetensors")}
+    """The store's sample files: `<key[:2]>/<key>.safetensors`, not a write a kill cut short
+    (the temporary directory it leaves beside them holds a file of that name too)."""
+    return {p.name for p in (wf / "results/small/hidden_states/samples").glob("*/*.safetensors")}
 
 
 class StorageWatch(threading.Thread):
