@@ -405,3 +405,14 @@ def test_thread_counts_are_not_results():
         {"MKL_NUM_THREADS": "16"}
     )
     assert cache_keys.result_environment({"MKL_CBWR": "COMPATIBLE"}) != {}
+
+
+def test_a_store_rule_redoes_all_its_items_only_when_forced_or_with_the_cache_off(monkeypatch):
+    """The hidden states' store is their cache: a missing output alone leaves the stored samples
+    standing; -R, or the cache off (here, or in the plan that marked the job), redoes them all."""
+    monkeypatch.delenv(cache_plan.SWITCH, raising=False)
+    assert not cache_plan.recomputes_all(None) and not cache_plan.recomputes_all("output missing: a")
+    assert cache_plan.recomputes_all(f"output missing: a; {cache_plan.FORCED}")
+    assert cache_plan.recomputes_all(f"{cache_plan.SWITCH}=off")
+    monkeypatch.setenv(cache_plan.SWITCH, "off")
+    assert cache_plan.recomputes_all(None) and cache_plan.recomputes_all("output missing: a")

@@ -28,7 +28,7 @@ from eagleflow.hidden_states.shard_file import ShardMeta, shard_content_digest, 
 from eagleflow.hidden_states.shards import check_disk_space, samples_for_part
 from eagleflow.hidden_states.storage import extraction_dtype, num_stored_states, torch_dtype
 from eagleflow.hidden_states.targets import TopkHead, head_device
-from eagleflow.runtime.cache_plan import cache_enabled, clear_mark, recompute_reason, recomputes_all
+from eagleflow.runtime.cache_plan import clear_mark, recompute_reason, recomputes_all
 from eagleflow.runtime.smk import stage
 from eagleflow.runtime.spec import ServerConfig, ServerSpec
 from eagleflow.runtime.state_store import STORE_DIR, SampleStore
@@ -57,7 +57,7 @@ def main(smk) -> None:
             log_path=smk.log[0],
             code=smk.params.code,
             # -R (or EAGLEFLOW_OUTPUT_CACHE=off): extract the part's samples again, stored or not.
-            force=recomputes_all(recompute_reason([smk.output[0]])) or not cache_enabled(),
+            force=recomputes_all(recompute_reason([smk.output[0]])),
         )
 
 
@@ -138,6 +138,7 @@ def run_part(
         s["key"] = sample_key(made_by, s["input_ids"], s["loss_mask"])
     # One extraction per key: the same tokens under two ids are one sample of the store.
     todo = list({s["key"]: s for s in samples if force or not store.has(s["key"])}.values())
+    tokens = sum(len(s["input_ids"]) for s in samples)
     extracted = sum(len(s["input_ids"]) for s in todo)
     log.info(
         "part %d/%d: %d samples; %d to extract (%d tokens), %d found stored%s",
@@ -151,10 +152,10 @@ def run_part(
     )
     started = time.monotonic()
     extract_s = 0.0
+    # What this job is extracting, named beside the store until its manifest is written:
+    # prune keeps those samples, so a killed job's rerun finds what it stored.
+    pending = Path(out).with_suffix(".pending.json")
     if todo:
-        # What this job is extracting, named beside the store until its manifest is written:
-        # prune keeps those samples, so a killed job's rerun finds what it stored.
-        pending = Path(out).with_suffix(".pending.json")
         write_json(pending, {"samples": [{"key": s["key"]} for s in todo]})
         extract_s = extract_into(
             store,
@@ -192,11 +193,11 @@ def run_part(
         ],
         "stats": {
             "samples": len(samples),
-            "tokens": sum(len(s["input_ids"]) for s in samples),
+            "tokens": tokens,
             "extracted_samples": len(todo),
             "extracted_tokens": extracted,
             "stored_samples": len(samples) - len(todo),
-            "stored_tokens": sum(len(s["input_ids"]) for s in samples) - extracted,
+            "stored_tokens": tokens - extracted,
             "verifier_loads": 1 if todo else 0,
             "wall_s": round(time.monotonic() - started, 3),
             # From the server's first answer to the last sample stored: the extraction's rate
@@ -205,7 +206,7 @@ def run_part(
         },
     }
     write_json(out, manifest)
-    Path(out).with_suffix(".pending.json").unlink(missing_ok=True)
+    pending.unlink(missing_ok=True)
     clear_mark([out])
     return manifest
 
@@ -228,9 +229,10 @@ def extract_into(
     a job killed mid-part keeps every finished chunk. Returns the seconds from the server's
     readiness to the last sample stored."""
     topk = settings.target_topk
+    total = sum(len(s["input_ids"]) for s in todo)
     check_disk_space(
         store.root,
-        sum(len(s["input_ids"]) for s in todo),
+        total,
         len(todo),
         num_stored_states(len(layer_ids), topk),
         geometry.hidden_size,
@@ -243,7 +245,6 @@ def extract_into(
         verifier_dir, layer_ids, geometry, store_dtype, settings, server, trust_remote_code, log_path, threads, gpus
     )
     head = TopkHead(verifier_dir, topk, head_device(settings.device)) if topk else None
-    total = sum(len(s["input_ids"]) for s in todo)
     with (
         open_backend(settings.backend, job) as backend,
         tqdm(total=total, desc="store", unit="tok", mininterval=2.0) as bar,

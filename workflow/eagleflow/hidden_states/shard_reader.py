@@ -97,19 +97,37 @@ def read_shard(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> t
     return reader.meta, [reader.sample(i, dtype) for i in range(len(reader))]
 
 
-def read_indexed(doc_path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> list[ShardSample]:
-    """Every sample an index.json or an extraction part's manifest names, in its order, under
-    the id and split the document gives (a stored sample's file names it by its content)."""
-    import dataclasses
+def indexed_entries(doc_path: str | os.PathLike) -> tuple[dict, list[tuple[str, int, dict]]]:
+    """(the document, [(file, row, entry)] for every sample it names, in its order): an
+    index.json names each sample's file relative to itself and its row there; an extraction
+    part's manifest names its samples by key, in the store beside it."""
     import json
     from pathlib import Path
 
     from eagleflow.runtime.state_store import STORE_DIR, relative_path
 
+    doc = json.loads(Path(doc_path).read_text())
+    if "samples" not in doc:
+        raise ValueError(
+            f"{doc_path}: an index without per-sample entries (written before 2026-12-05): rerun hidden_states_index"
+        )
     base = Path(doc_path).parent
-    out = []
-    for s in json.loads(Path(doc_path).read_text())["samples"]:
-        file = base / s["file"] if "file" in s else base / STORE_DIR / relative_path(s["key"])
-        sample = ShardReader(file).sample(int(s.get("row", 0)), dtype)
-        out.append(dataclasses.replace(sample, id=s["id"], is_eval=s["split"] == "eval"))
-    return out
+    return doc, [
+        (
+            str(base / s["file"]) if "file" in s else str(base / STORE_DIR / relative_path(s["key"])),
+            int(s.get("row", 0)),
+            s,
+        )
+        for s in doc["samples"]
+    ]
+
+
+def read_indexed(doc_path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> list[ShardSample]:
+    """Every sample an index.json or an extraction part's manifest names, in its order, under
+    the id and split the document gives (a stored sample's file names it by its content)."""
+    import dataclasses
+
+    return [
+        dataclasses.replace(ShardReader(file).sample(row, dtype), id=s["id"], is_eval=s["split"] == "eval")
+        for file, row, s in indexed_entries(doc_path)[1]
+    ]

@@ -91,8 +91,10 @@ def recompute_reason(outputs: Iterable[str | os.PathLike]) -> str | None:
 def recomputes_all(reason: str | None) -> bool:
     """Whether a job whose mark says `reason` (recompute_reason) must redo all its work, as a
     job that keeps per-item results (the hidden-state store) reads it: the user forced it, or
-    the cache is off. A missing output alone is not a reason: its items are still stored. Pure."""
-    return reason is not None and (FORCED in reason or reason == f"{SWITCH}=off")
+    the cache is off, in this process or in the plan that marked the job (a cluster job's
+    environment may not carry the switch). A missing output alone is not a reason: its items
+    are still stored."""
+    return not cache_enabled() or (reason is not None and (FORCED in reason or reason == f"{SWITCH}=off"))
 
 
 def clear_mark(outputs: Iterable[str | os.PathLike]) -> None:
@@ -159,7 +161,7 @@ def describe_cache_plan(jobs: list[PlannedJob]) -> str | None:
     stored: dict[str, int] = {}
     recompute: dict[str, list[str]] = {}
     for job in jobs:
-        if job.rule in STORE_RULES and cache_enabled() and not recomputes_all("; ".join(job.blockers) or None):
+        if job.rule in STORE_RULES and not recomputes_all("; ".join(job.blockers)):
             stored[job.rule] = stored.get(job.rule, 0) + 1
         elif job.blockers or not cache_enabled():
             recompute.setdefault(job.rule, []).append(job.blockers[0].split(":")[0] if job.blockers else "cache off")

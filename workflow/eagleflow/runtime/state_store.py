@@ -17,7 +17,7 @@ import json
 import os
 import shutil
 import stat
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 SUFFIX = ".safetensors"
@@ -54,9 +54,6 @@ class SampleStore:
             if sub.is_dir() and len(sub.name) == 2:
                 for f in sorted(sub.glob(f"*{SUFFIX}")):
                     yield f.name[: -len(SUFFIX)]
-
-    def size(self, keys: Iterable[str]) -> int:
-        return sum(self.path(k).stat().st_size for k in keys if self.has(k))
 
     def remove_unreferenced(self, referenced: set[str], dry_run: bool = False) -> tuple[int, int]:
         """Remove the stored samples no key of `referenced` names, and the temporaries a killed

@@ -18,7 +18,6 @@ vocabulary here; positions where none of them is in it leave the loss.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import threading
@@ -26,13 +25,12 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TypeVar
 
 import torch
 
 from eagleflow.common.fingerprint import stable_fraction
-from eagleflow.hidden_states.shard_reader import ShardReader
+from eagleflow.hidden_states.shard_reader import ShardReader, indexed_entries
 from eagleflow.hidden_states.targets import draft_index
 
 T = TypeVar("T")
@@ -140,18 +138,13 @@ class ShardSamples:
         dtype: torch.dtype = torch.float32,
         align: Callable[..., Sample] | None = None,
     ) -> ShardSamples:
-        """The samples index.json names (hidden_states.shards.index_document), files relative to it."""
-        doc = json.loads(Path(index).read_text())
-        if "samples" not in doc:
-            raise ValueError(
-                f"{index}: an index without per-sample entries (written before 2026-12-05): rerun hidden_states_index"
-            )
-        base = Path(index).parent
+        """The samples index.json names (hidden_states.index.index_document)."""
+        doc, entries = indexed_entries(index)
         files: dict[str, int] = {}
         located = []
-        for s in doc["samples"]:
-            k = files.setdefault(str(base / s["file"]), len(files))
-            located.append(Located(k, int(s["row"]), s["id"], int(s["num_tokens"]), s["split"] == "eval"))
+        for file, row, s in entries:
+            k = files.setdefault(file, len(files))
+            located.append(Located(k, row, s["id"], int(s["num_tokens"]), s["split"] == "eval"))
         if not located:
             raise ValueError(f"{index}: no samples to train on")
         self = cls.__new__(cls)
