@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))  # the
 from bench.standard_sets import draft_dirs
 from devkit.runs import FinishedRun
 from eagleflow.benchmark.parity import extraction_job, replay_streams, stream_samples
-from eagleflow.benchmark.replay import draft_proposals
+from eagleflow.benchmark.speculative import draft_method_name, read_draft_config, serving_config
 from eagleflow.common.acceptance import context_edges
 from eagleflow.common.atomic import read_jsonl
 from eagleflow.runtime.logs import configure_logging
@@ -46,13 +46,16 @@ parser.add_argument("--streams", type=Path, required=True, help="greedy streams 
 parser.add_argument(
     "--draft", nargs="*", default=["default"], help="the run's draft ids or [LABEL=]PATH to draft directories"
 )
-parser.add_argument("-k", type=int, default=3, help="speculative tokens per step")
+parser.add_argument(
+    "-k", type=int, default=3, help="speculative tokens per step of an EAGLE-3 draft (the others' are their config's)"
+)
 
 
 def main() -> None:
     args = parser.parse_args()
     configure_logging(sys.stderr)
     from eagleflow.train.draft import load_draft
+    from eagleflow.train.methods import draft_method
 
     finished = FinishedRun.of(args.workdir, args.configfile)
     config, verifier = finished.config, finished.verifier
@@ -69,13 +72,24 @@ def main() -> None:
             threads=os.cpu_count() or 1,
             gpus=int(config["hidden_states"]["gpus"]),
         )
-        samples = stream_samples(extraction, streams)
+        methods = {label: draft_method(draft_method_name(read_draft_config(d))) for label, d in drafts.items()}
+        # The streams as each alignment reads them (shifted for the EAGLE family, as they are
+        # for a block drafter), extracted once each.
+        samples = {
+            shifted: stream_samples(extraction, streams, shifted) for shifted in {m.shifted for m in methods.values()}
+        }
     edges = context_edges(int(config["server"]["max_model_len"]))
     print("| draft | set | streams | replayed mean acceptance length | per position |")
     print("| --- | --- | --- | --- | --- |")
     for label, directory in drafts.items():
         draft = load_draft(str(directory), verifier, attn_impl="sdpa").eval()
-        for name, replay in sorted(replay_streams(draft_proposals, draft, samples, streams, args.k, edges).items()):
+        method = methods[label]
+        if method.propose is None:
+            logging.warning("%s: a %s draft's drafting is not replayed; skipped", label, method.name)
+            continue
+        k = serving_config(read_draft_config(directory), args.k)["num_speculative_tokens"]
+        replays = replay_streams(method.propose, draft, samples[method.shifted], streams, k, edges)
+        for name, replay in sorted(replays.items()):
             summary = replay.visited.summary()
             per_pos = " / ".join(f"{x:.3f}" for x in summary["per_position_acceptance"])
             print(f"| {label} | {name} | {replay.streams} | {summary['mean_acceptance_length']:.3f} | {per_pos} |")

@@ -32,7 +32,7 @@ from eagleflow.train.config import TrainConfig
 from eagleflow.train.data import collate, load_shards, pack
 from eagleflow.train.device import Runtime, resolve_impls, untie_fused_loss_autotuners
 from eagleflow.train.draft import build_draft
-from eagleflow.train.evaluation import evaluate
+from eagleflow.train.evaluation import Walk, evaluate
 from eagleflow.train.launch import run_stage
 from eagleflow.train.loop import run_from_json
 from eagleflow.train.methods import draft_method
@@ -494,7 +494,16 @@ def test_torchrun_two_processes_equal_one_process_accumulating_both_batches(tiny
         return (
             model,
             losses,
-            evaluate(model, evals, 64, kwargs, cpu, keys, lambda totals: eagle3.summarise(totals, cfg), walk_steps=3),
+            evaluate(
+                model,
+                evals,
+                64,
+                kwargs,
+                cpu,
+                keys,
+                lambda totals: eagle3.summarise(totals, cfg),
+                walk=Walk.of(eagle3, cfg),
+            ),
         )
 
     model, losses, ref_eval = one_step(batches)

@@ -24,7 +24,7 @@ from eagleflow.common.config import ConfigError, typed, validate_config
 from eagleflow.hidden_states.forward import extract, load_verifier, resolve_compute_dtype
 from eagleflow.train.config import TrainConfig
 from eagleflow.train.device import Runtime
-from eagleflow.train.evaluation import evaluate
+from eagleflow.train.evaluation import Walk, evaluate
 from eagleflow.train.methods import draft_method
 from eagleflow.train.optimizer import build_optimizer
 from eagleflow.train.steps import packed_batch, train_step
@@ -58,7 +58,9 @@ def test_a_cpu_training_step_and_its_evaluation_compute_in_float32(tiny_llama_di
                 grad_clip=1.0,
                 keys=keys,
             )
-        evaluate(model, samples, 64, fwd, CPU, keys, lambda totals: eagle3.summarise(totals, cfg), walk_steps=3)
+        evaluate(
+            model, samples, 64, fwd, CPU, keys, lambda totals: eagle3.summarise(totals, cfg), walk=Walk.of(eagle3, cfg)
+        )
     assert seen.ops == set(), f"bfloat16/float16 arithmetic in a CPU training step ({optimizer}): {sorted(seen.ops)}"
     assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters() if n in before)
 
@@ -100,14 +102,14 @@ def test_the_hf_backend_computes_in_float32_on_a_cpu_and_stores_in_bfloat16(tiny
 
 
 def test_the_parity_replay_reloads_the_bfloat16_draft_in_float32(tiny_llama_dir, tmp_path):
-    from eagleflow.benchmark.replay import draft_proposals
     from eagleflow.train.draft import export_draft, load_draft
+    from eagleflow.train.proposals import chain_proposals
 
     model = tiny_draft(tiny_llama_dir)
     export_draft(model, model.state_dict(), tmp_path / "draft", str(tiny_llama_dir))
     draft = load_draft(str(tmp_path / "draft"), str(tiny_llama_dir), attn_impl="sdpa").eval()
     with low_precision_ops() as seen:
-        proposals = draft_proposals(draft, random_samples([12], seed=4)[0], 3)
+        proposals = chain_proposals(draft, random_samples([12], seed=4)[0], 3)
     assert seen.ops == set(), sorted(seen.ops)
     assert len(proposals) == 3 and all(len(p) == 12 for p in proposals)
 

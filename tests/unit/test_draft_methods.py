@@ -158,29 +158,95 @@ def test_a_method_vllm_serves_on_gpus_only_is_refused_on_vllm_cpu_before_any_job
     check_drafts_servable({**config, "variants": {"flash": {"train": {"method": "dflash"}}}}, str(tmp_path))
 
 
-def test_the_block_replay_of_every_anchor_at_once_is_each_anchor_with_only_its_past(tiny_llama_dir):
-    """benchmark.replay.block_proposals anchors a block at every position of a stream in one
-    forward; what each anchor proposes must be what the draft proposes when the stream ends
-    right after its bonus token (what vLLM has at that step): nothing later leaks in."""
-    from eagleflow.benchmark.replay import block_proposals
-    from eagleflow.train.data import Sample
-
+def perturbed_draft(name: str, verifier_dir) -> torch.nn.Module:
+    """A tiny draft whose proposals differ from anchor to anchor."""
     torch.manual_seed(0)
-    draft = tiny_method_draft("dflash", tiny_llama_dir).eval()
+    draft = tiny_method_draft(name, verifier_dir).eval()
     with torch.no_grad():
         for p in draft.parameters():
-            p.add_(0.05 * torch.randn_like(p))  # proposals that differ by anchor
+            p.add_(0.05 * torch.randn_like(p))
+    return draft
+
+
+def cut(sample, n: int):
+    from eagleflow.train.data import Sample
+
+    return Sample(
+        sample.input_ids[:n], sample.hidden_states[:n], sample.verifier_last_hidden_states[:n], sample.loss_mask[:n]
+    )
+
+
+# The replayed methods: what the stream must hold for anchor i's step (a shifted sample's
+# position i is anchor i; a block drafter's block at anchor i sits on position i + 1).
+REPLAYED = {"peagle": lambda anchor: anchor + 1, "dflash": lambda anchor: anchor + 2}
+
+
+@pytest.mark.parametrize("name", sorted(REPLAYED))
+def test_the_replay_of_every_anchor_at_once_is_each_anchor_with_only_its_past(tiny_llama_dir, name):
+    """train.proposals computes a parallel or block drafter's proposals at every anchor of a
+    stream in one forward; what each anchor proposes must be what the draft proposes when the
+    stream ends right after its bonus token (what vLLM has at that step): nothing later leaks
+    in, and a mask-token slot sees its own anchor's context only."""
+    from eagleflow.train.data import Sample
+
+    method, cfg = METHODS[name], method_cfg(name)
+    draft = perturbed_draft(name, tiny_llama_dir)
     (s,) = random_samples([14], seed=4)
     sample = Sample(s.input_ids, s.hidden_states, s.verifier_last_hidden_states, torch.ones(14, dtype=torch.bool))
-    k = draft.block_size - 1
-    every = block_proposals(draft, sample, k)
+    k = method.draft_tokens(cfg)
+    every = method.propose(draft, sample, k)
     assert len(every) == k and all(len(step) == 14 for step in every)
     assert len({tuple(step) for step in every}) > 1
-    for anchor in (0, 5, 11):  # the block at anchor + 1, the stream cut after its token
-        n = anchor + 2
-        cut = Sample(
-            sample.input_ids[:n], sample.hidden_states[:n], sample.verifier_last_hidden_states[:n], sample.loss_mask[:n]
-        )
-        alone = block_proposals(draft, cut, k)
+    for anchor in (0, 5, 11):
+        alone = method.propose(draft, cut(sample, REPLAYED[name](anchor)), k)
         assert [step[anchor] for step in alone] == [step[anchor] for step in every], anchor
-    assert [step[13] for step in every] == [-1] * k  # the last position anchors nothing
+    if name == "dflash":
+        assert [step[13] for step in every] == [-1] * k  # the last position anchors nothing
+
+
+@pytest.mark.parametrize("name", sorted(REPLAYED))
+def test_proposals_computed_a_chunk_of_anchors_at_a_time_are_the_same(tiny_llama_dir, name, monkeypatch):
+    import eagleflow.train.proposals as proposals
+
+    method, cfg = METHODS[name], method_cfg(name)
+    draft = perturbed_draft(name, tiny_llama_dir)
+    sample = method.align(
+        *(
+            getattr(random_samples([23], seed=2)[0], f)
+            for f in ("input_ids", "hidden_states", "verifier_last_hidden_states", "loss_mask")
+        )
+    )
+    whole = method.propose(draft, sample, method.draft_tokens(cfg))
+    monkeypatch.setattr(proposals, "ANCHORS_PER_FORWARD", 5)
+    assert proposals.anchor_chunks(len(sample))[-1] == (20, 22)
+    assert method.propose(draft, sample, method.draft_tokens(cfg)) == whole
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_the_evaluation_walks_every_replayed_methods_drafts(tiny_llama_dir, name):
+    """Training's evaluation reports what vLLM's walk would accept on the eval split for every
+    method whose drafting is replayed, at the method's own draft length."""
+    from eagleflow.train.evaluation import Walk, evaluate
+
+    method, cfg = METHODS[name], method_cfg(name)
+    model = tiny_method_draft(name, tiny_llama_dir)
+    samples = [
+        method.align(s.input_ids, s.hidden_states, s.verifier_last_hidden_states, s.loss_mask)
+        for s in random_samples([30, 25, 20], seed=1)
+    ]
+    walk = Walk.of(method, cfg)
+    out = evaluate(
+        model,
+        samples,
+        64,
+        method.forward_kwargs(cfg, "eager"),
+        CPU,
+        method.metric_keys(cfg),
+        lambda t: method.summarise(t, cfg),
+        walk=walk,
+    )
+    if method.propose is None:
+        assert walk is None and out["walk_acceptance_length"] is None
+    else:
+        assert walk.k == len(method.positions(cfg)) and walk.shifted == (method.align is shift)
+        assert 1.0 <= out["walk_acceptance_length"] <= 1.0 + walk.k

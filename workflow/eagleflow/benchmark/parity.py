@@ -149,7 +149,7 @@ def expected_prompt_ids(verifier_dir: str, prompts_path: str, ids: list[str], ch
 def stream_samples(extraction: ExtractionJob, streams: list[dict], shifted: bool = True) -> list[Sample]:
     """The served streams as training reads its samples: the verifier's states computed by the
     hidden-state stage's backend, rounded through the storage dtype, shifted (EAGLE-3) or as
-    they are, every position (a block drafter: benchmark.replay.block_proposals). The backend's
+    they are, every position (a block drafter: train.proposals.block_proposals). The backend's
     server is the phase's shared one: the parity jobs of every variant run back to back (the
     benchmark jobs go first, workflow/rules/benchmark.smk) and use one load (logs/parity.server.log);
     compare stops it."""
@@ -193,7 +193,7 @@ def replay_streams(
     edges: list[int],
 ) -> dict[str, SetReplay]:
     """Each set's replay of the draft over its served streams, by set name; `propose`: the
-    method's proposals at every anchor (benchmark.replay.REPLAYS)."""
+    method's proposals at every anchor (train.proposals)."""
     out: dict[str, SetReplay] = {}
     for stream, sample in tqdm(list(zip(streams, samples, strict=True)), desc="replay", unit="stream", mininterval=2.0):
         proposals = propose(draft, sample, k)
@@ -263,8 +263,8 @@ def run_parity(
     """Replay, compare, check; write the parity report. Raises ParityError after writing it
     (to the rule log's directory, since a failed job's outputs are removed) when a check
     fails and parity.on_gap is `fail`."""
-    from eagleflow.benchmark.replay import REPLAYS
     from eagleflow.train.draft import draft_aux_layer_ids, load_draft
+    from eagleflow.train.methods import draft_method
 
     report = json.loads(Path(benchmark_report).read_text())
     streams = read_jsonl(streams_path)
@@ -307,10 +307,11 @@ def run_parity(
         "tolerance": cfg.tolerance,
         "training_tolerance": cfg.training_tolerance,
     }
-    if result["method"] in REPLAYS:
-        shifted, propose = REPLAYS[result["method"]]
+    method = draft_method(result["method"])
+    if method.propose:
         edges = context_edges(max_model_len)
-        replays = replay_streams(propose, draft, stream_samples(extraction, streams, shifted), streams, k, edges)
+        samples = stream_samples(extraction, streams, method.shifted)
+        replays = replay_streams(method.propose, draft, samples, streams, k, edges)
         if EVAL not in replays:
             raise ValueError(f"{streams_path}: no stream of the eval split with a draft step to replay")
         replay, replay_every = replays[EVAL].visited.summary(), replays[EVAL].every.summary()
@@ -334,9 +335,9 @@ def run_parity(
         findings += check_training_vs_served(estimate, served["mean_acceptance_length"], cfg)
         result |= {
             "replay": None,
-            "replay_unavailable": f"parity replays EAGLE-3's chains and DFlash's blocks; a {result['method']} draft's "
-            "drafting is not replayed yet, so only the direct checks and training's estimate against "
-            "vLLM's ran",
+            "replay_unavailable": f"parity replays EAGLE-3's chains, P-EAGLE's parallel drafts and DFlash's "
+            f"blocks; a {result['method']} draft's drafting is not replayed yet, so only the direct checks "
+            "and training's estimate against vLLM's ran",
         }
     result |= {"verdict": "pass" if not findings else "gap", "findings": [f.__dict__ for f in findings]}
     log.info(

@@ -1,20 +1,40 @@
 """Validation: the draft's losses and accuracies on the held-out split (summarised as its method
-says, train.methods), the acceptance a chain draft would get walking the eval conversations
-(common.acceptance, as the parity replay walks vLLM's streams), and how often training's
-targets are the data's next token."""
+says, train.methods), the acceptance the draft would get walking the eval conversations
+(common.acceptance over the method's proposals, as the parity replay walks vLLM's streams),
+and how often training's targets are the data's next token."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from eagleflow.common.acceptance import AcceptanceCounts, generated_spans, walk
+from eagleflow.common.acceptance import AcceptanceCounts, generated_spans
+from eagleflow.common.acceptance import walk as walk_stream
+from eagleflow.train.config import TrainConfig
 from eagleflow.train.data import Sample, pack
 from eagleflow.train.device import Runtime
 from eagleflow.train.draft import verifier_ids
+from eagleflow.train.methods import DraftMethod
 from eagleflow.train.steps import metrics_vector, packed_batch, to_device
+
+
+@dataclass(frozen=True)
+class Walk:
+    """How the evaluation walks a method's drafts: its proposals at every anchor
+    (train.proposals), the tokens of a draft step, and whether its samples are shifted."""
+
+    propose: Callable[[Any, Sample, int], list[list[int]]]
+    k: int
+    shifted: bool
+
+    @classmethod
+    def of(cls, method: DraftMethod, cfg: TrainConfig) -> Walk | None:
+        """None where the method's drafting is not replayed."""
+        return cls(method.propose, method.draft_tokens(cfg), method.shifted) if method.propose else None
 
 
 @torch.no_grad()
@@ -27,29 +47,30 @@ def evaluate(
     keys: list[str],
     summarise: Callable[[dict[str, float]], dict[str, float]],
     read: Callable[[list], list[Sample]] = list,
-    walk_steps: int | None = None,
+    walk: Walk | None = None,
 ) -> dict[str, float]:
     """Validation metrics over all of `samples` (summed as `keys` name them, then
     `summarise`d: the method's, train.methods); under data parallel each rank takes every
     world_size-th batch and the sums are reduced. `read` turns a batch's items into samples
-    with their states (training's refs are read from the shards per batch). `walk_steps`: the
-    chain length an EAGLE-3 draft's proposals are walked with (None: the method proposes no
-    chain to walk)."""
+    with their states (training's refs are read from the shards per batch). `walk`: how the
+    draft's proposals are walked over each sample (None: the method's drafting is not
+    replayed)."""
     model.eval()
     total = torch.zeros(len(keys), dtype=torch.float64, device=rt.device)
     agreement = torch.zeros(2, dtype=torch.float64, device=rt.device)
-    k = walk_steps or 0
+    k = walk.k if walk else 0
     walked = AcceptanceCounts(k)
     for i, batch in enumerate(pack(samples, batch_tokens, shuffle_seed=None)):
         if i % rt.world_size != rt.rank:
             continue
-        inputs = to_device(packed_batch(read([samples[j] for j in batch]), batch_tokens, rt), rt.device, model)
+        read_back = read([samples[j] for j in batch])
+        inputs = to_device(packed_batch(read_back, batch_tokens, rt), rt.device, model)
         with rt.autocast():
-            drafts, _, m = model(**inputs, **fwd_kwargs)
+            _, _, m = model(**inputs, **fwd_kwargs)
             agreement += target_agreement(model, inputs)
+            for sample in read_back if walk else ():
+                walked.add(walk_sample(model, to_device_sample(sample, rt.device), walk))
         total += metrics_vector(m, keys, rt.device)
-        if walk_steps:
-            walked.add(walk_batch(model, inputs, drafts))
     model.train()
     agree, counted = rt.sum_(agreement).tolist()
     walk_totals = rt.sum_(
@@ -63,29 +84,25 @@ def evaluate(
     }
 
 
-def walk_batch(model, batch: dict[str, torch.Tensor], drafts: list[torch.Tensor]) -> AcceptanceCounts:
-    """The anchors vLLM would visit on each assistant turn of a packed eval batch, with the
-    draft's own chains (speculators' teacher-forced steps, as benchmark.replay uses them), and
-    what each accepts: what vLLM's counters would say on the eval split, where the training
-    estimate (1 + sum full_acc_k) averages over every anchor instead.
+def walk_sample(model, sample: Sample, walk: Walk) -> AcceptanceCounts:
+    """The anchors vLLM would visit on each assistant turn of an eval sample, with the draft's
+    own proposals (train.proposals, as the parity replay walks vLLM's streams), and what each
+    accepts: what vLLM's counters would say on the eval split, where the training estimate
+    averages over every anchor instead.
 
-    Shifted alignment (train.data): position t pairs token t+1 with the state at t, so the
-    anchor of original position t is position t, and the stream is [x_0] + input_ids."""
-    k = len(drafts)
-    counts = AcceptanceCounts(k)
-    ids, docs, mask = (batch[name][0].tolist() for name in ("input_ids", "document_ids", "loss_mask"))
-    steps = [verifier_ids(model, d[0]).tolist() for d in drafts]
-    start = 0
-    while start < len(ids):
-        end = start + 1
-        while end < len(ids) and docs[end] == docs[start]:
-            end += 1
-        tokens = [-1, *ids[start:end]]  # x_0 is never compared: the first anchor is 0 at the earliest
-        proposals = [step[start:end] for step in steps]
-        for span_start, span_end in generated_spans([0, *mask[start:end]]):
-            counts.add(walk(tokens, span_start, proposals, span_end))
-        start = end
+    A shifted sample's position t holds x_{t+1} (train.data.shift), so the stream is x_0, never
+    compared, then its tokens; an unshifted one's position t holds x_t."""
+    proposals = walk.propose(model, sample, walk.k)
+    ids, mask = sample.input_ids.tolist(), sample.loss_mask.int().tolist()
+    tokens, mask = ([-1, *ids], [0, *mask]) if walk.shifted else (ids, mask)
+    counts = AcceptanceCounts(walk.k)
+    for span_start, span_end in generated_spans(mask):
+        counts.add(walk_stream(tokens, span_start, proposals, span_end))
     return counts
+
+
+def to_device_sample(sample: Sample, device: torch.device) -> Sample:
+    return Sample(*(None if t is None else t.to(device) for t in dataclasses.astuple(sample)))
 
 
 def target_agreement(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -48,7 +48,7 @@ from eagleflow.train.config import TrainConfig, TrainJob
 from eagleflow.train.data import Sample, ShardRef, ShardSamples, pack, read_ahead
 from eagleflow.train.device import Runtime, init_runtime
 from eagleflow.train.draft import export_draft, take_precomputed_targets
-from eagleflow.train.evaluation import evaluate
+from eagleflow.train.evaluation import Walk, evaluate
 from eagleflow.train.methods import DraftMethod, DraftSpec, draft_method, method_attn_impl
 from eagleflow.train.online import TokenSample, VerifierStates, load_token_samples, open_verifier
 from eagleflow.train.optimizer import build_optimizer
@@ -344,7 +344,7 @@ class Trainer:
             self.keys,
             lambda totals: self.method.summarise(totals, self.cfg),
             self.eval_samples,
-            walk_steps=self.cfg.ttt_steps if self.method.chain else None,
+            walk=Walk.of(self.method, self.cfg),
         )
         state.rows.append(
             {"step": state.step, "epoch": epoch, "split": "eval", "train_samples": len(self.train), **val}

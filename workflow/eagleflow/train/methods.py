@@ -30,6 +30,7 @@ from eagleflow.common.verifier_config import read_text_config
 from eagleflow.train.config import TrainConfig
 from eagleflow.train.data import shift, unshifted
 from eagleflow.train.draft import build_draft, draft_layer_config, load_verifier_weights
+from eagleflow.train.proposals import block_proposals, chain_proposals, parallel_proposals
 
 
 @dataclass(frozen=True)
@@ -53,8 +54,21 @@ class DraftMethod:
     # The draft positions its metrics report: EAGLE-3's chain steps, or the block's / depths'
     # positions, as speculators' compute_metrics names them.
     positions: Callable[[TrainConfig], list[int]]
-    chain: bool  # EAGLE-3's chain: per-step metrics, and the evaluation walks its proposals
+    chain: bool  # EAGLE-3's chain: per-step metrics
     block_acceptance: bool  # the loss reports the expected accepted length of a block (eal)
+    # Every anchor's proposals over a sample in this method's alignment (train.proposals): what
+    # the evaluation and the parity replay walk. None: the method's drafting is not replayed.
+    propose: Callable[[Any, Any, int], list[list[int]]] | None
+
+    @property
+    def shifted(self) -> bool:
+        """Whether the method's samples pair token t+1 with the state at t (train.data.shift)."""
+        return self.align is shift
+
+    def draft_tokens(self, cfg: TrainConfig) -> int:
+        """The tokens one draft step proposes, as training trains them (EAGLE-3's chain steps,
+        P-EAGLE's depths, a block's drafted slots)."""
+        return len(self.positions(cfg))
 
     def forward_kwargs(self, cfg: TrainConfig, loss_implementation: str) -> dict[str, Any]:
         """The keyword arguments of the draft's training forward, from speculators' own
@@ -237,6 +251,7 @@ METHODS: dict[str, DraftMethod] = {
         positions=lambda cfg: list(range(cfg.ttt_steps)),
         chain=True,
         block_acceptance=False,
+        propose=chain_proposals,
     ),
     "peagle": DraftMethod(
         name="peagle",
@@ -246,6 +261,7 @@ METHODS: dict[str, DraftMethod] = {
         positions=lambda cfg: list(range(cfg.num_depths)),
         chain=False,
         block_acceptance=False,
+        propose=parallel_proposals,
     ),
     "dflash": DraftMethod(
         name="dflash",
@@ -255,6 +271,7 @@ METHODS: dict[str, DraftMethod] = {
         positions=lambda cfg: list(range(1, cfg.block_size)),  # the anchor is the bonus token
         chain=False,
         block_acceptance=True,
+        propose=block_proposals,
     ),
     "dspark": DraftMethod(
         name="dspark",
@@ -264,6 +281,7 @@ METHODS: dict[str, DraftMethod] = {
         positions=lambda cfg: list(range(cfg.block_size)),  # samples from the anchor too
         chain=False,
         block_acceptance=True,
+        propose=None,
     ),
 }
 
