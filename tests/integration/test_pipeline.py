@@ -310,7 +310,7 @@ BENCHMARKS = {"baseline", "benchmark", "parity", "report", "compare", "best_draf
         ("hidden_states/hf.py", PER_DRAFT | {"hidden_states", "hidden_states_index"}),
         ("train/loop.py", PER_DRAFT),
         ("benchmark/run.py", BENCHMARKS),
-        ("benchmark/replay.py", {"parity", "report", "compare"}),
+        ("benchmark/parity.py", {"parity", "report", "compare"}),
         ("report/compare.py", {"compare"}),
     ],
 )
