@@ -44,6 +44,33 @@ def test_each_stage_is_a_load_and_its_tokens_at_its_rate():
     assert stage_hours(work, RATES, 1, online)["hidden_states"] == 0
 
 
+def test_each_draft_trains_at_its_methods_rate_and_is_benchmarked():
+    """Drafts of several methods: each training at its method's measured rate (of its
+    epochs and sample fraction), one after another; one benchmark run per draft beside the
+    baseline's."""
+    epochs = CONFIG["train"]["epochs"]
+    drafts = [
+        CONFIG["train"],
+        {**CONFIG["train"], "method": "dflash"},
+        {**CONFIG["train"], "method": "peagle", "epochs": 2 * epochs, "sample_fraction": 0.25},
+    ]
+    rates = Rates(**{**RATES.__dict__, "train_tokens_per_s": None})
+    rates = Rates(**{**rates.__dict__, "measured_train": (("dflash", 125.0), ("eagle3", 500.0), ("peagle", 400.0))})
+    work = planned_work(samples=100, tokens=36_000, exact=True, config=CONFIG, rates=rates, drafts=drafts)
+    hours = stage_hours(work, rates, 1, CONFIG)
+    passes = 36_000 * epochs
+    assert hours["train"] == pytest.approx((passes / 500 + passes / 125 + passes * 0.5 / 400) / 3600)
+    one = planned_work(samples=100, tokens=36_000, exact=True, config=CONFIG, rates=rates)
+    bench = stage_hours(one, rates, 1, CONFIG)["benchmark"]
+    assert hours["benchmark"] == pytest.approx(bench * 4 / 2)
+    # A method no run measured and the config does not rate leaves training open, by name.
+    unrated = Rates(**{**rates.__dict__, "measured_train": (("eagle3", 500.0),)})
+    assert stage_hours(work, unrated, 1, CONFIG)["train"] is None
+    table = render_hours(work, unrated, CONFIG)
+    assert "train_tokens_per_s (dflash)" in table and "train_tokens_per_s (peagle)" in table
+    assert "(eagle3)" not in table
+
+
 def test_an_expected_reply_length_lowers_the_upper_bound_and_sizes_scale():
     rates = Rates(**{**RATES.__dict__, "reply_tokens": 60})
     bound = planned_work(samples=100, tokens=100 * (40 + 160), exact=False, config=CONFIG, rates=rates)
@@ -71,12 +98,23 @@ def test_a_finished_run_supplies_the_rates_it_measured(tmp_path):
     # The extracted tokens over the seconds the jobs extracted (not their servers' starts; the
     # stored tokens took none).
     write_json(run / "hidden_states/stats.json", {"tokens": 9000, "extracted_tokens": 5000, "extract_s": 10.0})
-    (run / "drafts/default/train").mkdir(parents=True)
-    rows = [{"split": "train", "tokens_per_s": v} for v in (100, 300, 200)] + [{"split": "eval"}]
-    (run / "drafts/default/train/metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # Each method's rate from its drafts' training rows (a draft's method: its export's config).
+    for draft, method, speeds in (
+        ("default", None, (100, 300, 200)),
+        ("d-1", "dflash", (50, 40, 60)),
+        ("d-2", "dflash", (80, 80, 90)),
+        ("d-3", "peagle", None),  # not exported yet: no method, no rate
+    ):
+        (run / f"drafts/{draft}/train").mkdir(parents=True)
+        rows = [{"split": "train", "tokens_per_s": v} for v in speeds or (1,)] + [{"split": "eval"}]
+        (run / f"drafts/{draft}/train/metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        if speeds:
+            config = {} if method is None else {"speculators_model_type": method}
+            write_json(run / f"drafts/{draft}/draft/config.json", config)
     unset = Rates(None, None, None, None, 60.0, (1,))
     rates, notes = measured_rates(tmp_path, "r", unset)
-    assert (rates.generate_tokens_per_s, rates.extract_tokens_per_s, rates.train_tokens_per_s) == (150, 500, 200)
-    assert len(notes) == 3
+    assert (rates.generate_tokens_per_s, rates.extract_tokens_per_s) == (150, 500)
+    assert rates.train_rate("eagle3") == 200 and rates.train_rate("dflash") == 65 and rates.train_rate("peagle") is None
+    assert len(notes) == 4
     # A rate the config sets wins over the measured one.
     assert measured_rates(tmp_path, "r", RATES)[0] == RATES

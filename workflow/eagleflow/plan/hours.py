@@ -7,9 +7,11 @@ rates in `throughput` (or those a finished run measured), for 1..N verifier repl
 - hidden_states: a start of the extraction server, then every sample token the store lacks
   at `extract_tokens_per_s` (one job and one server per node; none when the store holds
   every sample, and none online, where training computes the states);
-- train: every sample token, `train.epochs` times, at `train_tokens_per_s` (one job);
-- benchmark: the baseline and one speculative run, a start each, every measured request at
-  its `benchmark.max_tokens`, at `generate_tokens_per_s`.
+- train: for each distinct draft, every sample token `train.epochs` times (of its
+  `sample_fraction`), at its method's rate (`train_tokens_per_s`, else what a finished run
+  measured for that method); the drafts one after another;
+- benchmark: the baseline and one speculative run per draft, a start each, every measured
+  request at its `benchmark.max_tokens`, at `generate_tokens_per_s`.
 A stage whose rate is unknown has no hours, and the total says so. Pure but for
 `measured_rates`, which reads a finished run.
 """
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +37,28 @@ class Rates:
     reply_tokens: int | None
     generate_tokens_per_s: float | None
     extract_tokens_per_s: float | None
-    train_tokens_per_s: float | None
+    train_tokens_per_s: float | None  # every method's, where set
     verifier_load_s: float
     replicas: tuple[int, ...]
+    # Not a config key: each draft method's training rate a finished run measured (measured_rates).
+    measured_train: tuple[tuple[str, float], ...] = field(default=(), metadata={"derived": True})
+
+    def train_rate(self, method: str) -> float | None:
+        """A method's training tokens/s: the configured rate, else the measured one."""
+        return self.train_tokens_per_s or dict(self.measured_train).get(method)
+
+
+@dataclass(frozen=True)
+class Training:
+    """One distinct draft's training: its method, and how many times it reads the samples'
+    tokens (epochs times its sample fraction)."""
+
+    method: str
+    passes: float
+
+    @classmethod
+    def of(cls, train: dict[str, Any]) -> Training:
+        return cls(train["method"], train["epochs"] * train["sample_fraction"])
 
 
 @dataclass(frozen=True)
@@ -50,6 +71,7 @@ class Work:
     written_tokens: int  # tokens the verifier writes as prompts
     reply_tokens: int  # tokens it writes as replies
     benchmark_tokens: int  # tokens one benchmark pass generates (baseline or speculative)
+    trainings: tuple[Training, ...]  # one per distinct draft
     stored_tokens: int = 0  # of `tokens`, those the hidden states' store holds: not extracted again
 
     @property
@@ -58,11 +80,18 @@ class Work:
 
 
 def planned_work(
-    samples: int, tokens: int, exact: bool, config: dict[str, Any], rates: Rates, stored_tokens: int = 0
+    samples: int,
+    tokens: int,
+    exact: bool,
+    config: dict[str, Any],
+    rates: Rates,
+    stored_tokens: int = 0,
+    drafts: list[dict[str, Any]] | None = None,
 ) -> Work:
     """The work of a run of `samples` samples of `tokens` tokens in all (`exact`: counted in
     the dataset; else the plan's upper bound, every reply at generate.max_tokens, which
-    `throughput.reply_tokens` brings down to the expected length). Pure."""
+    `throughput.reply_tokens` brings down to the expected length), training `drafts` (the
+    train section of each distinct draft; default: the config's one). Pure."""
     written = config["prompts"]["written"]
     max_tokens = config["generate"]["max_tokens"]
     reply = rates.reply_tokens or max_tokens
@@ -79,6 +108,7 @@ def planned_work(
         written_tokens=written["count"] * written["turns"] * written["max_tokens"],
         reply_tokens=samples * reply,
         benchmark_tokens=requests * bench["max_tokens"] * len(bench["temperatures"]),
+        trainings=tuple(Training.of(t) for t in (drafts or [config["train"]])),
         stored_tokens=stored_tokens,
     )
 
@@ -106,8 +136,12 @@ def stage_hours(work: Work, rates: Rates, replicas: int, config: dict[str, Any])
         return None if rate is None else (load + tokens / (rate * parallel)) / HOUR
 
     online = config["hidden_states"]["mode"] == "online"
-    epochs = config["train"]["epochs"]
-    train = None if rates.train_tokens_per_s is None else work.tokens * epochs / rates.train_tokens_per_s / HOUR
+    per_draft = [(t.passes, rates.train_rate(t.method)) for t in work.trainings]
+    train = (
+        None
+        if any(rate is None for _, rate in per_draft)
+        else sum(work.tokens * passes / rate for passes, rate in per_draft) / HOUR
+    )
     return {
         "write_prompts": served(work.written_tokens, rates.generate_tokens_per_s, replicas),
         "generate": served(work.reply_tokens, rates.generate_tokens_per_s, replicas),
@@ -116,10 +150,10 @@ def stage_hours(work: Work, rates: Rates, replicas: int, config: dict[str, Any])
         if online
         else served(work.extract_tokens, rates.extract_tokens_per_s, config["hidden_states"]["num_shards"]),
         "train": train,
-        # The baseline and the draft's run, one server each, one after the other.
+        # The baseline and each draft's run, one server each, one after the other.
         "benchmark": None
         if rates.generate_tokens_per_s is None
-        else 2 * (load + work.benchmark_tokens / rates.generate_tokens_per_s) / HOUR,
+        else (1 + len(work.trainings)) * (load + work.benchmark_tokens / rates.generate_tokens_per_s) / HOUR,
     }
 
 
@@ -130,7 +164,8 @@ def total_hours(hours: dict[str, float | None]) -> float | None:
 def measured_rates(root: Path, run: str, rates: Rates) -> tuple[Rates, list[str]]:
     """`rates` with each unset rate taken from what run `run` under `root` measured, and a
     line per rate taken: generate's sent tokens over its server time, the part jobs' tokens
-    over their wall time, training's median tokens/s."""
+    over their wall time, each draft method's median training tokens/s (the median of its
+    drafts' medians)."""
     base = root / f"results/{run}"
     found: dict[str, float] = {}
     notes = []
@@ -151,14 +186,27 @@ def measured_rates(root: Path, run: str, rates: Rates) -> tuple[Rates, list[str]
             f"extract_tokens_per_s {found['extract_tokens_per_s']:.0f}: measured by the extraction jobs "
             f"({extracted}; per server, its start left out)"
         )
-    metrics = sorted((base / "drafts").glob("*/train/metrics.jsonl"))
-    if rates.train_tokens_per_s is None and metrics:
-        rows = [json.loads(line) for line in metrics[0].read_text().splitlines() if line.strip()]
+    by_method: dict[str, list[float]] = {}
+    for metrics in sorted((base / "drafts").glob("*/train/metrics.jsonl")):
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
         speeds = [r["tokens_per_s"] for r in rows if r.get("split") == "train" and r.get("tokens_per_s")]
-        if speeds:
-            found["train_tokens_per_s"] = statistics.median(speeds)
-            notes.append(f"train_tokens_per_s {found['train_tokens_per_s']:.0f}: measured by {metrics[0]}")
+        method = trained_method(metrics.parent)
+        if speeds and method:
+            by_method.setdefault(method, []).append(statistics.median(speeds))
+    if rates.train_tokens_per_s is None and by_method:
+        found["measured_train"] = tuple(sorted((m, statistics.median(v)) for m, v in by_method.items()))
+        for method, rate in found["measured_train"]:
+            notes.append(f"train_tokens_per_s of {method} {rate:.0f}: measured by {base / 'drafts'}")
     return replace(rates, **found), notes
+
+
+def trained_method(train_dir: Path) -> str | None:
+    """The method of the draft a training exported (its config.json, as speculators names
+    it), None before the export."""
+    from eagleflow.benchmark.speculative import draft_method_name, read_draft_config
+
+    exported = train_dir.parent / "draft"
+    return draft_method_name(read_draft_config(str(exported))) if (exported / "config.json").exists() else None
 
 
 def render_hours(work: Work, rates: Rates, config: dict[str, Any], samples: list[int] | None = None) -> str:
@@ -176,8 +224,11 @@ def render_hours(work: Work, rates: Rates, config: dict[str, Any], samples: list
             hours = stage_hours(w, rates, r, config)
             cells = [_h(hours[s]) for s in stages]
             lines.append(f"| {n:,} | {r} | " + " | ".join(cells) + f" | {_h(total_hours(hours))} |")
-    unknown = [
-        k for k in ("generate_tokens_per_s", "extract_tokens_per_s", "train_tokens_per_s") if getattr(rates, k) is None
+    unknown = [k for k in ("generate_tokens_per_s", "extract_tokens_per_s") if getattr(rates, k) is None]
+    unknown += [
+        f"train_tokens_per_s ({t.method})"
+        for t in dict.fromkeys(work.trainings)
+        if rates.train_rate(t.method) is None
     ]
     if unknown:
         lines += ["", "Unknown rates (set them under `throughput`, or run once to measure them): " + ", ".join(unknown)]

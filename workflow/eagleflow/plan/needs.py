@@ -213,7 +213,13 @@ def make_plan(
     plan.suggestions = suggest(plan, config, num_aux, g.hidden_size, weights, mem["total"])
     rates, measured = measured_rates(root, run, typed(Rates, config["throughput"], "throughput"))
     work = planned_work(
-        tokens.samples, tokens.tokens, tokens.source.startswith("exact"), config, rates, tokens.stored_tokens
+        tokens.samples,
+        tokens.tokens,
+        tokens.source.startswith("exact"),
+        config,
+        rates,
+        tokens.stored_tokens,
+        list(drafts.values()),
     )
     plan.hours = render_hours(work, rates, config, samples)
     plan.notes += measured
