@@ -19,14 +19,12 @@ from eagleflow.runtime.ledger import read_loads
 from eagleflow.train.checkpoint import (
     TrainState,
     checkpoints,
-    flatten_state,
     latest_checkpoint,
     load_checkpoint,
     restore,
     save_checkpoint,
     trainable_state,
     training_fingerprint,
-    unflatten_state,
 )
 from eagleflow.train.config import TrainConfig
 from eagleflow.train.data import collate, load_shards, pack
@@ -164,23 +162,6 @@ def uninterrupted(inputs, tiny_llama_dir, tmp_path_factory):
 
 
 # --- pure parts ------------------------------------------------------------------------------
-
-
-def test_flatten_state_round_trips_nested_structure():
-    state = {
-        "state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(2, 3)}, 7: {"m": torch.arange(4)}},
-        "param_groups": [{"lr": 0.1, "betas": (0.9, 0.95), "params": [0, 7], "foreach": None, "name": "x"}],
-    }
-    skeleton, tensors = flatten_state(state)
-    json.dumps(skeleton)  # the structure is JSON, the tensors are flat
-    assert all(isinstance(v, torch.Tensor) for v in tensors.values()) and len(tensors) == 3
-    back = unflatten_state(json.loads(json.dumps(skeleton)), tensors)
-    assert back["param_groups"] == state["param_groups"]
-    assert set(back["state"]) == {0, 7}
-    assert torch.equal(back["state"][0]["exp_avg"], state["state"][0]["exp_avg"])
-    assert torch.equal(back["state"][7]["m"], state["state"][7]["m"])
-    with pytest.raises(TypeError, match="cannot checkpoint a set"):
-        flatten_state({"bad": {1, 2}})
 
 
 def test_resolve_impls_auto_and_refusals():

@@ -226,9 +226,7 @@ def render_hours(work: Work, rates: Rates, config: dict[str, Any], samples: list
             lines.append(f"| {n:,} | {r} | " + " | ".join(cells) + f" | {_h(total_hours(hours))} |")
     unknown = [k for k in ("generate_tokens_per_s", "extract_tokens_per_s") if getattr(rates, k) is None]
     unknown += [
-        f"train_tokens_per_s ({t.method})"
-        for t in dict.fromkeys(work.trainings)
-        if rates.train_rate(t.method) is None
+        f"train_tokens_per_s ({t.method})" for t in dict.fromkeys(work.trainings) if rates.train_rate(t.method) is None
     ]
     if unknown:
         lines += ["", "Unknown rates (set them under `throughput`, or run once to measure them): " + ", ".join(unknown)]

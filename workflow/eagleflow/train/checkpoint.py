@@ -4,10 +4,11 @@ A checkpoint is a directory `step-NNNNNNNN/` under a fingerprint directory:
 
     model.safetensors      trainable draft parameters (frozen verifier rows are rebuilt)
     best.safetensors       trainable parameters of the best draft so far (absent before the first validation)
-    optimizer.safetensors  every tensor of the optimizer state, keyed by its path in the state dict
+    optimizer.safetensors  every tensor of the optimizer state, keyed as torch flattens it
+                           (get_optimizer_state_dict: "state.<parameter name>.<key>")
     rng.safetensors        torch CPU and CUDA generator states
     state.json             step, data position, best eval loss, metrics rows so far, the
-                           optimizer state's non-tensor structure, python's RNG state
+                           optimizer's hyperparameters, python's RNG state
 
 Tensors go through safetensors only (no pickle: a checkpoint from an untrusted disk cannot
 run code). A directory appears under its final name only once complete (`atomic_path`), so
@@ -31,6 +32,11 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 
 from eagleflow.common.atomic import atomic_path
 from eagleflow.common.fingerprint import value_fingerprint
@@ -128,48 +134,34 @@ class TrainState:
     window: dict[str, float] = field(default_factory=dict)  # train metrics since the last logged row
 
 
-# --- optimizer state <-> (tensors, JSON structure) -------------------------------------------
+# --- optimizer state <-> (tensors, JSON values) ------------------------------------------------
+
+# torch's own flattened optimizer state dict: "state.<parameter name>.<key>" and
+# "param_groups.<parameter name>.<key>", keyed by parameter name rather than position.
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def flatten_state(obj: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
-    """Split a nested dict/list of tensors and plain values into a JSON-able skeleton and a
-    flat {path: tensor} dict; tensors are replaced by {"__tensor__": path}. Pure."""
-    tensors: dict[str, torch.Tensor] = {}
-
-    def walk(o, path):
-        if isinstance(o, torch.Tensor):
-            tensors[path] = o.detach().cpu().contiguous()
-            return {"__tensor__": path}
-        if isinstance(o, dict):
-            # JSON keys are strings: remember which were ints (optimizer state is keyed by param index).
-            return {
-                "__dict__": [[k, isinstance(k, int), walk(v, f"{path}.{k}" if path else str(k))] for k, v in o.items()]
-            }
-        if isinstance(o, (list, tuple)):
-            return {
-                "__list__": [walk(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(o)],
-                "tuple": isinstance(o, tuple),
-            }
-        if o is None or isinstance(o, (bool, int, float, str)):
-            return o
-        raise TypeError(
-            f"cannot checkpoint a {type(o).__name__} at {path!r}: only tensors, dicts, lists and plain values"
-        )
-
-    return walk(obj, prefix), tensors
+def inner_optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    """train.optimizer.Optimizers steps several torch optimizers as one; torch's state-dict
+    functions take them as a list."""
+    return list(getattr(optimizer, "optimizers", [optimizer]))
 
 
-def unflatten_state(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    """Inverse of flatten_state. Pure."""
-    if isinstance(skeleton, dict):
-        if "__tensor__" in skeleton:
-            return tensors[skeleton["__tensor__"]]
-        if "__dict__" in skeleton:
-            return {int(k) if is_int else k: unflatten_state(v, tensors) for k, is_int, v in skeleton["__dict__"]}
-        if "__list__" in skeleton:
-            items = [unflatten_state(v, tensors) for v in skeleton["__list__"]]
-            return tuple(items) if skeleton["tuple"] else items
-    return skeleton
+def optimizer_state(model: torch.nn.Module, optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The optimizer's state as torch flattens it (get_optimizer_state_dict): its tensors, for
+    safetensors, and its plain values (hyperparameters), for JSON."""
+    flat = get_optimizer_state_dict(model, inner_optimizers(optimizer), options=FLAT)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in flat.items() if isinstance(v, torch.Tensor)}
+    return tensors, {k: v for k, v in flat.items() if not isinstance(v, torch.Tensor)}
+
+
+def load_optimizer_state(
+    model: torch.nn.Module, optimizer, tensors: dict[str, torch.Tensor], values: dict[str, Any]
+) -> None:
+    """Inverse of optimizer_state, into a freshly built optimizer of the same model. JSON
+    keeps no tuples: a hyperparameter's sequence (AdamW's betas, Muon's coefficients) is one."""
+    flat = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()} | tensors
+    set_optimizer_state_dict(model, inner_optimizers(optimizer), flat, options=FLAT)
 
 
 # --- RNG ---------------------------------------------------------------------------------------
@@ -219,7 +211,7 @@ def save_checkpoint(
     """Write checkpoint `step-<state.step>` atomically, then drop all but the newest `keep`."""
     directory.mkdir(parents=True, exist_ok=True)
     target = directory / f"{PREFIX}{state.step:08d}"
-    skeleton, opt_tensors = flatten_state(optimizer.state_dict())
+    opt_tensors, opt_values = optimizer_state(model, optimizer)
     rng_tensors, python_rng = rng_state()
     with atomic_path(target) as tmp:
         tmp.mkdir()
@@ -239,7 +231,7 @@ def save_checkpoint(
                     "best_step": state.best_step,
                     "rows": state.rows,
                     "window": state.window,
-                    "optimizer": skeleton,
+                    "optimizer": opt_values,
                     "python_rng": python_rng,
                 }
             )
@@ -266,7 +258,7 @@ class Checkpoint:
     state: TrainState
     model: dict[str, torch.Tensor]
     best: dict[str, torch.Tensor] | None
-    optimizer: dict[str, Any]
+    optimizer: tuple[dict[str, torch.Tensor], dict[str, Any]]  # optimizer_state's tensors and values
     rng: tuple[dict[str, torch.Tensor], Any]
 
 
@@ -292,7 +284,7 @@ def load_checkpoint(path: Path, fingerprint: str) -> Checkpoint:
         state=state,
         model=load_file(str(path / "model.safetensors")),
         best=load_file(str(best_file)) if best_file.is_file() else None,
-        optimizer=unflatten_state(meta["optimizer"], load_file(str(path / "optimizer.safetensors"))),
+        optimizer=(load_file(str(path / "optimizer.safetensors")), meta["optimizer"]),
         rng=(load_file(str(path / "rng.safetensors")), meta["python_rng"]),
     )
 
@@ -311,5 +303,5 @@ def restore(ckpt: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Opt
     with torch.no_grad():
         for name, value in ckpt.model.items():
             params[name].copy_(value)
-    optimizer.load_state_dict(ckpt.optimizer)
+    load_optimizer_state(model, optimizer, *ckpt.optimizer)
     set_rng_state(*ckpt.rng)

@@ -38,7 +38,8 @@ def takes_muon(name: str, param: torch.Tensor) -> bool:
 
 class Optimizers:
     """Several optimizers stepped as one: the loop sets the learning rate on `param_groups`,
-    steps, zeroes and checkpoints one object. Each inner optimizer owns its groups and state."""
+    steps and zeroes one object; a checkpoint holds each inner optimizer's state
+    (train.checkpoint, torch's state-dict functions over `optimizers`)."""
 
     def __init__(self, optimizers: list[torch.optim.Optimizer]):
         self.optimizers = optimizers
@@ -55,15 +56,6 @@ class Optimizers:
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {str(i): opt.state_dict() for i, opt in enumerate(self.optimizers)}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if sorted(state_dict) != [str(i) for i in range(len(self.optimizers))]:
-            raise ValueError("the checkpoint's optimizer state is another train.optimizer's")
-        for i, opt in enumerate(self.optimizers):
-            opt.load_state_dict(state_dict[str(i)])
 
 
 def orthogonalize(update: torch.Tensor, ns_coefficients: tuple[float, float, float], steps: int, eps: float):
