@@ -54,6 +54,7 @@ def test_every_module_is_on_exactly_one_side():
         f"{PACKAGE}.{m}"
         for m in (
             "variants",
+            "rule_params",
             "plan",
             "plan.needs",
             "plan.sizes",

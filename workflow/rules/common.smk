@@ -1,4 +1,5 @@
-# Helpers shared by every rule: config validation, paths, code fingerprints, variants.
+# Helpers shared by every rule: config validation, paths, code fingerprints, variants. What the
+# rules' params hold is eagleflow/rule_params.py's (tested there); these wire it to `config`.
 import re
 import sys
 from pathlib import Path
@@ -9,7 +10,9 @@ import eagleflow
 
 from eagleflow.common.config import validate_config
 from eagleflow.common.fingerprint import code_fingerprint
-from eagleflow.common.server_args import result_args, server_args
+from eagleflow import rule_params
+from eagleflow.common.server_args import result_args
+from eagleflow.rule_params import sorted_keys
 from eagleflow.runtime.cache_plan import plan_cache
 from eagleflow.runtime.process import first_on_pythonpath
 from eagleflow.runtime.spec import ServerConfig, ServerSpec
@@ -100,15 +103,7 @@ def section(name):
     Snakemake compares params as text: sorting makes the comparison blind to key order, so
     reordering a config file restales nothing while any changed value still does.
     """
-    return _sorted(config[name])
-
-
-def _sorted(value):
-    if isinstance(value, dict):
-        return {k: _sorted(value[k]) for k in sorted(value)}
-    if isinstance(value, list):
-        return [_sorted(v) for v in value]
-    return value
+    return sorted_keys(config[name])
 
 
 def variant_results(path):
@@ -125,7 +120,7 @@ def variant_section(name):
     """Config section `name` as the job's variant sees it, as a param (keys sorted)."""
 
     def param(wildcards):
-        return _sorted(variant_config(config, wildcards.variant)[name])
+        return sorted_keys(variant_config(config, wildcards.variant)[name])
 
     return param
 
@@ -140,7 +135,7 @@ def draft_section(name):
     """Config section `name` (vocab or train) of the job's draft, as a param."""
 
     def param(wildcards):
-        return _sorted(
+        return sorted_keys(
             variant_config(config, draft_variant(config, wildcards.draft))[name]
         )
 
@@ -188,7 +183,7 @@ def every_train_benchmark():
 
 def vocab_param(wildcards):
     """The vocab section behind the job's vocab id, as a param."""
-    return _sorted(vocab_section(config, wildcards.vocab))
+    return sorted_keys(vocab_section(config, wildcards.vocab))
 
 
 def checkpoint_dir(wildcards):
@@ -206,41 +201,23 @@ def baseline_report(wildcards):
 
 
 def baseline_workload():
-    """What the verifier alone is measured on: the benchmark settings that shape the workload
-    (the number of speculative tokens does not), so every draft's benchmark reuses it.
-    """
-    return {
-        key: config["benchmark"][key]
-        for key in ("max_tokens", "concurrency", "temperatures", "seed")
-    } | {"chat_template_kwargs": chat_template_kwargs()}
+    return rule_params.baseline_workload(config)
 
 
 def benchmark_sets_param():
-    """`benchmark.sets` as a param, each entry's keys sorted."""
-    return [_sorted(entry) for entry in config["benchmark"]["sets"]]
+    return rule_params.benchmark_sets(config)
 
 
 def chat_template_kwargs():
-    """generate.chat_template_kwargs as a param: the benchmark and write_prompts format their
-    prompts as generate formats the training prompts."""
-    return _sorted(config["generate"]["chat_template_kwargs"])
+    return rule_params.chat_template_kwargs(config)
 
 
 def learning_curve_variants():
-    """The variants trained on a subset of the training conversations."""
-    return [
-        v for v in VARIANTS if variant_config(config, v)["train"]["sample_fraction"] < 1
-    ]
+    return rule_params.learning_curve_variants(config)
 
 
 def k_variants():
-    """The variants that differ from the config only in benchmark.num_speculative_tokens: the
-    measured checks of the report's k prediction."""
-    return [
-        v
-        for v, o in variant_overrides(config).items()
-        if v != VARIANTS[0] and set(o) == {"benchmark"}
-    ]
+    return rule_params.k_variants(config)
 
 
 def all_cores():
@@ -254,17 +231,7 @@ def all_cores():
 
 
 def gpus(stage):
-    """GPUs one job of `stage` takes, as the `gpu` resource: the profile caps the total
-    (local-gpu: --resources gpu=N) or requests them (slurm). A stage that uses an already
-    running server takes none; a vllm-backend extraction job takes its server's."""
-    server_gpus = config["server"]["gpus"]
-    if stage == "generate":
-        return 0 if config["server"]["endpoint"] else server_gpus
-    if stage == "benchmark":
-        return server_gpus
-    if stage == "hidden_states" and config["hidden_states"]["backend"] == "vllm":
-        return 0 if config["hidden_states"]["vllm"]["endpoint"] else server_gpus
-    return config[stage]["gpus"]
+    return rule_params.gpus(config, stage)
 
 
 def part_paths():
@@ -280,22 +247,11 @@ EXTRACTION_ENVS = {"hf": "../envs/train.yaml", "vllm": "../envs/extract.yaml"}
 
 
 def hidden_states_server():
-    """The verifier server's result flags, for the vllm backend only: a server setting must
-    not restale shards that transformers extracted."""
-    return server_result_args() if config["hidden_states"]["backend"] == "vllm" else []
+    return rule_params.hidden_states_server(config, VERIFIER_ARGV)
 
 
 def measured_server():
-    """What a benchmark measures the verifier's server as: every flag it is launched with
-    (speed counts here, so tensor parallelism and eager mode do) but its port and the
-    verifier's path, and its environment."""
-    argv = [
-        a
-        for flag in server_args(VERIFIER_ARGV)
-        if flag[0] not in ("--port", "--model")
-        for a in flag
-    ]
-    return {"argv": argv, "env": _sorted(config["server"]["env"])}
+    return rule_params.measured_server(config, VERIFIER_ARGV)
 
 
 def serve_verifier_path(wildcards, input):
@@ -306,32 +262,16 @@ def serve_verifier_path(wildcards, input):
 
 
 def verifier_source():
-    """Where the verifier's weights come from (what prepare_verifier's output depends on)."""
-    return {key: config["verifier"][key] for key in ("source", "path")}
+    return rule_params.verifier_source(config)
 
 
 def generate_requests():
-    """What generate asks the verifier (the settings that change a request)."""
-    generate = config["generate"]
-    sampling = {
-        k: generate[k]
-        for k in ("max_tokens", "temperature", "top_p", "seed")
-        if generate[k] is not None
-    }
-    return _sorted(
-        {
-            "model": config["server"]["served_model_name"],
-            "sampling": sampling | generate["extra_body"],
-            "chat_template_kwargs": generate["chat_template_kwargs"],
-        }
-    )
+    return rule_params.generate_requests(config)
 
 
 def server_result_args():
-    """The flags the verifier's server is launched with that can change a reply or a state,
-    from the argv the launcher builds (common/server_args.py): what generate's store keys and
-    the vllm backend's shard keys hold. Run-only settings (timeouts, restarts, host, GPUs)
-    are not among them, and the launcher's code is in no fingerprint."""
+    """The verifier server's flags that can change a reply or a state (common/server_args.py):
+    what generate's store keys and the vllm backend's state keys hold."""
     return result_args(VERIFIER_ARGV)
 
 
@@ -346,35 +286,19 @@ def prompt_sources(wildcards):
 
 
 def written_section():
-    """`prompts.written` as write_prompts' param: the filters, weights and split are not in
-    it, so changing them sends no request."""
-    return _sorted(config["prompts"]["written"])
+    return rule_params.written_section(config)
 
 
 def written_replies():
-    """generate's requests, for the replies between written turns; none for one turn."""
-    return generate_requests() if config["prompts"]["written"]["turns"] > 1 else None
+    return rule_params.written_replies(config)
 
 
 def overlap_sets():
-    """The benchmark sets whose items a training prompt must not resemble: MT-Bench and
-    HumanEval always (bench/standard_sets.py measures any run's draft on them, whatever
-    benchmark.sets holds), and benchmark.sets' prompt files; none with the filter off.
-    """
-    if config["prompts"]["filters"]["benchmark_overlap"] is None:
-        return []
-    files = [
-        {"name": entry["name"], "path": entry["path"]}
-        for entry in config["benchmark"]["sets"]
-        if entry.get("path")
-    ]
-    return [{"name": "mt_bench"}, {"name": "humaneval"}, *files]
+    return rule_params.overlap_sets(config)
 
 
 def generate_shards():
-    """The generate jobs' names (runtime/store.py, generate/run.py: Shard): `<i>-of-<n>`."""
-    n = config["generate"]["shards"]
-    return [f"{i}-of-{n}" for i in range(n)]
+    return rule_params.generate_shards(config)
 
 
 def response_store():
@@ -384,15 +308,7 @@ def response_store():
 
 
 def synth_parsing():
-    """How synth reads replies; none of it reaches a request."""
-    synth = config["synth"]
-    return {
-        "expect_reasoning": synth["expect_reasoning"],
-        "think_markers": synth["think_markers"],
-        "chat_template_kwargs": config["generate"]["chat_template_kwargs"],
-        "verify_token_ids": synth["verify_token_ids"],
-        "trust_remote_code": config["verifier"]["trust_remote_code"],
-    }
+    return rule_params.synth_parsing(config)
 
 
 def train_states(wildcards):
@@ -409,15 +325,7 @@ def train_states(wildcards):
 
 
 def online_states():
-    """Online mode: the hidden_states settings the train job computes states with. None
-    offline, so that no hidden_states setting restales an offline train job."""
-    hs = config["hidden_states"]
-    if hs["mode"] != "online":
-        return None
-    keys = ("aux_layer_ids", "dtype", "compute_dtype", "batch_tokens")
-    return {k: hs[k] for k in keys} | {
-        "trust_remote_code": config["verifier"]["trust_remote_code"]
-    }
+    return rule_params.online_states(config)
 
 
 def parity_report(wildcards):

@@ -1,0 +1,154 @@
+"""What the rules' params hold: which config keys (and which of the server's flags) each rule
+depends on, so that a change to a key reruns the rules that read it and no other. Pure
+functions of the validated config; workflow/rules/common.smk wires them into the rules.
+
+Snakemake compares params as text: `sorted_keys` makes every section blind to key order, so
+reordering a config file restales nothing while any changed value still does. A param that
+holds nothing the rule's outputs depend on is a spurious rerun; one that misses a key is a
+stale result: tests/unit/test_rule_params.py holds each function to which keys move it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from eagleflow.common.server_args import result_args, server_args
+from eagleflow.variants import variant_config, variant_overrides
+
+
+def sorted_keys(value: Any) -> Any:
+    """`value` with the keys of every dict in it sorted, at every level."""
+    if isinstance(value, dict):
+        return {k: sorted_keys(value[k]) for k in sorted(value)}
+    if isinstance(value, list):
+        return [sorted_keys(v) for v in value]
+    return value
+
+
+def chat_template_kwargs(config: dict[str, Any]) -> dict[str, Any]:
+    """generate.chat_template_kwargs: the benchmark and write_prompts format their prompts as
+    generate formats the training prompts."""
+    return sorted_keys(config["generate"]["chat_template_kwargs"])
+
+
+def baseline_workload(config: dict[str, Any]) -> dict[str, Any]:
+    """What the verifier alone is measured on: the benchmark settings that shape the workload
+    (the number of speculative tokens does not), so every draft's benchmark reuses it."""
+    bench = config["benchmark"]
+    return {key: bench[key] for key in ("max_tokens", "concurrency", "temperatures", "seed")} | {
+        "chat_template_kwargs": chat_template_kwargs(config)
+    }
+
+
+def benchmark_sets(config: dict[str, Any]) -> list[dict[str, Any]]:
+    """`benchmark.sets`, each entry's keys sorted."""
+    return [sorted_keys(entry) for entry in config["benchmark"]["sets"]]
+
+
+def learning_curve_variants(config: dict[str, Any]) -> list[str]:
+    """The variants trained on a subset of the training conversations."""
+    return [v for v in variant_overrides(config) if variant_config(config, v)["train"]["sample_fraction"] < 1]
+
+
+def k_variants(config: dict[str, Any]) -> list[str]:
+    """The variants that differ from the config only in benchmark.num_speculative_tokens: the
+    measured checks of the report's k prediction."""
+    variants = variant_overrides(config)
+    first = next(iter(variants))
+    return [v for v, o in variants.items() if v != first and set(o) == {"benchmark"}]
+
+
+def gpus(config: dict[str, Any], stage: str) -> int:
+    """GPUs one job of `stage` takes, as the `gpu` resource: the profile caps the total
+    (local-gpu: --resources gpu=N) or requests them (slurm). A stage that uses an already
+    running server takes none; a vllm-backend extraction job takes its server's."""
+    server_gpus = config["server"]["gpus"]
+    if stage == "generate":
+        return 0 if config["server"]["endpoint"] else server_gpus
+    if stage == "benchmark":
+        return server_gpus
+    if stage == "hidden_states" and config["hidden_states"]["backend"] == "vllm":
+        return 0 if config["hidden_states"]["vllm"]["endpoint"] else server_gpus
+    return config[stage]["gpus"]
+
+
+def hidden_states_server(config: dict[str, Any], verifier_argv: Sequence[str]) -> list[list[str]]:
+    """The verifier server's result flags, for the vllm backend only: a server setting must
+    not restale states that transformers extracted."""
+    return result_args(verifier_argv) if config["hidden_states"]["backend"] == "vllm" else []
+
+
+def measured_server(config: dict[str, Any], verifier_argv: Sequence[str]) -> dict[str, Any]:
+    """What a benchmark measures the verifier's server as: every flag it is launched with
+    (speed counts here, so tensor parallelism and eager mode do) but its port and the
+    verifier's path, and its environment."""
+    argv = [a for flag in server_args(verifier_argv) if flag[0] not in ("--port", "--model") for a in flag]
+    return {"argv": argv, "env": sorted_keys(config["server"]["env"])}
+
+
+def verifier_source(config: dict[str, Any]) -> dict[str, Any]:
+    """Where the verifier's weights come from (what prepare_verifier's output depends on)."""
+    return {key: config["verifier"][key] for key in ("source", "path")}
+
+
+def generate_requests(config: dict[str, Any]) -> dict[str, Any]:
+    """What generate asks the verifier: the settings that change a request."""
+    generate = config["generate"]
+    sampling = {k: generate[k] for k in ("max_tokens", "temperature", "top_p", "seed") if generate[k] is not None}
+    return sorted_keys(
+        {
+            "model": config["server"]["served_model_name"],
+            "sampling": sampling | generate["extra_body"],
+            "chat_template_kwargs": generate["chat_template_kwargs"],
+        }
+    )
+
+
+def written_section(config: dict[str, Any]) -> dict[str, Any]:
+    """`prompts.written` as write_prompts' param: the filters, weights and split are not in
+    it, so changing them sends no request."""
+    return sorted_keys(config["prompts"]["written"])
+
+
+def written_replies(config: dict[str, Any]) -> dict[str, Any] | None:
+    """generate's requests, for the replies between written turns; none for one turn."""
+    return generate_requests(config) if config["prompts"]["written"]["turns"] > 1 else None
+
+
+def overlap_sets(config: dict[str, Any]) -> list[dict[str, Any]]:
+    """The benchmark sets whose items a training prompt must not resemble: MT-Bench and
+    HumanEval always (bench/standard_sets.py measures any run's draft on them, whatever
+    benchmark.sets holds), and benchmark.sets' prompt files; none with the filter off."""
+    if config["prompts"]["filters"]["benchmark_overlap"] is None:
+        return []
+    files = [{"name": e["name"], "path": e["path"]} for e in config["benchmark"]["sets"] if e.get("path")]
+    return [{"name": "mt_bench"}, {"name": "humaneval"}, *files]
+
+
+def generate_shards(config: dict[str, Any]) -> list[str]:
+    """The generate jobs' names (runtime/store.py, generate/run.py: Shard): `<i>-of-<n>`."""
+    n = config["generate"]["shards"]
+    return [f"{i}-of-{n}" for i in range(n)]
+
+
+def synth_parsing(config: dict[str, Any]) -> dict[str, Any]:
+    """How synth reads replies; none of it reaches a request."""
+    synth = config["synth"]
+    return {
+        "expect_reasoning": synth["expect_reasoning"],
+        "think_markers": synth["think_markers"],
+        "chat_template_kwargs": config["generate"]["chat_template_kwargs"],
+        "verify_token_ids": synth["verify_token_ids"],
+        "trust_remote_code": config["verifier"]["trust_remote_code"],
+    }
+
+
+def online_states(config: dict[str, Any]) -> dict[str, Any] | None:
+    """Online mode: the hidden_states settings the train job computes states with. None
+    offline, so that no hidden_states setting restales an offline train job."""
+    hs = config["hidden_states"]
+    if hs["mode"] != "online":
+        return None
+    keys = ("aux_layer_ids", "dtype", "compute_dtype", "batch_tokens")
+    return {k: hs[k] for k in keys} | {"trust_remote_code": config["verifier"]["trust_remote_code"]}
