@@ -1,0 +1,138 @@
+"""One source for each config key: its type, bounds and description are the schema's, its
+default config/config.yaml's. config/README.md's reference tables are generated from the two
+(devkit/config_reference.py) and the typed sections (the dataclasses the jobs read their
+sections into) are held to the schema: a drift in any of them fails here, naming the key."""
+
+import copy
+import types
+import typing
+
+import pytest
+import yaml
+
+from devkit import config_reference as ref
+from eagleflow.benchmark.parity_checks import ParityConfig
+from eagleflow.benchmark.workload import BenchmarkConfig
+from eagleflow.common.config import typed, validate_config
+from eagleflow.dataset import DatasetConfig
+from eagleflow.hidden_states.backend import HiddenStatesConfig, VllmExtractionConfig
+from eagleflow.plan.hours import Rates
+from eagleflow.prompts.config import FilterConfig, PromptsConfig, WrittenConfig
+from eagleflow.runtime.spec import ServerConfig
+from eagleflow.train.config import TrainConfig
+from eagleflow.vocab import VocabConfig
+
+# Every typed section: the dataclass a job reads the section into, by the section's key.
+TYPED = {
+    "server": ServerConfig,
+    "prompts": PromptsConfig,
+    "prompts.written": WrittenConfig,
+    "prompts.filters": FilterConfig,
+    "dataset": DatasetConfig,
+    "vocab": VocabConfig,
+    "hidden_states": HiddenStatesConfig,
+    "hidden_states.vllm": VllmExtractionConfig,
+    "train": TrainConfig,
+    "benchmark": BenchmarkConfig,
+    "parity": ParityConfig,
+    "throughput": Rates,
+}
+
+
+def section_schema(schema, key):
+    prop = {"properties": schema["properties"]}
+    for part in key.split("."):
+        prop = ref.resolved(prop["properties"][part], schema["$defs"])
+    return prop
+
+
+def schema_types(prop, defs) -> set[str]:
+    """The JSON types a property admits."""
+    prop = ref.resolved(prop, defs)
+    if "oneOf" in prop or "anyOf" in prop:
+        return set().union(*(schema_types(p, defs) for p in prop.get("oneOf", prop.get("anyOf"))))
+    if "const" in prop:
+        return {json_type(prop["const"])}
+    if "enum" in prop:
+        return {json_type(v) for v in prop["enum"]}
+    kind = prop.get("type")
+    return set(kind) if isinstance(kind, list) else {kind}
+
+
+def json_type(value) -> str:
+    return {bool: "boolean", int: "integer", float: "number", str: "string", type(None): "null"}[type(value)]
+
+
+def hint_types(hint) -> set[str]:
+    """The JSON types a field's annotation holds (a list or tuple is an array, a dataclass or a
+    mapping an object; Any is any)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return set().union(*(hint_types(a) for a in typing.get_args(hint)))
+    if typing.get_origin(hint) is typing.Literal:
+        return {json_type(a) for a in typing.get_args(hint)}
+    if hint is typing.Any:
+        return {"any"}
+    origin = typing.get_origin(hint) or hint
+    if origin in (list, tuple):
+        return {"array"}
+    if origin in (dict, typing.Mapping) or hasattr(origin, "__dataclass_fields__"):
+        return {"object"}
+    return {{int: "integer", float: "number", str: "string", bool: "boolean", type(None): "null"}[origin]}
+
+
+def test_the_readme_tables_are_the_schemas_descriptions_and_the_defaults():
+    readme, schema, config = ref.load()
+    assert ref.drift(readme, schema, config) == [], "run `python -m devkit.config_reference --write`"
+
+
+def test_every_key_the_reference_documents_has_a_description():
+    _, schema, config = ref.load()
+    assert all("description" in p for p in ref.documented_keys(schema).values())
+    validate_config(config)  # the defaults are of the schema's types and bounds
+
+
+@pytest.mark.parametrize("key", sorted(TYPED))
+def test_each_typed_section_has_the_schemas_keys_and_types(key):
+    _, schema, config = ref.load()
+    cls, section = TYPED[key], section_schema(schema, key)
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in cls.__dataclass_fields__.values() if not f.metadata.get("derived")}
+    assert fields == set(section["properties"]), f"{key}: {cls.__name__}'s fields against the schema's keys"
+    for name in fields:
+        admitted = schema_types(section["properties"][name], schema["$defs"])
+        held = hint_types(hints[name])
+        assert held == {"any"} or held == admitted, (
+            f"{key}.{name}: the schema admits {sorted(admitted)}, {cls.__name__} holds {sorted(held)}"
+        )
+    typed(cls, ref.default_of(config, key), key)  # the defaults read into it
+
+
+def test_a_default_changed_in_the_source_is_a_named_drift_in_the_readme():
+    """The issue's check: a changed default (config.yaml) or description (the schema) must
+    show in the generated tables, by key, until they are written again."""
+    readme, schema, config = ref.load()
+    changed = copy.deepcopy(config)
+    changed["train"]["lr"] = config["train"]["lr"] * 2
+    assert [d.split(":")[0] for d in ref.drift(readme, schema, changed)] == ["train.lr"]
+    described = copy.deepcopy(schema)
+    described["properties"]["train"]["properties"]["epochs"]["description"] = "passes over the data"
+    assert [d.split(":")[0] for d in ref.drift(readme, described, config)] == ["train.epochs"]
+    rewritten = ref.rendered(readme, described, changed)
+    assert ref.drift(rewritten, described, changed) == []
+    assert "| `train.epochs` | " in rewritten and "passes over the data |" in rewritten
+
+
+def test_a_typed_section_that_drifts_from_the_schema_fails_by_key(monkeypatch):
+    _, schema, _ = ref.load()
+    dropped = copy.deepcopy(schema)
+    del dropped["properties"]["vocab"]["properties"]["draft_vocab_size"]
+    monkeypatch.setattr(ref, "load", lambda: (None, dropped, yaml.safe_load(ref.DEFAULTS.read_text())))
+    with pytest.raises(AssertionError, match="vocab: VocabConfig's fields"):
+        test_each_typed_section_has_the_schemas_keys_and_types("vocab")
+    retyped = copy.deepcopy(schema)
+    retyped["properties"]["train"]["properties"]["lr"] = {"type": "integer", "description": "x"}
+    monkeypatch.setattr(ref, "load", lambda: (None, retyped, yaml.safe_load(ref.DEFAULTS.read_text())))
+    with pytest.raises(
+        AssertionError, match=r"train.lr: the schema admits \['integer'\], TrainConfig holds \['number'\]"
+    ):
+        test_each_typed_section_has_the_schemas_keys_and_types("train")
