@@ -6,7 +6,7 @@ import json
 import pytest
 
 from eagleflow.common.atomic import write_json
-from eagleflow.plan.hours import Rates, measured_rates, planned_work, render_hours, scaled, stage_hours
+from eagleflow.plan.hours import MeasuredRates, Rates, measured_rates, planned_work, render_hours, scaled, stage_hours
 from eagleflow.plan.needs import load_merged_config
 from eagleflow.variants import merged
 from tests.helpers import REPO
@@ -55,7 +55,7 @@ def test_each_draft_trains_at_its_methods_rate_and_is_benchmarked():
         {**CONFIG["train"], "method": "peagle", "epochs": 2 * epochs, "sample_fraction": 0.25},
     ]
     rates = Rates(**{**RATES.__dict__, "train_tokens_per_s": None})
-    rates = Rates(**{**rates.__dict__, "measured_train": (("dflash", 125.0), ("eagle3", 500.0), ("peagle", 400.0))})
+    rates = MeasuredRates(**rates.__dict__, measured_train=(("dflash", 125.0), ("eagle3", 500.0), ("peagle", 400.0)))
     work = planned_work(samples=100, tokens=36_000, exact=True, config=CONFIG, rates=rates, drafts=drafts)
     hours = stage_hours(work, rates, 1, CONFIG)
     passes = 36_000 * epochs
@@ -64,7 +64,7 @@ def test_each_draft_trains_at_its_methods_rate_and_is_benchmarked():
     bench = stage_hours(one, rates, 1, CONFIG)["benchmark"]
     assert hours["benchmark"] == pytest.approx(bench * 4 / 2)
     # A method no run measured and the config does not rate leaves training open, by name.
-    unrated = Rates(**{**rates.__dict__, "measured_train": (("eagle3", 500.0),)})
+    unrated = MeasuredRates(**{**rates.__dict__, "measured_train": (("eagle3", 500.0),)})
     assert stage_hours(work, unrated, 1, CONFIG)["train"] is None
     table = render_hours(work, unrated, CONFIG)
     assert "train_tokens_per_s (dflash)" in table and "train_tokens_per_s (peagle)" in table
@@ -117,4 +117,6 @@ def test_a_finished_run_supplies_the_rates_it_measured(tmp_path):
     assert rates.train_rate("eagle3") == 200 and rates.train_rate("dflash") == 65 and rates.train_rate("peagle") is None
     assert len(notes) == 4
     # A rate the config sets wins over the measured one.
-    assert measured_rates(tmp_path, "r", RATES)[0] == RATES
+    configured = measured_rates(tmp_path, "r", RATES)[0]
+    assert Rates(**{f: getattr(configured, f) for f in RATES.__dataclass_fields__}) == RATES
+    assert configured.train_rate("dflash") == RATES.train_tokens_per_s

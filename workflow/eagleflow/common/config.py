@@ -36,11 +36,10 @@ def typed(cls: type[T], section: Mapping[str, Any], where: str) -> T:
     """`cls` (a frozen dataclass) from the validated config `section` named `where`.
 
     Field names are the config keys, all of them: a missing or unknown key is a ConfigError
-    naming it. A field whose metadata says `derived` is no config key: it keeps its default.
-    Nested dataclass fields are built from nested sections and lists become
+    naming it. Nested dataclass fields are built from nested sections and lists become
     tuples for tuple fields. Types are the schema's job; this does not check them again.
     """
-    names = [f.name for f in dataclasses.fields(cls) if not f.metadata.get("derived")]
+    names = [f.name for f in dataclasses.fields(cls)]
     missing = [n for n in names if n not in section]
     unknown = sorted(set(section) - set(names))
     if missing or unknown:

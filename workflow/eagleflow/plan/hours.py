@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,11 +40,20 @@ class Rates:
     train_tokens_per_s: float | None  # every method's, where set
     verifier_load_s: float
     replicas: tuple[int, ...]
-    # Not a config key: each draft method's training rate a finished run measured (measured_rates).
-    measured_train: tuple[tuple[str, float], ...] = field(default=(), metadata={"derived": True})
 
     def train_rate(self, method: str) -> float | None:
-        """A method's training tokens/s: the configured rate, else the measured one."""
+        """A draft method's training tokens/s: the configured rate."""
+        return self.train_tokens_per_s
+
+
+@dataclass(frozen=True)
+class MeasuredRates(Rates):
+    """The config's rates, and each draft method's training rate a finished run measured
+    (measured_rates): what a method's training takes where the config sets no rate."""
+
+    measured_train: tuple[tuple[str, float], ...] = ()
+
+    def train_rate(self, method: str) -> float | None:
         return self.train_tokens_per_s or dict(self.measured_train).get(method)
 
 
@@ -161,7 +170,7 @@ def total_hours(hours: dict[str, float | None]) -> float | None:
     return None if any(h is None for h in hours.values()) else sum(hours.values())
 
 
-def measured_rates(root: Path, run: str, rates: Rates) -> tuple[Rates, list[str]]:
+def measured_rates(root: Path, run: str, rates: Rates) -> tuple[MeasuredRates, list[str]]:
     """`rates` with each unset rate taken from what run `run` under `root` measured, and a
     line per rate taken: generate's sent tokens over its server time, the part jobs' tokens
     over their wall time, each draft method's median training tokens/s (the median of its
@@ -197,7 +206,7 @@ def measured_rates(root: Path, run: str, rates: Rates) -> tuple[Rates, list[str]
         found["measured_train"] = tuple(sorted((m, statistics.median(v)) for m, v in by_method.items()))
         for method, rate in found["measured_train"]:
             notes.append(f"train_tokens_per_s of {method} {rate:.0f}: measured by {base / 'drafts'}")
-    return replace(rates, **found), notes
+    return MeasuredRates(**(asdict(rates) | found)), notes
 
 
 def trained_method(train_dir: Path) -> str | None:
