@@ -4,7 +4,8 @@ scheduled and checkpointed as one optimizer."""
 import pytest
 import torch
 
-from eagleflow.train.optimizer import Optimizers, build_optimizer, takes_muon
+from eagleflow.train.checkpoint import load_optimizer_state, optimizer_state
+from eagleflow.train.optimizer import build_optimizer, takes_muon
 from tests.helpers import tiny_draft
 
 
@@ -40,14 +41,16 @@ def test_the_loop_sets_one_learning_rate_and_a_checkpoint_restores_both_states(t
     opt.zero_grad(set_to_none=True)
     assert all(not torch.equal(model.get_parameter(n), before[n]) for n in before)
     assert all(model.get_parameter(n).grad is None for n in before)
-    saved = opt.state_dict()
-    fresh = build_optimizer(tiny_draft(tiny_llama_dir, ttt_steps=2), "muon", lr=1e-3, weight_decay=0.0)
-    fresh.load_state_dict(saved)
+    saved = optimizer_state(model, opt)
+    fresh_model = tiny_draft(tiny_llama_dir, ttt_steps=2)
+    fresh = build_optimizer(fresh_model, "muon", lr=1e-3, weight_decay=0.0)
+    load_optimizer_state(fresh_model, fresh, {k: t.clone() for k, t in saved[0].items()}, saved[1])
     for a, b in zip(opt.optimizers, fresh.optimizers, strict=True):
         for (_, sa), (_, sb) in zip(a.state_dict()["state"].items(), b.state_dict()["state"].items(), strict=True):
             assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
     for group in fresh.param_groups:  # a resumed run's schedule reaches the restored groups
         group["lr"] = 2e-4
     assert all(g["lr"] == 2e-4 for o in fresh.optimizers for g in o.param_groups)
-    with pytest.raises(ValueError, match="another train.optimizer"):
-        Optimizers(fresh.optimizers[:1]).load_state_dict(saved)
+    adamw = build_optimizer(fresh_model, "adamw", lr=1e-3, weight_decay=0.0)
+    with pytest.raises(ValueError, match="another train.optimizer's: it lacks"):
+        load_optimizer_state(fresh_model, adamw, {k: t.clone() for k, t in saved[0].items()}, saved[1])

@@ -161,7 +161,10 @@ def load_optimizer_state(
     """Inverse of optimizer_state, into a freshly built optimizer of the same model. JSON
     keeps no tuples: a hyperparameter's sequence (AdamW's betas, Muon's coefficients) is one."""
     flat = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()} | tensors
-    set_optimizer_state_dict(model, inner_optimizers(optimizer), flat, options=FLAT)
+    try:
+        set_optimizer_state_dict(model, inner_optimizers(optimizer), flat, options=FLAT)
+    except KeyError as missing:
+        raise ValueError(f"the checkpoint's optimizer state is another train.optimizer's: it lacks {missing}") from None
 
 
 # --- RNG ---------------------------------------------------------------------------------------
