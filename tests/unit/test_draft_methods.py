@@ -241,6 +241,73 @@ def test_proposals_computed_a_chunk_of_anchors_at_a_time_are_the_same(tiny_llama
     assert method.propose(draft, sample, method.draft_tokens(cfg)) == whole
 
 
+def test_the_chains_the_eval_forward_returns_are_the_replays_proposals(tiny_llama_dir):
+    """EAGLE-3's evaluation walks the chains of its packed eval forward (walk_batch); each
+    sample's part of them must be what the parity replay's proposer
+    (train.proposals.chain_proposals) gives that sample alone, and walk the same."""
+    from eagleflow.train.draft import verifier_ids
+    from eagleflow.train.evaluation import Walk, walk_batch, walk_sample
+    from eagleflow.train.steps import to_device
+
+    method, cfg = METHODS["eagle3"], method_cfg("eagle3")
+    model = perturbed_draft("eagle3", tiny_llama_dir)
+    samples = [
+        method.align(s.input_ids, s.hidden_states, s.verifier_last_hidden_states, s.loss_mask)
+        for s in random_samples([30, 25, 20], seed=5)
+    ]
+    walk = Walk.of(method, cfg)
+    with torch.no_grad():
+        inputs = to_device(packed_batch(samples, 128, CPU), CPU.device, model)
+        drafts, _, _ = model(**inputs, **method.forward_kwargs(cfg, "eager"))
+        steps = [verifier_ids(model, d[0]).tolist() for d in drafts]
+        start = 0
+        for sample in samples:
+            end = start + len(sample)
+            assert [step[start:end] for step in steps] == walk.propose(model, sample, walk.k)
+            start = end
+        packed, alone = walk_batch(model, inputs, drafts), [walk_sample(model, s, walk) for s in samples]
+    assert packed.drafts == sum(c.drafts for c in alone) > 0
+    assert packed.accepted_per_pos == [sum(c.accepted_per_pos[i] for c in alone) for i in range(walk.k)]
+
+
+@pytest.mark.parametrize("name", sorted(REPLAYED))
+def test_the_evaluation_walks_drafts_trained_on_the_compact_target(tiny_llama_dir, name):
+    """Shards with the compact target (hidden_states.target: topk) bring the verifier's top-k
+    logits in the draft vocabulary instead of its final state: the walk's forward takes them
+    as training's does (train.steps.to_device), through the pass-through target head."""
+    from eagleflow.train.draft import take_precomputed_targets
+    from eagleflow.train.evaluation import Walk, evaluate
+
+    method, cfg = METHODS[name], method_cfg(name)
+    model = tiny_method_draft(name, tiny_llama_dir)
+    take_precomputed_targets(model)
+    g = torch.Generator().manual_seed(3)
+    vocab = model.lm_head.weight.shape[0]
+    samples = [
+        method.align(
+            s.input_ids,
+            s.hidden_states,
+            None,
+            s.loss_mask,
+            torch.randint(0, vocab, (len(s), 2), generator=g),
+            torch.randn(len(s), 2, generator=g),
+        )
+        for s in random_samples([30, 25], seed=1)
+    ]
+    walk = Walk.of(method, cfg)
+    out = evaluate(
+        model,
+        samples,
+        64,
+        method.forward_kwargs(cfg, "eager"),
+        CPU,
+        method.metric_keys(cfg),
+        lambda t: method.summarise(t, cfg),
+        walk=walk,
+    )
+    assert 1.0 <= out["walk_acceptance_length"] <= 1.0 + walk.k
+
+
 @pytest.mark.parametrize("name", sorted(METHODS))
 def test_the_evaluation_walks_every_replayed_methods_drafts(tiny_llama_dir, name):
     """Training's evaluation reports what vLLM's walk would accept on the eval split for every
@@ -268,4 +335,5 @@ def test_the_evaluation_walks_every_replayed_methods_drafts(tiny_llama_dir, name
         assert walk is None and out["walk_acceptance_length"] is None
     else:
         assert walk.k == len(method.positions(cfg)) and walk.shifted == (method.align is shift)
+        assert walk.from_forward == (name == "eagle3")
         assert 1.0 <= out["walk_acceptance_length"] <= 1.0 + walk.k

@@ -25,16 +25,21 @@ from eagleflow.train.steps import metrics_vector, packed_batch, to_device
 @dataclass(frozen=True)
 class Walk:
     """How the evaluation walks a method's drafts: its proposals at every anchor
-    (train.proposals), the tokens of a draft step, and whether its samples are shifted."""
+    (train.proposals), the tokens of a draft step, whether its samples are shifted, and
+    whether the eval forward itself returns them (EAGLE-3's chains, on the packed batch as
+    the step runs it: no second forward, and the batch shape flex attention needs on a GPU)."""
 
     propose: Callable[[Any, Sample, int], list[list[int]]]
     k: int
     shifted: bool
+    from_forward: bool
 
     @classmethod
     def of(cls, method: DraftMethod, cfg: TrainConfig) -> Walk | None:
         """None where the method's drafting is not replayed."""
-        return cls(method.propose, method.draft_tokens(cfg), method.shifted) if method.propose else None
+        if not method.propose:
+            return None
+        return cls(method.propose, method.draft_tokens(cfg), method.shifted, method.chain)
 
 
 @torch.no_grad()
@@ -66,10 +71,13 @@ def evaluate(
         read_back = read([samples[j] for j in batch])
         inputs = to_device(packed_batch(read_back, batch_tokens, rt), rt.device, model)
         with rt.autocast():
-            _, _, m = model(**inputs, **fwd_kwargs)
+            drafts, _, m = model(**inputs, **fwd_kwargs)
             agreement += target_agreement(model, inputs)
-            for sample in read_back if walk else ():
-                walked.add(walk_sample(model, to_device_sample(sample, rt.device), walk))
+            if walk and walk.from_forward:
+                walked.add(walk_batch(model, inputs, drafts))
+            elif walk:
+                for sample in read_back:
+                    walked.add(walk_sample(model, to_device_sample(sample, rt.device), walk))
         total += metrics_vector(m, keys, rt.device)
     model.train()
     agree, counted = rt.sum_(agreement).tolist()
@@ -84,6 +92,23 @@ def evaluate(
     }
 
 
+def walk_batch(model, batch: dict[str, torch.Tensor], drafts: list[torch.Tensor]) -> AcceptanceCounts:
+    """walk_sample for each sample of a packed, shifted eval batch, with the chains the eval
+    forward returned (speculators' teacher-forced steps, as train.proposals.chain_proposals
+    computes them one sample at a time)."""
+    counts = AcceptanceCounts(len(drafts))
+    ids, docs, mask = (batch[name][0].tolist() for name in ("input_ids", "document_ids", "loss_mask"))
+    steps = [verifier_ids(model, d[0]).tolist() for d in drafts]
+    start = 0
+    while start < len(ids):
+        end = start + 1
+        while end < len(ids) and docs[end] == docs[start]:
+            end += 1
+        counts.add(walk_proposals(ids[start:end], mask[start:end], [step[start:end] for step in steps], True))
+        start = end
+    return counts
+
+
 def walk_sample(model, sample: Sample, walk: Walk) -> AcceptanceCounts:
     """The anchors vLLM would visit on each assistant turn of an eval sample, with the draft's
     own proposals (train.proposals, as the parity replay walks vLLM's streams), and what each
@@ -93,9 +118,14 @@ def walk_sample(model, sample: Sample, walk: Walk) -> AcceptanceCounts:
     A shifted sample's position t holds x_{t+1} (train.data.shift), so the stream is x_0, never
     compared, then its tokens; an unshifted one's position t holds x_t."""
     proposals = walk.propose(model, sample, walk.k)
-    ids, mask = sample.input_ids.tolist(), sample.loss_mask.int().tolist()
-    tokens, mask = ([-1, *ids], [0, *mask]) if walk.shifted else (ids, mask)
-    counts = AcceptanceCounts(walk.k)
+    return walk_proposals(sample.input_ids.tolist(), sample.loss_mask.int().tolist(), proposals, walk.shifted)
+
+
+def walk_proposals(ids: list[int], mask: list[int], proposals: list[list[int]], shifted: bool) -> AcceptanceCounts:
+    """What vLLM's walk accepts over each assistant turn (loss-mask run) of one sample's
+    tokens, with the draft's proposals at each of its anchors. Pure."""
+    tokens, mask = ([-1, *ids], [0, *mask]) if shifted else (ids, mask)
+    counts = AcceptanceCounts(len(proposals))
     for span_start, span_end in generated_spans(mask):
         counts.add(walk_stream(tokens, span_start, proposals, span_end))
     return counts

@@ -33,6 +33,7 @@ import torch
 
 from eagleflow.train.data import Sample, collate
 from eagleflow.train.draft import verifier_ids
+from eagleflow.train.steps import to_device
 
 # Anchors per forward of the parallel and block drafters: their forward grows with anchors
 # times draft tokens, and a dense SDPA mask with its square.
@@ -48,7 +49,7 @@ def chain_proposals(draft, sample: Sample, k: int) -> list[list[int]]:
     the draft's own (teacher forcing): where a chain is still alive the two are the same
     token, and a dead chain's later steps are never looked at (common.acceptance.accepted_at
     stops at the first miss)."""
-    batch = collate([sample], len(sample))
+    batch = to_device(collate([sample], len(sample)), sample.input_ids.device, draft)
     steps = draft(
         hidden_states=batch["hidden_states"],
         input_ids=batch["input_ids"],
@@ -130,21 +131,18 @@ def anchor_chunks(n: int) -> list[tuple[int, int]]:
 
 
 def padded_batch(draft, sample: Sample, pad: int) -> dict[str, torch.Tensor]:
-    """One sample as its training forward takes it, `pad` positions longer (one document),
-    for drafted positions past its end. A sample with the compact target carries no final
-    states; the forwards compute targets from them, which proposals never read, so zeros
-    stand in."""
+    """One sample as the draft's training forward takes it (train.steps.to_device: the compact
+    target's top-k pairs become dense logits in the final state's place), `pad` positions
+    longer (one document), for drafted positions past its end."""
     n = len(sample)
-    batch = collate([sample], n)
-    if "verifier_last_hidden_states" not in batch:
-        hidden = draft.verifier_lm_head.weight.shape[1]
-        batch["verifier_last_hidden_states"] = batch["hidden_states"].new_zeros((1, n, hidden))
+    batch = to_device(collate([sample], n), sample.input_ids.device, draft)
     out = {
         name: torch.cat([batch[name], batch[name].new_zeros((1, pad, *batch[name].shape[2:]))], dim=1)
         for name in ("input_ids", "hidden_states", "verifier_last_hidden_states", "loss_mask")
     }
-    out["document_ids"] = torch.zeros((1, n + pad), dtype=torch.long)
-    out["position_ids"] = torch.arange(1, n + pad + 1).unsqueeze(0)
+    device = batch["input_ids"].device  # training's evaluation walks on the training device
+    out["document_ids"] = torch.zeros((1, n + pad), dtype=torch.long, device=device)
+    out["position_ids"] = torch.arange(1, n + pad + 1, device=device).unsqueeze(0)
     return out
 
 
