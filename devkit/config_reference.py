@@ -12,6 +12,13 @@ reasoning behind the defaults and links to the measurements.
 
 A key is documented where its description is: a leaf, or an object whose properties have
 none (dataset.max_defect_fraction), as one row with the object's default.
+
+Whether a key changes results is the schema's too: `x-changes-results: false` marks a key that
+says how a job runs (where, how patiently, how many at once), never what it produces; absent,
+it does. Such a key may still rerun rules: those that take its whole section as a param (read
+here from workflow/rules/*.smk), whose job key then changes, or the ones its `x-reruns` names;
+they compute outputs equal to the old ones. The rest plan no job when changed
+(tests/integration/test_pipeline.py changes all of them at once on a finished run).
 """
 
 from __future__ import annotations
@@ -29,8 +36,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = ROOT / "workflow/schemas/config.schema.yaml"
 DEFAULTS = ROOT / "config/config.yaml"
 README = ROOT / "config/README.md"
-HEADER = ["| key | default | meaning |", "| --- | --- | --- |"]
+RULES = ROOT / "workflow/rules"
+HEADER = ["| key | default | changes results | meaning |", "| --- | --- | --- | --- |"]
 HEADING = re.compile(r"^## `([a-z_]+)`$")
+# A rule's param that holds a whole config section (workflow/rules/common.smk's helpers).
+WHOLE_SECTION = re.compile(r'\b(?:section|variant_section|draft_section)\("(\w+)"\)')
 
 
 def resolved(prop: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
@@ -67,15 +77,53 @@ def default_of(config: dict[str, Any], key: str) -> Any:
     return value
 
 
+def whole_section_rules(rules_dir: Path = RULES) -> dict[str, list[str]]:
+    """{section: the rules that take it whole as a param}, read from the rule files."""
+    out: dict[str, list[str]] = {}
+    for smk in sorted(rules_dir.glob("*.smk")):
+        for block in re.split(r"(?m)^(?=rule )", smk.read_text()):
+            rule = re.match(r"rule (\w+):", block)
+            for name in WHOLE_SECTION.findall(block) if rule else ():
+                out.setdefault(name, []).append(rule.group(1))
+    return {name: sorted(rules) for name, rules in out.items()}
+
+
+def reruns(key: str, prop: dict[str, Any], whole: dict[str, list[str]]) -> list[str]:
+    """The rules a change to a key that changes no result still reruns: `x-reruns`, else the
+    rules that take its section whole; none for a key that changes results."""
+    if prop.get("x-changes-results", True):
+        return []
+    return list(prop.get("x-reruns") or whole.get(key.split(".")[0], []))
+
+
+def run_only_keys(schema: dict[str, Any], whole: dict[str, list[str]]) -> list[str]:
+    """The keys whose change plans no job: they change no result and rerun no rule."""
+    return [
+        key
+        for key, prop in documented_keys(schema).items()
+        if not prop.get("x-changes-results", True) and not reruns(key, prop, whole)
+    ]
+
+
+def changes_results(key: str, prop: dict[str, Any], whole: dict[str, list[str]]) -> str:
+    """The table's cell: yes; no; or no, with the rules it still reruns."""
+    if prop.get("x-changes-results", True):
+        return "yes"
+    rules = reruns(key, prop, whole)
+    return f"no (reruns {', '.join(rules)})" if rules else "no"
+
+
 def tables(schema: dict[str, Any], config: dict[str, Any]) -> dict[str, list[str]]:
     """{section: the lines of its table}. A key without a description is a ValueError."""
     out: dict[str, list[str]] = {}
+    whole = whole_section_rules()
     for key, prop in documented_keys(schema).items():
         if "description" not in prop:
             raise ValueError(f"{key}: the schema gives it no description")
         default = json.dumps(default_of(config, key), ensure_ascii=False)
         meaning = " ".join(prop["description"].split())
-        out.setdefault(key.split(".")[0], list(HEADER)).append(f"| `{key}` | `{default}` | {meaning} |")
+        results = changes_results(key, prop, whole)
+        out.setdefault(key.split(".")[0], list(HEADER)).append(f"| `{key}` | `{default}` | {results} | {meaning} |")
     return out
 
 

@@ -410,6 +410,58 @@ def test_editing_run_only_code_restales_nothing(finished_run):
             path.write_text(text)
 
 
+def another_value(prop: dict, value):
+    """A valid value of a config key other than `value`, from its schema property."""
+    if "enum" in prop:
+        return next(v for v in prop["enum"] if v != value)
+    for option in prop.get("oneOf", []):
+        kinds = option.get("type", [])
+        if isinstance(value, int) and not isinstance(value, bool) and "integer" in kinds:
+            return another_value(option, value)
+    kinds = prop.get("type")
+    kinds = set(kinds) if isinstance(kinds, list) else {kinds}
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int | float):
+        return value + 1 if value + 1 <= prop.get("maximum", value + 1) else value - 1
+    if isinstance(value, list):
+        return value[:1] if len(value) > 1 else [*value, *value] or [1]
+    if value is None:
+        if "integer" in kinds:
+            return max(1, prop.get("minimum", 1))
+        if "number" in kinds:
+            return 1.5
+        return "EAGLEFLOW_TEST_VALUE"
+    return value + "-changed"
+
+
+def test_every_key_that_changes_no_result_changed_at_once_plans_no_job(finished_run, tmp_path):
+    """The keys config/README.md says change no result and rerun no rule (the schema's
+    `x-changes-results: false`, outside every section a rule takes whole), each set to another
+    valid value in one config: `snakemake -n` on the finished run plans nothing."""
+    import yaml
+
+    from devkit import config_reference as ref
+    from eagleflow.common.config import validate_config
+
+    _, schema, defaults = ref.load()
+    keys = ref.run_only_keys(schema, ref.whole_section_rules())
+    assert {"server.max_restarts", "generate.concurrency", "throughput.replicas"} <= set(keys)
+    cfg = yaml.safe_load((REPO / "tests/config/small.yaml").read_text())
+    props = ref.documented_keys(schema)
+    for key in keys:
+        section, *path, name = key.split(".")
+        value = ref.default_of(merged(defaults, cfg), key)
+        target = cfg.setdefault(section, {})
+        for part in path:
+            target = target.setdefault(part, {})
+        target[name] = another_value(ref.resolved(props[key], schema["$defs"]), value)
+    validate_config(merged(defaults, cfg))
+    changed = tmp_path / "run-only.yaml"
+    changed.write_text(yaml.safe_dump(cfg))
+    assert stale_rules(finished_run, changed) == set()
+
+
 @pytest.mark.parametrize(
     "override, expected",
     [

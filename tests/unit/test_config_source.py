@@ -1,9 +1,12 @@
 """One source for each config key: its type, bounds and description are the schema's, its
 default config/config.yaml's. config/README.md's reference tables are generated from the two
 (devkit/config_reference.py) and the typed sections (the dataclasses the jobs read their
-sections into) are held to the schema: a drift in any of them fails here, naming the key."""
+sections into) are held to the schema: a drift in any of them fails here, naming the key.
+Whether a key changes results is the schema's `x-changes-results`; the integration run holds
+the keys it clears to planning no job (tests/integration/test_pipeline.py)."""
 
 import copy
+import re
 import types
 import typing
 
@@ -136,3 +139,46 @@ def test_a_typed_section_that_drifts_from_the_schema_fails_by_key(monkeypatch):
         AssertionError, match=r"train.lr: the schema admits \['integer'\], TrainConfig holds \['number'\]"
     ):
         test_each_typed_section_has_the_schemas_keys_and_types("train")
+
+
+def test_a_key_marked_as_changing_no_result_shows_so_and_the_rules_it_still_reruns():
+    _, schema, config = ref.load()
+    schema = copy.deepcopy(schema)
+    prop = schema["properties"]["train"]["properties"]["lr"]
+    assert ref.changes_results("train.lr", prop, ref.whole_section_rules()) == "yes"
+    prop["x-changes-results"] = False
+    # train takes its section whole (draft_section("train")): the key still reruns it.
+    assert "| `train.lr` | `0.001` | no (reruns train) |" in "\n".join(ref.tables(schema, config)["train"])
+    assert "train.lr" not in ref.run_only_keys(schema, ref.whole_section_rules())
+
+
+def test_the_rules_that_take_a_section_whole_are_read_from_the_rule_files(tmp_path):
+    (tmp_path / "a.smk").write_text(
+        'rule one:\n    params:\n        x=section("dataset"),\n        y=draft_section("train"),\n'
+        'rule two:\n    params:\n        z=variant_section("dataset"),\n        w=written_section(),\n'
+    )
+    assert ref.whole_section_rules(tmp_path) == {"dataset": ["one", "two"], "train": ["one"]}
+
+
+def test_every_rerun_the_source_names_is_a_rule_and_only_for_keys_that_change_no_result():
+    _, schema, _ = ref.load()
+    rules = {r for rs in ref.whole_section_rules().values() for r in rs}
+    rules |= set(re.findall(r"(?m)^rule (\w+):", "".join(p.read_text() for p in ref.RULES.glob("*.smk"))))
+    for key, prop in ref.documented_keys(schema).items():
+        if "x-reruns" in prop:
+            assert prop.get("x-changes-results") is False, key
+            assert set(prop["x-reruns"]) <= rules, key
+
+
+def test_the_hidden_state_keys_that_change_no_result_are_not_in_a_samples_key():
+    """A stored sample's key (hidden_states.run.content_settings) leaves out the operational
+    settings: every hidden_states key the source says changes no result is one of them."""
+    from eagleflow.hidden_states.run import OPERATIONAL
+
+    _, schema, _ = ref.load()
+    marked = {
+        key.split(".")[1]
+        for key, prop in ref.documented_keys(schema).items()
+        if key.startswith("hidden_states.") and prop.get("x-changes-results") is False
+    }
+    assert marked and marked <= OPERATIONAL, marked - OPERATIONAL
