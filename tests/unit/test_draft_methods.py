@@ -32,7 +32,7 @@ def method_cfg(name: str) -> TrainConfig:
 
 def tiny_method_draft(name: str, verifier_dir) -> torch.nn.Module:
     t2d = torch.zeros(TINY_VOCAB, dtype=torch.bool)
-    t2d[::2] = True
+    t2d[:: 1 if name == "dflash2" else 2] = True  # DFlash2 drafts over the whole vocabulary
     d2t = torch.nonzero(t2d).flatten() - torch.arange(int(t2d.sum()))
     torch.manual_seed(0)
     method = METHODS[name]
@@ -147,15 +147,31 @@ def test_peagles_estimate_multiplies_its_depths_and_dflashs_is_its_block_run():
     assert METHODS["dflash"].summarise(totals, cfg)["estimated_acceptance_length"] == pytest.approx(1.5)
 
 
-def test_a_method_vllm_serves_on_gpus_only_is_refused_on_vllm_cpu_before_any_job(tmp_path, monkeypatch):
+@pytest.mark.parametrize("method, served", [("dspark", "DSpark"), ("dflash2", "DFlash2's candidate head")])
+def test_a_method_vllm_serves_on_gpus_only_is_refused_on_vllm_cpu_before_any_job(tmp_path, monkeypatch, method, served):
     import eagleflow.runtime.vllm_cpu as vllm_cpu
 
     monkeypatch.setattr(vllm_cpu, "vllm_cpu_installed", lambda: True)
-    config = {**DEFAULT, "variants": {"spark": {"train": {"method": "dspark"}}}}
-    with pytest.raises(ConfigError, match=r"variants.spark: train.method: dspark: vLLM serves DSpark on its V2"):
+    config = {**DEFAULT, "variants": {"spark": {"train": {"method": method}}}}
+    with pytest.raises(ConfigError, match=rf"variants.spark: train.method: {method}: vLLM serves {served} on its V2"):
         check_drafts_servable(config, str(tmp_path))
     check_drafts_servable({**config, "server": {**DEFAULT["server"], "command": ["my-vllm"]}}, str(tmp_path))
     check_drafts_servable({**config, "variants": {"flash": {"train": {"method": "dflash"}}}}, str(tmp_path))
+
+
+def test_a_dflash2_draft_needs_the_verifiers_whole_vocabulary_before_any_job(tiny_llama_dir, monkeypatch):
+    """On a GPU host (a server.command of its own): DFlash2 drafts over the whole vocabulary,
+    so a smaller draft vocabulary is refused with the size to set, once the verifier is on disk."""
+    import eagleflow.runtime.vllm_cpu as vllm_cpu
+
+    monkeypatch.setattr(vllm_cpu, "vllm_cpu_installed", lambda: False)
+    config = {**DEFAULT, "variants": {"d2": {"train": {"method": "dflash2"}}}}
+    refused = rf"variants.d2: .* set vocab.draft_vocab_size to {TINY_VOCAB} \(it is 4096\)"
+    with pytest.raises(ConfigError, match=refused):
+        check_drafts_servable(config, str(tiny_llama_dir))
+    whole = {"d2": {"train": {"method": "dflash2"}, "vocab": {"draft_vocab_size": TINY_VOCAB}}}
+    check_drafts_servable({**config, "variants": whole}, str(tiny_llama_dir))
+    check_drafts_servable(config, str(tiny_llama_dir / "not-prepared-yet"))
 
 
 def test_a_stand_in_step_moves_nothing_and_counts_nothing(tiny_llama_dir):

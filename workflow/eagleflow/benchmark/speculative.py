@@ -6,8 +6,9 @@ draft tokens set where the method lets a deployment choose it.
   num_speculative_tokens` (k) sets it, whatever training's ttt_steps was.
 - P-EAGLE drafts its trained depths in one forward: vLLM's `eagle3` with `parallel_drafting`
   (vLLM does not infer it from the checkpoint's method when a method is named).
-- DFlash and DSpark draft a trained block in one forward: its size fixes the tokens
-  (block_size - 1, or block_size when the anchor is sampled too), so k does not apply.
+- DFlash, DFlash2 and DSpark draft a trained block in one forward: its size fixes the tokens
+  (block_size - 1, or block_size when the anchor is sampled too), so k does not apply. vLLM
+  serves DFlash2 as `dflash`, its candidate head named by the checkpoint's architecture.
 - An MLA draft is written in vLLM's own format (no speculators_model_type): EAGLE-3.
 """
 
@@ -30,6 +31,10 @@ SERVED_AS = {
 GPU_ONLY = {
     "dspark": "vLLM serves DSpark on its V2 model runner only, which needs Triton (no CPU backend): "
     "train it for a GPU host, or pick eagle3, peagle or dflash here",
+    # vLLM's V1 runner would load the checkpoint and draft through DFlash's proposer, which
+    # never calls the candidate head: a DFlash draft, silently, not the one trained.
+    "dflash2": "vLLM serves DFlash2's candidate head on its V2 model runner only, which needs Triton "
+    "(no CPU backend): train it for a GPU host, or pick eagle3, peagle or dflash here",
 }
 
 

@@ -97,7 +97,11 @@ def quantization(config: dict[str, Any]) -> tuple[int, int]:
 
 # speculators' defaults the plan sizes a method with (eagleflow leaves them as they are).
 DSPARK_MARKOV_RANK = 256
-MAX_ANCHORS = {"dflash": 512, "dspark": 3072}
+MAX_ANCHORS = {"dflash": 512, "dflash2": 512, "dspark": 3072}
+# DFlash2: each layer's two grouped dynamic convolutions (kernel taps, channels sharing a kernel)
+# and the candidate selector's rank.
+DFLASH2_CONV_KERNEL, DFLASH2_CONV_GROUP, DFLASH2_SELECTOR_RANK = 2, 16, 256
+BLOCK_DRAFTERS = ("dflash", "dflash2", "dspark")
 PEAGLE_DOWN_SAMPLE = (0.7, 0.2)  # COD sampling: depth d keeps max(0.7^d, 0.2) of the positions
 
 
@@ -111,16 +115,22 @@ def draft_params(g: Geometry, train: dict[str, Any], draft_vocab: int, num_aux: 
     vocabulary (both initialised from the verifier's), the verifier's final norm. P-EAGLE: the
     same with the embeddings trained and a learned mask state. DFlash: the fc and its norm,
     Qwen3 layers of hidden-size input (q and k norms of head_dim), the final norm; DSpark adds
-    its Markov bias (vocabulary x rank x draft vocabulary) and confidence head."""
+    its Markov bias (vocabulary x rank x draft vocabulary) and confidence head; DFlash2 two
+    convolutions a layer (base kernels and their projection from the state) and the candidate
+    selector (two vocabulary x rank codebooks and a hidden x rank projection)."""
     h, q, kv, num_layers = g.hidden_size, g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim, train["num_layers"]
     method = train["method"]
     mlp = 3 * h * g.intermediate_size
     frozen = g.vocab_size * h + 2 * draft_vocab * h + h
-    if method in ("dflash", "dspark"):
+    if method in BLOCK_DRAFTERS:
         layers = num_layers * (h * (q + 2 * kv) + q * h + 2 * g.head_dim + mlp + 2 * h)
         trainable = num_aux * h * h + h + layers + h  # fc, its norm, the layers, the final norm
         if method == "dspark":
             trainable += DSPARK_MARKOV_RANK * (g.vocab_size + draft_vocab) + h + DSPARK_MARKOV_RANK + 1
+        if method == "dflash2":
+            taps = 2 * DFLASH2_CONV_KERNEL
+            trainable += num_layers * 2 * (taps * h + h * taps * (h // DFLASH2_CONV_GROUP))
+            trainable += DFLASH2_SELECTOR_RANK * (2 * draft_vocab + h)
         return trainable, frozen
     layer_in = [2 * h] + [h] * (num_layers - 1)
     layers = sum(i * (q + 2 * kv) + q * h + mlp + 2 * h for i in layer_in)
@@ -134,13 +144,16 @@ def adamw_params(g: Geometry, train: dict[str, Any], num_aux: int) -> int:
     """The draft's trainable parameters Muon does not take (train.optimizer.takes_muon), which
     AdamW updates: the norms (two a layer, the first layer's state norm or DFlash's fc norm, the
     final norm), DFlash's q and k norms, P-EAGLE's embeddings and mask state, DSpark's confidence
-    head. Pure."""
+    head, DFlash2's base kernels and the selector's codebooks. Pure."""
     h, num_layers, method = g.hidden_size, train["num_layers"], train["method"]
     vectors = (2 * num_layers + 2) * h
     if method == "peagle":
         return vectors + g.vocab_size * h + num_aux * h
-    if method in ("dflash", "dspark"):
+    if method in BLOCK_DRAFTERS:
         vectors += num_layers * 2 * g.head_dim
+        if method == "dflash2":
+            draft_vocab = g.vocab_size  # DFlash2 drafts over the whole vocabulary
+            vectors += num_layers * 2 * 2 * DFLASH2_CONV_KERNEL * h + 2 * DFLASH2_SELECTOR_RANK * draft_vocab
         return vectors + (h + DSPARK_MARKOV_RANK + 1 if method == "dspark" else 0)
     return vectors
 
@@ -172,7 +185,10 @@ def draft_positions(train: dict[str, Any]) -> float:
 def draft_export_bytes(g: Geometry, trainable: int, draft_vocab: int, method: str = "eagle3") -> int:
     """The exported draft's model.safetensors: the trainable weights, the embeddings (EAGLE-3's
     frozen ones; P-EAGLE's are trained, DFlash and DSpark save none) and the draft lm_head in
-    bf16, and the vocabulary maps (d2t int64, t2d bool). Pure."""
+    bf16, and the vocabulary maps (d2t int64, t2d bool). DFlash2 drafts over the whole
+    vocabulary: no lm_head and no maps, vLLM takes the verifier's head. Pure."""
+    if method == "dflash2":
+        return trainable * 2
     embeddings = g.vocab_size * g.hidden_size if method == "eagle3" else 0
     return (trainable + embeddings + draft_vocab * g.hidden_size) * 2 + draft_vocab * 8 + g.vocab_size
 

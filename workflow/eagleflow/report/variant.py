@@ -74,6 +74,7 @@ ESTIMATES = {
     "eagle3": "1 + sum(full_acc_k)",
     "peagle": "1 + sum over depths of the product of accuracies so far",
     "dflash": "speculators' expected accepted length per block",
+    "dflash2": "speculators' expected accepted length per block, through the candidate selector",
     "dspark": "speculators' expected accepted length per block",
 }
 

@@ -13,11 +13,11 @@ from typing import Any
 class TrainConfig:
     """The `train` config section."""
 
-    method: str  # eagle3 | peagle | dflash | dspark (train/methods.py)
+    method: str  # eagle3 | peagle | dflash | dflash2 | dspark (train/methods.py)
     num_layers: int
     ttt_steps: int  # eagle3: the chain's draft tokens
     num_depths: int  # peagle: tokens drafted in one forward
-    block_size: int  # dflash, dspark: the block drafted in one forward
+    block_size: int  # dflash, dflash2, dspark: the block drafted in one forward
     ttt_step_loss_decay: float
     loss: str
     loss_implementation: str

@@ -11,6 +11,10 @@ sampling, DFlash's anchored blocks) are speculators' own; this module only confi
 - `dflash`: DFlash, a block drafter: one forward over the anchor and `block_size - 1` mask
   tokens, attending to the verifier's states (Qwen3-shaped layers). Trained without the
   shift (speculators applies shift_batch to eagle3 and peagle only).
+- `dflash2`: DFlash2, DFlash with two local convolutions a layer and a candidate selector
+  that reranks the block's top tokens by their predecessor; it drafts over the verifier's whole
+  vocabulary (vocab.draft_vocab_size must be the verifier's). vLLM serves its candidate head on
+  the V2 model runner only (GPUs).
 - `dspark`: DSpark, DFlash with a Markov logit-bias and a confidence head. vLLM serves it on
   its V2 model runner only (GPUs).
 
@@ -177,16 +181,19 @@ def build_on_eagle3_layers(spec: DraftSpec, cfg: TrainConfig, draft_tokens: int,
 
 
 def build_block_drafter(algorithm: str) -> Callable[[DraftSpec, TrainConfig], torch.nn.Module]:
-    """DFlash or DSpark, in speculators' config and model classes."""
+    """DFlash, DFlash2 or DSpark, in speculators' config and model classes (DFlash2 with its
+    convolution and selector defaults)."""
 
     def build(spec: DraftSpec, cfg: TrainConfig) -> torch.nn.Module:
         from speculators.config import SpeculatorsConfig, VerifierConfig
         from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
+        from speculators.models.dflash2 import DFlash2DraftModel, DFlash2SpeculatorConfig
         from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
         from speculators.proposals.greedy import GreedyTokenProposalConfig
 
         config_class, model_class = {
             "dflash": (DFlashSpeculatorConfig, DFlashDraftModel),
+            "dflash2": (DFlash2SpeculatorConfig, DFlash2DraftModel),
             "dspark": (DSparkSpeculatorConfig, DSparkDraftModel),
         }[algorithm]
         sample_from_anchor = algorithm == "dspark"  # speculators' default for each
@@ -272,6 +279,16 @@ METHODS: dict[str, DraftMethod] = {
         chain=False,
         block_acceptance=True,
         propose=block_proposals,
+    ),
+    "dflash2": DraftMethod(
+        name="dflash2",
+        model_class=speculators_class("dflash2", "DFlash2DraftModel"),
+        build=build_block_drafter("dflash2"),
+        align=unshifted,
+        positions=lambda cfg: list(range(1, cfg.block_size)),
+        chain=False,
+        block_acceptance=True,
+        propose=None,
     ),
     "dspark": DraftMethod(
         name="dspark",

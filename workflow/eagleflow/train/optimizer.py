@@ -28,7 +28,7 @@ MUON_WEIGHT_DECAY = 0.1
 MUON_NS_STEPS = 5
 MUON_ADJUST_LR = "match_rms_adamw"
 # Matrices that stay with AdamW though 2D: the vocabulary's rows.
-ADAMW_NAMES = ("embed_tokens", "lm_head")
+ADAMW_NAMES = ("embed_tokens", "lm_head", "codebook")  # codebook: DFlash2's selector
 
 
 def takes_muon(name: str, param: torch.Tensor) -> bool:
