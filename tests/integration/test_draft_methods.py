@@ -14,8 +14,8 @@ from tests.helpers import REPO, SNAKEMAKE
 SMALL = str(REPO / "tests/config/small.yaml")
 # A few steps each: enough to export a draft vLLM loads and counts drafts of.
 METHODS = {
-    "peagle": {"train": {"method": "peagle", "num_depths": 3, "epochs": 1}},
-    "dflash": {"train": {"method": "dflash", "block_size": 4, "epochs": 1}},
+    "peagle": {"train": {"method": "peagle", "num_depths": 3, "epochs": 1, "batch_tokens": 1024}},
+    "dflash": {"train": {"method": "dflash", "block_size": 4, "epochs": 1, "batch_tokens": 1024}},
 }
 
 

@@ -168,7 +168,7 @@ def test_a_draft_trained_without_the_verifier_norm_is_caught(run, tmp_path, monk
         serve_verifier_path=run.verifier,
         threads=2,
     )
-    run_train(job, train_config(**{**SMALL["train"], "epochs": 1}))
+    run_train(job, train_config(**{**SMALL["train"], "epochs": 1, "batch_tokens": 1024}))
     # Replay loads the draft's verifier norm from the verifier (as serving never uses it).
     monkeypatch.undo()
     result = run.parity(tmp_path, draft=tmp_path / "draft", metrics=str(tmp_path / "metrics.jsonl"))

@@ -110,11 +110,13 @@ def test_every_stage_output_meets_its_contract(finished_run):
         assert report["baseline"][key] > 0 and report["speculative"][key] > 0
     spec = report["speculative"]
     assert spec["num_drafts"] > 0
-    # The draft learned: its eval loss fell from its first evaluation (an untrained draft's stays).
-    # The test run's four steps teach it no accepted token yet (vLLM: 1.0; 80 steps: 1.23), so
-    # the bound is on the loss, not on acceptance.
+    # The draft learned: its eval loss fell from its first evaluation (an untrained draft's stays),
+    # and vLLM accepts its drafts on the held-out prompts. An untrained draft is accepted nowhere
+    # (1.000 over the same 109 drafts: the test config's 4 steps at 1024 tokens); its 20 steps at
+    # 256 measured 1.138, so 1.03 (4 accepted tokens) leaves room for another machine's kernels.
     evals = [m["loss"] for m in metrics if m["split"] == "eval"]
     assert len(evals) >= 2 and evals[-1] < 0.97 * evals[0], evals
+    assert spec["mean_acceptance_length"] >= 1.03, spec
     assert len(spec["per_position_acceptance"]) == report["num_speculative_tokens"] == 3
     assert 0.0 <= spec["acceptance_rate"] <= 1.0
     assert report["speedup"] == pytest.approx(spec["output_tokens_per_s"] / report["baseline"]["output_tokens_per_s"])
