@@ -84,6 +84,7 @@ def run_train(job: TrainJob, cfg: TrainConfig, on_step_end: StepCallback | None 
     """Train a draft as `cfg` says on `job`'s inputs and export the best one."""
     torch.set_num_threads(job.threads)
     rt = init_runtime(cfg)
+    trainer = None
     try:
         trainer = Trainer.setup(job, cfg, rt)
         trainer.resume()
@@ -91,6 +92,11 @@ def run_train(job: TrainJob, cfg: TrainConfig, on_step_end: StepCallback | None 
         trainer.export()
     finally:
         if rt.world_size > 1 and dist.is_initialized():
+            # DDP's reducer holds the process group. Dropped only when this function returned,
+            # after the group was destroyed, gloo's destructor ran once the other rank had
+            # exited and waited on it for good (rank 0, after its export, in a CI run). Dropped
+            # first, the group goes down inside destroy_process_group, every rank still in it.
+            del trainer
             dist.destroy_process_group()
 
 
