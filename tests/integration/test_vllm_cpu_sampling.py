@@ -10,9 +10,9 @@ import pytest
 
 from devkit.configs import lean_server_config, server_config
 from eagleflow.common.requests import samples_with_seed
-from eagleflow.common.server_args import result_args
 from eagleflow.runtime import spec as spec_module
 from eagleflow.runtime.launch import VllmServer
+from eagleflow.runtime.server_args import result_args
 from eagleflow.runtime.spec import ServerSpec
 from eagleflow.runtime.vllm_cpu import seeded_sampling_args
 from tests.helpers import vllm_available
@@ -29,7 +29,7 @@ def test_which_requests_sample_with_a_seed():
 
 def test_a_user_choice_of_chunked_prefill_stands():
     assert seeded_sampling_args(["--max-num-seqs", "8"]) == ("--max-num-seqs", "8", OFF)
-    # Every spelling vLLM accepts, an abbreviation too (common.server_args reads them).
+    # Every spelling vLLM accepts, an abbreviation too (runtime.server_args reads them).
     for said in (["--enable-chunked-prefill"], ["--enable-chunked"], [OFF], ["--max-num-seqs=8", OFF]):
         assert seeded_sampling_args(said) == tuple(said)
 

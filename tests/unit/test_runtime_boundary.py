@@ -1,12 +1,12 @@
 """The boundary between code that decides a stage's outputs and code that only runs it
 (workflow/eagleflow/runtime): run-only code is in no fingerprint, imports no stage, and what of
-it can change a result reaches the keys as data (common/server_args.py)."""
+it can change a result reaches the keys as data (runtime/server_args.py)."""
 
 import ast
 
 from devkit.configs import server_config
 from eagleflow.common.fingerprint import ROOT, _module_file, is_runtime, module_digests
-from eagleflow.common.server_args import RUN_ONLY_FLAGS, result_args
+from eagleflow.runtime.server_args import RUN_ONLY_FLAGS, result_args
 from eagleflow.runtime.spec import ServerSpec
 
 PACKAGE = "eagleflow"

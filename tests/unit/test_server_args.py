@@ -1,15 +1,17 @@
-"""Which server flags reach the cache keys (common/server_args.py), by common/vllm_flags/'s
-table, and whether that table still describes the vLLM that is installed."""
+"""Which server flags reach the cache keys (runtime/server_args.py), by runtime/vllm_flags/'s
+table (vLLM's options as its parser reads them, and eagleflow's list of the run-only ones),
+and whether that table still describes the vLLM that is installed."""
 
 import argparse
-import functools
 import itertools
 
 import pytest
 
-from eagleflow.common import vllm_flags
-from eagleflow.common.server_args import RUN_ONLY_FLAGS, result_args, server_args
-from eagleflow.common.vllm_flags import FLAGS, RESULT, RUN_ONLY
+from devkit import vllm_options
+from eagleflow.runtime import vllm_flags
+from eagleflow.runtime.server_args import RUN_ONLY_FLAGS, result_args, server_args
+from eagleflow.runtime.vllm_flags import FLAGS, RESULT, RUN_ONLY
+from eagleflow.runtime.vllm_flags.run_only import RUN_ONLY_OPTIONS
 
 LAUNCHER = ["python", "-m", "vllm.entrypoints.openai.api_server"]
 BASE = ["--model", "/verifier", "--port", "8000", "--dtype", "float32", "--max-model-len", "2048"]
@@ -168,56 +170,29 @@ def test_run_only_flags_are_the_tables():
 # The installed vLLM against the table: skipped where vLLM is absent.
 
 
-@functools.cache
 def vllm_parser() -> argparse.ArgumentParser:
-    """vLLM's own server parser (vllm.entrypoints.launchers.api_server.entry.main builds it so)."""
     pytest.importorskip("vllm")
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    return make_arg_parser(FlexibleArgumentParser())
+    return vllm_options.vllm_parser()
 
 
-def innermost_type(fn) -> str:
-    """The function vLLM's optional_type/parse_type wrappers end in (their closures)."""
-    while True:
-        inner = [c.cell_contents for c in getattr(fn, "__closure__", None) or () if callable(c.cell_contents)]
-        if not inner:
-            return getattr(fn, "__name__", "")
-        fn = inner[0]
-
-
-def described(action: argparse.Action) -> tuple:
-    """What the table records of one of vLLM's options, read from the option itself."""
-    nargs = 0 if isinstance(action, argparse.BooleanOptionalAction) else action.nargs
-    arity = 1 if nargs is None else nargs
-    canonical = next(s for s in action.option_strings if s.startswith("--"))
-    aliases = tuple(s for s in action.option_strings if s != canonical)
-    json_valued = innermost_type(action.type) in {"loads", "parse_dataclass", "union_dict_and_str"}
-    json_valued |= type(action).__name__ == "LoRAParserAction"  # parses JSON items itself
-    return canonical, arity, aliases, json_valued, isinstance(action, argparse._AppendAction)
-
-
-def test_the_table_classifies_every_option_vllm_defines():
-    import vllm
-
-    options = [described(a) for a in vllm_parser()._actions if a.option_strings]
-    known = {name for flag, spec in FLAGS.items() for name in (flag, *spec.aliases)}
-    unclassified = sorted({s for canonical, _, aliases, _, _ in options for s in (canonical, *aliases)} - known)
-    assert not unclassified, (
-        f"vLLM {vllm.__version__} defines server flags that workflow/eagleflow/common/vllm_flags/ "
-        f"(made from {vllm_flags.VLLM_VERSION}) does not classify: {unclassified}. Classify each "
-        "there as RESULT or RUN_ONLY (its group's comment says the rule), with its arity and aliases."
+def test_the_recorded_options_are_the_installed_vllms():
+    """options.json (how runtime.server_args reads each option) against vLLM's own parser: an
+    option vLLM adds, drops or reads otherwise is named, with the command that records it."""
+    vllm_parser()
+    installed = vllm_options.installed_options()
+    recorded, now = vllm_flags._RECORDED["options"], installed["options"]
+    added = sorted(set(now) - set(recorded))
+    dropped = sorted(set(recorded) - set(now))
+    changed = sorted(k for k in set(now) & set(recorded) if now[k] != recorded[k])
+    assert not (added or dropped or changed), (
+        f"vLLM {installed['vllm_version']}'s parser against options.json (from {vllm_flags.VLLM_VERSION}): "
+        f"added {added}, dropped {dropped}, read otherwise {changed}. Run `python -m devkit.vllm_options "
+        "--write`, and put each added option that cannot change a result in runtime/vllm_flags/run_only.py."
     )
-    wrong = [
-        (canonical, "table:", FLAGS[canonical], "vLLM:", (arity, aliases, json_valued, repeats))
-        for canonical, arity, aliases, json_valued, repeats in options
-        if (FLAGS[canonical].arity, FLAGS[canonical].aliases, FLAGS[canonical].json, FLAGS[canonical].repeats)
-        != (arity, aliases, json_valued, repeats)
-    ]
-    assert not wrong, f"vllm_flags/ disagrees with vLLM {vllm.__version__} on: {wrong}"
-    stale = sorted(set(FLAGS) - {o[0] for o in options})
-    assert not stale, f"vllm_flags/ classifies flags vLLM {vllm.__version__} no longer defines: {stale}"
+
+
+def test_every_run_only_option_is_one_vllm_defines():
+    assert set(FLAGS) >= RUN_ONLY_OPTIONS, sorted(RUN_ONLY_OPTIONS - set(FLAGS))
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from eagleflow.common.server_args import result_args, server_args
+from eagleflow.runtime.server_args import result_args, server_args
 from eagleflow.variants import variant_config, variant_overrides
 
 

@@ -11,7 +11,7 @@ import eagleflow
 from eagleflow.common.config import validate_config
 from eagleflow.common.fingerprint import code_fingerprint
 from eagleflow import rule_params
-from eagleflow.common.server_args import result_args
+from eagleflow.runtime.server_args import result_args
 from eagleflow.rule_params import sorted_keys
 from eagleflow.runtime.cache_plan import plan_cache
 from eagleflow.runtime.process import first_on_pythonpath
@@ -270,7 +270,7 @@ def generate_requests():
 
 
 def server_result_args():
-    """The verifier server's flags that can change a reply or a state (common/server_args.py):
+    """The verifier server's flags that can change a reply or a state (runtime/server_args.py):
     what generate's store keys and the vllm backend's state keys hold."""
     return result_args(VERIFIER_ARGV)
 

@@ -9,7 +9,7 @@ checkpoints on it.
 The walk stops at `eagleflow.runtime`: the code that starts servers, retries, throttles,
 logs and supervises a stage decides none of its bytes, so editing it restales nothing. What of
 it can change a result (the vLLM flags it launches with) reaches the keys as data
-(common.server_args).
+(runtime.server_args).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from typing import Any
 
 from eagleflow.common.cache_keys import server_stack
 from eagleflow.common.identity import verifier_fingerprint
-from eagleflow.common.server_args import result_args
+from eagleflow.runtime.server_args import result_args
 
 
 def sample_seed(run_seed: int, prompt_id: str, turn: int) -> int:
@@ -76,7 +76,7 @@ def server_identity(
     verifier_dir: str | os.PathLike, argv: Sequence[str], env: dict[str, str] | None = None
 ) -> dict[str, Any]:
     """What decides the server's replies besides the request: the verifier's files, the
-    flags of the server's `argv` that can change a reply (common.server_args), and the stack
+    flags of the server's `argv` that can change a reply (runtime.server_args), and the stack
     it runs on (vLLM's version, the device, the result-affecting variables of its
     environment: this job's with `env`, server.env, over it; common.cache_keys). An external
     endpoint is keyed as this launch would be, and checked against it before it is used

@@ -16,7 +16,6 @@ from eagleflow.common.atomic import write_json
 from eagleflow.common.cache_keys import extraction_stack
 from eagleflow.common.config import typed
 from eagleflow.common.identity import verifier_fingerprint
-from eagleflow.common.server_args import result_args
 
 # Importing a backend registers it. hf_server runs in its own process (the hf backend's
 # server); imported here so that an edit to it restales the stored samples (common.fingerprint).
@@ -29,6 +28,7 @@ from eagleflow.hidden_states.shards import check_disk_space, samples_for_part
 from eagleflow.hidden_states.storage import extraction_dtype, num_stored_states, torch_dtype
 from eagleflow.hidden_states.targets import TopkHead, head_device
 from eagleflow.runtime.cache_plan import clear_mark, recompute_reason, recomputes_all
+from eagleflow.runtime.server_args import result_args
 from eagleflow.runtime.smk import stage
 from eagleflow.runtime.spec import ServerConfig, ServerSpec
 from eagleflow.runtime.state_store import STORE_DIR, SampleStore
@@ -74,7 +74,7 @@ def content_settings(
     stack: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The settings a sample's states depend on (sample_keys.settings_key): `server_args`, the
-    result flags of the vllm backend's server as launched (common.server_args; None for hf),
+    result flags of the vllm backend's server as launched (runtime.server_args; None for hf),
     and the `stack` that computes them (common.cache_keys.extraction_stack). Pure."""
     return {
         "stack": stack,

@@ -1,6 +1,6 @@
 """How a server is started: the `server` config section (ServerConfig), vLLM's argv for one
 model (ServerSpec) and the checks that refuse a model before its launch. Run-only: what of
-the argv changes a result reaches the result keys as data (common.server_args.result_args)."""
+the argv changes a result reaches the result keys as data (runtime.server_args.result_args)."""
 
 from __future__ import annotations
 

@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagleflow.common.server_args import server_args
 from eagleflow.common.verifier_config import is_mla
+from eagleflow.runtime.server_args import server_args
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ the rules' params hold the same list, computed from the same launcher while Snak
 the DAG. A launcher change that adds or changes a flag of this kind restales what it changes;
 one that only changes how the server runs restales nothing.
 
-Which flag is which is common.vllm_flags' table. The argv is read as vLLM reads it, without
+Which flag is which is runtime.vllm_flags' table. The argv is read as vLLM reads it, without
 importing vLLM (keys are computed where it may be absent): FlexibleArgumentParser's rewrites
 first (underscores, `-O3`, dotted JSON keys), then argparse's matching (short aliases,
 `--x=v`, unique prefixes, `--no-x`, how many values each flag takes). What comes out is
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from eagleflow.common.vllm_flags import FLAGS, RESULT, RUN_ONLY
+from eagleflow.runtime.vllm_flags import FLAGS, RESULT, RUN_ONLY
 
 # Every spelling vLLM accepts for an option (its canonical name, short aliases, `--no-x`),
 # to the canonical name.

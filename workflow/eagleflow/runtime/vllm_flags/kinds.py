@@ -1,4 +1,4 @@
-"""The kinds of vLLM options (common.vllm_flags): result or run-only, and how argparse reads them."""
+"""The kinds of vLLM options (runtime.vllm_flags): result or run-only, and how argparse reads them."""
 
 from __future__ import annotations
 
