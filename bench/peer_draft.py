@@ -24,11 +24,13 @@ the way a user of speculators 0.9.0 would, through its console entry points:
    90% of the rows for training and 10% for validation, Muon + AdamW at lr 1e-3 with linear
    decay, 3 TTT steps, KL loss, a 2048-token sliding window, flex attention, the fused
    (Triton) loss, bf16 autocast.
-4. The checkpoint with the lowest validation loss (`checkpoints/checkpoint_best`), without
-   its optimizer state, copied to OUT/draft: a speculators-format directory that vLLM serves
-   with `--speculative-config '{"method": "eagle3", "model": "OUT/draft", ...}'`, like the
-   run's own draft. With the default OUT, `bench/standard_sets.py --draft speculators`
-   measures it on the standard sets.
+4. The checkpoint with the lowest validation loss (`checkpoints/checkpoint_best`, speculators'
+   `--save-best`: what its user serves), or with `--checkpoint last` the last epoch's (the
+   draft at eagleflow's step count: speculators' KL validation loss can bottom out epochs
+   before its accepted-token estimate does), without its optimizer state, copied to
+   OUT/draft: a speculators-format directory that vLLM serves with `--speculative-config
+   '{"method": "eagle3", "model": "OUT/draft", ...}'`, like the run's own draft. With the
+   default OUT, `bench/standard_sets.py --draft speculators` measures it on the standard sets.
 
 The training budget is eagleflow's: the tokens the variant's own draft saw (the sum of its
 `train/metrics.jsonl`) set the epochs, counted over the 90% of the rows speculators trains on
@@ -40,9 +42,9 @@ A rerun resumes: prepare-data skips a dataset it already wrote, only missing sta
 written, and speculators resumes from its last checkpoint. speculators' trainer has no device
 flag and moves the draft to device 0: on a machine without an accelerator the script runs it
 through `bench/speculators_on_cpu.py`, which hands it the CPU, with the flags a CPU needs
-(`--loss-implementation eager --draft-attn-impl sdpa --num-workers 0 --save-best`). Nothing
+(`--loss-implementation eager --draft-attn-impl sdpa --num-workers 0`). Nothing
 under DIR is written except OUT (default: results/<run>/drafts/speculators/, and
-speculators-<variant>/ for another variant).
+speculators-<variant>/ for another variant, with `-last` for the last epoch's draft).
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ BENCH = Path(__file__).resolve().parent
 TRAIN_DATA_RATIO = 0.9  # speculators' default share of the rows it trains on (the rest validates)
 CPU_TRAIN_FLAGS = (
     *("--loss-implementation", "eager", "--draft-attn-impl", "sdpa", "--num-workers", "0"),
-    *("--hidden-states-dtype", "float32", "--save-best"),
+    *("--hidden-states-dtype", "float32"),
 )
 
 
@@ -178,14 +180,25 @@ def draft_vocab_size(vocab_map: Path) -> int:
         return f.get_slice("d2t").get_shape()[0]
 
 
-def export_draft(checkpoints: Path, draft: Path) -> None:
-    """The best-validation checkpoint's weights and config, without optimizer state, as `draft`."""
-    best = checkpoints / "checkpoint_best"
-    if not best.exists():
-        raise SystemExit(f"{best} is missing: speculators train wrote no checkpoint with a validation loss")
+def chosen_checkpoint(checkpoints: Path, which: str) -> Path:
+    """The epoch directory `which` names: `best` (speculators' checkpoint_best, the lowest
+    validation loss) or `last` (the highest epoch saved)."""
+    if which == "best":
+        best = checkpoints / "checkpoint_best"
+        if not best.exists():
+            raise SystemExit(f"{best} is missing: speculators train wrote no checkpoint with a validation loss")
+        return best.resolve()
+    epochs = [d for d in checkpoints.iterdir() if d.is_dir() and d.name.isdigit()]
+    if not epochs:
+        raise SystemExit(f"{checkpoints} holds no epoch checkpoint: speculators train saved none")
+    return max(epochs, key=lambda d: int(d.name))
+
+
+def export_draft(checkpoint: Path, draft: Path) -> None:
+    """A checkpoint's weights and config, without optimizer state, as `draft`."""
     with atomic_path(draft) as tmp:
-        shutil.copytree(best.resolve(), tmp, ignore=shutil.ignore_patterns("*.pt"))
-    log.info("draft: %s (from %s)", draft, best.resolve().name)
+        shutil.copytree(checkpoint, tmp, ignore=shutil.ignore_patterns("*.pt"))
+    log.info("draft: %s (from epoch %s)", draft, checkpoint.name)
 
 
 def method_shape(train: dict) -> list[str]:
@@ -210,6 +223,12 @@ def main() -> None:
     )
     parser.add_argument("--epochs", type=int, help="default: the tokens eagleflow's default draft saw")
     parser.add_argument(
+        "--checkpoint",
+        choices=("best", "last"),
+        default="best",
+        help="the lowest validation loss (speculators' --save-best) or the last epoch (eagleflow's step count)",
+    )
+    parser.add_argument(
         "--total-seq-len",
         type=int,
         help="speculators' tokens per step (default: its own, 8192); the run's train.batch_tokens: eagleflow's steps",
@@ -219,7 +238,7 @@ def main() -> None:
     finished = FinishedRun.of(args.workdir, args.configfile)
     config, run, verifier = finished.config, finished.run, finished.verifier
     train, draft = variant_config(config, args.variant)["train"], draft_id(config, args.variant)
-    suffix = "" if args.variant == "default" else f"-{args.variant}"
+    suffix = ("" if args.variant == "default" else f"-{args.variant}") + ("-last" if args.checkpoint == "last" else "")
     out = (args.out or run / f"drafts/speculators{suffix}").resolve()
     remote_code = ["--trust-remote-code"] if config["verifier"]["trust_remote_code"] else []
     index = shard_index(run)
@@ -250,12 +269,15 @@ def main() -> None:
         ),
         *("--epochs", str(epochs)),
         *(("--total-seq-len", str(args.total_seq_len)) if args.total_seq_len else ()),
+        *(("--save-best",) if args.checkpoint == "best" else ()),
         cwd=out,
     )
     wall_s = time.monotonic() - started
     cpu_s = children_cpu_s() - cpu_before
-    export_draft(out / "checkpoints", out / "draft")
+    checkpoint = chosen_checkpoint(out / "checkpoints", args.checkpoint)
+    export_draft(checkpoint, out / "draft")
     summary = {"variant": args.variant, "method": train["method"], "epochs": epochs, "train_tokens": train_tokens}
+    summary |= {"checkpoint": args.checkpoint, "exported_epoch": int(checkpoint.name)}
     summary |= {"eagleflow_tokens_seen": budget}
     summary |= {"total_seq_len": args.total_seq_len, "train_wall_s": wall_s, "train_cpu_s": cpu_s}  # null: its default
     with atomic_path(out / "peer.json") as tmp:

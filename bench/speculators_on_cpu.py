@@ -28,7 +28,8 @@ and checkpoints. On a CPU pass `--loss-implementation eager` (the fused loss is 
 kernel), `--draft-attn-impl sdpa` (flex attention needs a compiler for the device),
 `--num-workers 0` (the dataloader's workers would each import the stack again),
 `--hidden-states-dtype float32` (its bfloat16 default makes a DFlash step 147 s instead of 11 s
-on AVX2) and `--save-best`; `bench/peer_draft.py` does.
+on AVX2), and `--save-best` to keep only the checkpoint of the lowest validation loss;
+`bench/peer_draft.py` does (the last epoch's instead with its `--checkpoint last`).
 """
 
 from __future__ import annotations
