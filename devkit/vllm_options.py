@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from eagleflow.common.atomic import write_text
+
 OPTIONS = Path(__file__).resolve().parents[1] / "workflow/eagleflow/runtime/vllm_flags/options.json"
 
 
@@ -71,18 +73,30 @@ def as_text(table: dict[str, Any]) -> str:
     return f'{{"vllm_version": {json.dumps(table["vllm_version"])}, "options": {{\n{rows}\n}}}}\n'
 
 
+def differences(recorded: dict[str, Any], installed: dict[str, Any]) -> dict[str, list[str]]:
+    """The options vLLM's parser adds, drops or reads otherwise against the recorded file."""
+    old, new = recorded["options"], installed["options"]
+    return {
+        "added": sorted(set(new) - set(old)),
+        "dropped": sorted(set(old) - set(new)),
+        "read otherwise": sorted(k for k in set(new) & set(old) if new[k] != old[k]),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--write", action="store_true", help=f"rewrite {OPTIONS.name} from the installed vLLM")
     args = parser.parse_args()
     installed = installed_options()
     if args.write:
-        OPTIONS.write_text(as_text(installed))
+        write_text(OPTIONS, as_text(installed))
         return 0
-    recorded = json.loads(OPTIONS.read_text())
-    same = recorded == installed
-    print(f"{OPTIONS.name} {'is' if same else 'is not'} vLLM {installed['vllm_version']}'s")
-    return 0 if same else 1
+    changed = {what: names for what, names in differences(json.loads(OPTIONS.read_text()), installed).items() if names}
+    print(
+        f"{OPTIONS.name} {'is not' if changed else 'is'} vLLM {installed['vllm_version']}'s"
+        + (f": {changed}" if changed else "")
+    )
+    return 1 if changed else 0
 
 
 if __name__ == "__main__":

@@ -180,10 +180,8 @@ def test_the_recorded_options_are_the_installed_vllms():
     option vLLM adds, drops or reads otherwise is named, with the command that records it."""
     vllm_parser()
     installed = vllm_options.installed_options()
-    recorded, now = vllm_flags._RECORDED["options"], installed["options"]
-    added = sorted(set(now) - set(recorded))
-    dropped = sorted(set(recorded) - set(now))
-    changed = sorted(k for k in set(now) & set(recorded) if now[k] != recorded[k])
+    found = vllm_options.differences(vllm_flags._RECORDED, installed)
+    added, dropped, changed = found["added"], found["dropped"], found["read otherwise"]
     assert not (added or dropped or changed), (
         f"vLLM {installed['vllm_version']}'s parser against options.json (from {vllm_flags.VLLM_VERSION}): "
         f"added {added}, dropped {dropped}, read otherwise {changed}. Run `python -m devkit.vllm_options "

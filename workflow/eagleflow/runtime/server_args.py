@@ -1,7 +1,7 @@
 """Which of the flags a vLLM server is launched with can change what it computes. Pure.
 
-The launcher (runtime.spec) is run-only code and in no rule's fingerprint; the argv it builds
-reaches the result keys as data instead: the response store's key (generate) and the shard
+The launcher (runtime.spec) and this reader are run-only code, in no rule's fingerprint; the
+argv the launcher builds reaches the result keys as data instead: the response store's key (generate) and the shard
 cache's key (hidden_states, vllm backend) hold `result_args` of the argv a job launches, and
 the rules' params hold the same list, computed from the same launcher while Snakemake builds
 the DAG. A launcher change that adds or changes a flag of this kind restales what it changes;
