@@ -18,6 +18,8 @@ SMALL = REPO / "tests/config/small.yaml"
 # The test node's memory is shared by concurrent jobs; SLURM does not enforce it here
 # (no cgroups), it only has to fit the node for scheduling.
 TEST_MEM_MB = 2000
+# Where tests/slurm/start_cluster.sh's slurmd writes its process id.
+SLURMD_PIDFILE = Path("/run/slurmd.pid")
 # The small config with a learning curve: one more variant, lc-50, on the shared run's data.
 WITH_CURVE = {"learning_curve": {"fractions": [0.5]}}
 
@@ -43,6 +45,7 @@ def start_cluster() -> str:
         proc = run_start_cluster()
         if proc.returncode != 0:
             pytest.fail(f"{START_CLUSTER} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        run_jobs_on_this_workers_cpus()
         return proc.stdout.split()[-1]
     if shutil.which("sinfo") is None:
         pytest.skip(f"not root and no SLURM installed: {START_CLUSTER} must run as root to install and start one")
@@ -51,6 +54,22 @@ def start_cluster() -> str:
     if out.returncode != 0 or not defaults:
         pytest.skip(f"not root, and the SLURM here does not answer with a default partition: {out.stderr.strip()}")
     return os.environ.get("EAGLEFLOW_SLURM_PARTITION", defaults[0])
+
+
+def run_jobs_on_this_workers_cpus() -> None:
+    """Every thread of the test cluster's slurmd takes the CPUs of this test worker
+    (tests/conftest.py pins each worker to its own), and so every job it starts from now on.
+    With TaskPlugin=task/none a job runs on slurmd's CPUs, which were those of whichever
+    worker started the daemon: the SLURM runs of one worker then shared the other's CPU
+    while their own idled (CI: test_slurm.py's run 372 s against 211 s, one of two CPUs idle
+    for 9 minutes). The SLURM modules run on one worker (tests/conftest.py's SLURM_MODULES)."""
+    cpus = os.sched_getaffinity(0)
+    pid = SLURMD_PIDFILE.read_text().strip()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), cpus)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            continue
 
 
 def node_cpus() -> int:
