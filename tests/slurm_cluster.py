@@ -61,7 +61,7 @@ def run_jobs_on_this_workers_cpus() -> None:
     (tests/conftest.py pins each worker to its own), and so every job it starts from now on.
     With TaskPlugin=task/none a job runs on slurmd's CPUs, which were those of whichever
     worker started the daemon: the SLURM runs of one worker then shared the other's CPU
-    while their own idled (CI: test_slurm.py's run 372 s against 211 s, one of two CPUs idle
+    while their own idled (CI: test_slurm.py's run 372 s, 176 s on its own CPU; one of two CPUs idle
     for 9 minutes). The SLURM modules run on one worker (tests/conftest.py's SLURM_MODULES)."""
     cpus = os.sched_getaffinity(0)
     pid = SLURMD_PIDFILE.read_text().strip()
