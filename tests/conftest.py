@@ -1,6 +1,7 @@
 """pytest fixtures; the builders behind them live in tests/helpers.py."""
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -121,6 +122,19 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 def tiny_think_dir(tmp_path_factory) -> Path:
     """Like tiny_llama_dir, with <think>/</think> single tokens and a thinking chat template."""
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-think"), think=True)
+
+
+@pytest.fixture(scope="module")
+def module_tmp(request, tmp_path_factory) -> Path:
+    """A folder for one module's fixtures (a copy of the finished run is about 450 MB), removed
+    when the module is done unless one of its tests failed: pyproject's
+    `tmp_path_retention_policy` does the same for each test's `tmp_path`. CI's disk is shared
+    and its free space varies; kept whole, the suite's folders came to 5.5 GB."""
+    path = tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1])
+    failed = request.session.testsfailed
+    yield path
+    if request.session.testsfailed == failed:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -99,7 +99,7 @@ def profile_for_test_cluster(real: dict, partition: str, cpus: int) -> dict:
     return profile
 
 
-def copy_for_cluster(finished_run: Path, tmp_path_factory, name: str) -> tuple[Path, Path, dict[str, str]]:
+def copy_for_cluster(finished_run: Path, module_tmp: Path) -> tuple[Path, Path, dict[str, str]]:
     """Start (or find) the test cluster; a copy of the finished run (tests.helpers.
     copy_finished_run) with the production profile made fit for the cluster in it, under
     `profiles/slurm-test`. Returns (the copy, the profile's folder, the environment to run
@@ -107,7 +107,7 @@ def copy_for_cluster(finished_run: Path, tmp_path_factory, name: str) -> tuple[P
     from devkit.runs import copy_finished_run
 
     partition = start_cluster()
-    wf = tmp_path_factory.mktemp(name) / "wf"
+    wf = module_tmp / "wf"
     copy_finished_run(finished_run, wf)
     profile_dir = wf / "profiles/slurm-test"
     profile_dir.mkdir(parents=True)

@@ -143,8 +143,8 @@ EXPECTED_JOBS = {
 
 
 @pytest.fixture(scope="module")
-def slurm_run(finished_run, tmp_path_factory):
-    wf, profile_dir, env = copy_for_cluster(finished_run, tmp_path_factory, "slurm")
+def slurm_run(finished_run, module_tmp):
+    wf, profile_dir, env = copy_for_cluster(finished_run, module_tmp)
     profile = yaml.safe_load((profile_dir / "config.yaml").read_text())
     # The drafts name the verifier by path (verifier.serve_path, default: the prepared dir, resolved):
     # keep the original run's, or the copy's new location would restale the default draft.

@@ -47,8 +47,8 @@ def slurm_job(comment: str, run_id: str | None = None) -> tuple[str, str] | None
 
 
 @pytest.fixture(scope="module")
-def sharded(finished_run, tmp_path_factory):
-    wf, profile_dir, env = copy_for_cluster(finished_run, tmp_path_factory, "slurm-generate")
+def sharded(finished_run, module_tmp):
+    wf, profile_dir, env = copy_for_cluster(finished_run, module_tmp)
     store = wf / f"{RUN}/generate/store.sqlite"
     vllm_replies = wf / f"{RUN}/generate/vllm-replies.parquet"
     (wf / TARGET).rename(vllm_replies)

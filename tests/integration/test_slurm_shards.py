@@ -34,11 +34,11 @@ LOGIT_TOLERANCE = {0.99: 0.0125, 1.0: 0.25}
 
 
 @pytest.fixture(scope="module")
-def slurm_shards(finished_run, tmp_path_factory):
+def slurm_shards(finished_run, module_tmp):
     """The shard jobs and the index of the shared run again through the test cluster, as the
     8-GPU example runs them: the `vllm` backend (vLLM's extraction, eagleflow's connector),
     fp8 storage and the compact top-k target (new content: no shard comes from the cache)."""
-    wf, profile_dir, env = copy_for_cluster(finished_run, tmp_path_factory, "slurm-shards")
+    wf, profile_dir, env = copy_for_cluster(finished_run, module_tmp)
     (wf / "production.yaml").write_text(yaml.safe_dump({"hidden_states": PRODUCTION_SHARDS}))
     servers = wf / "results/small/logs/servers"
     loads_before = len(read_loads(servers))

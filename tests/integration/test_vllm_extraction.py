@@ -104,8 +104,8 @@ class StorageWatch(threading.Thread):
 
 
 @pytest.fixture(scope="module")
-def vllm_runs(finished_run, tmp_path_factory):
-    wf = tmp_path_factory.mktemp("vllm-extraction") / "wf"
+def vllm_runs(finished_run, module_tmp):
+    wf = module_tmp / "wf"
     copy_finished_run(finished_run, wf)
     # The drafts name the verifier by path: keep the original run's (as test_slurm does).
     serve_path = str((finished_run / "resources/verifier" / verifier_name()).resolve())
