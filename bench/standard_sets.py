@@ -12,7 +12,9 @@ of the run's (`drafts/<id>`) or any draft directory, another run's too (a draft 
 other data, measured against the same baseline). Prints a Markdown row per draft, set and
 temperature (mean acceptance length, per position, speedup). With --out, the sets, the
 baseline and each draft's report.json (`<label>.json`) are kept there, and a later call with
-the same sets, server and workload measures only its drafts. Nothing under DIR is written: for
+the same sets, server and workload measures only the drafts it has not measured against that
+baseline (a draft's files by digest): a long call that was stopped goes on where it stopped,
+and one draft at a time can be added. Nothing under DIR is written: for
 runs made by an older checkout, whose outputs the config-file way (config/examples/
 standard-sets.yaml) would rebuild.
 """
@@ -38,6 +40,7 @@ from eagleflow.benchmark.sized_sets import conversation_tokens
 from eagleflow.benchmark.workload import BenchmarkConfig, Workload
 from eagleflow.common.atomic import read_jsonl, write_json
 from eagleflow.common.config import typed
+from eagleflow.common.identity import content_digest, verifier_fingerprint
 from eagleflow.runtime.logs import configure_logging
 from eagleflow.runtime.spec import ServerConfig, ServerSpec
 
@@ -80,7 +83,8 @@ def measure_drafts(
     """The verifier alone on `sets` once, then each draft against it, as the benchmark rules
     measure them: {label: the draft's report.json}. The sets, the baseline and each report
     (`<label>.json`, a `/` as `-`) are written under `out`; a baseline `out` already holds for
-    the same sets, server and workload is used again."""
+    the same sets, server and workload is used again, and so is a report of the same draft
+    files against that baseline (`<label>.key.json`)."""
     workload = Workload.of(cfg, chat_template_kwargs)
     measured = {"sets": sets, "workload": dataclasses.asdict(workload), "server": server.command(0)}
     baseline, kept = out / "baseline.json", out / "measured.json"
@@ -93,19 +97,29 @@ def measure_drafts(
     reports = {}
     for label, directory in drafts.items():
         name = label.replace("/", "-")
-        run_benchmark(
-            str(out / "sets.json"),
-            verifier,
-            str(directory),
-            str(out / f"{name}.json"),
-            str(out / name),
-            server=server,
-            cfg=cfg,
-            chat_template_kwargs=chat_template_kwargs,
-            baseline=str(baseline),
-            streams_out=str(out / f"{name}.streams.jsonl"),
-        )
-        reports[label] = json.loads((out / f"{name}.json").read_text())
+        report, key_file = out / f"{name}.json", out / f"{name}.key.json"
+        key = {
+            "measured": measured,
+            "baseline": content_digest(baseline),
+            "draft": verifier_fingerprint(directory, progress=False),
+        }
+        if report.is_file() and key_file.is_file() and json.loads(key_file.read_text()) == json.loads(json.dumps(key)):
+            logging.info("%s: %s measured this draft against this baseline", label, report)
+        else:
+            run_benchmark(
+                str(out / "sets.json"),
+                verifier,
+                str(directory),
+                str(report),
+                str(out / name),
+                server=server,
+                cfg=cfg,
+                chat_template_kwargs=chat_template_kwargs,
+                baseline=str(baseline),
+                streams_out=str(out / f"{name}.streams.jsonl"),
+            )
+            write_json(key_file, key)
+        reports[label] = json.loads(report.read_text())
     return reports
 
 
