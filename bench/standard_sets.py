@@ -71,6 +71,11 @@ def draft_dirs(args: list[str], run: Path) -> dict[str, Path]:
     return out
 
 
+def already_measured(result: Path, key_file: Path, key: dict[str, Any]) -> bool:
+    """`result` is kept and was measured under `key` (compared as written: JSON)."""
+    return result.is_file() and key_file.is_file() and json.loads(key_file.read_text()) == json.loads(json.dumps(key))
+
+
 def measure_drafts(
     sets: list[dict[str, Any]],
     verifier: str,
@@ -88,7 +93,7 @@ def measure_drafts(
     workload = Workload.of(cfg, chat_template_kwargs)
     measured = {"sets": sets, "workload": dataclasses.asdict(workload), "server": server.command(0)}
     baseline, kept = out / "baseline.json", out / "measured.json"
-    if baseline.is_file() and kept.is_file() and json.loads(kept.read_text()) == json.loads(json.dumps(measured)):
+    if already_measured(baseline, kept, measured):
         logging.info("the verifier alone: %s measured these sets with this server and workload", baseline)
     else:
         write_json(out / "sets.json", {"sets": sets})
@@ -103,7 +108,7 @@ def measure_drafts(
             "baseline": content_digest(baseline),
             "draft": verifier_fingerprint(directory, progress=False),
         }
-        if report.is_file() and key_file.is_file() and json.loads(key_file.read_text()) == json.loads(json.dumps(key)):
+        if already_measured(report, key_file, key):
             logging.info("%s: %s measured this draft against this baseline", label, report)
         else:
             run_benchmark(
