@@ -5,6 +5,7 @@ import copy
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,34 @@ def start_cluster() -> str:
     if out.returncode != 0 or not defaults:
         pytest.skip(f"not root, and the SLURM here does not answer with a default partition: {out.stderr.strip()}")
     return os.environ.get("EAGLEFLOW_SLURM_PARTITION", defaults[0])
+
+
+def job_processes(job_id: str, marker: str) -> list[str]:
+    """The processes alive on this node that belong to SLURM job `job_id`: found by their
+    environment, which must hold both the job's id (SLURM sets it in everything the job starts)
+    and the test's `marker` (NAME=VALUE, set in what the test submits), not by name. One line
+    each: pid and command."""
+    want = {f"SLURM_JOB_ID={job_id}".encode(), marker.encode()}
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = set((entry / "environ").read_bytes().split(b"\0"))
+            if want <= environ and b"State:\tZ" not in (entry / "status").read_bytes():
+                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                found.append(f"{entry.name} {command[:200]}")
+        except OSError:  # gone meanwhile, or a kernel thread
+            continue
+    return found
+
+
+def wait_until_no_process_of(job_id: str, marker: str, timeout_s: float = 30.0) -> list[str]:
+    """Wait for every process of a cancelled job to end; returns those still alive after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while (alive := job_processes(job_id, marker)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return alive
 
 
 def run_jobs_on_this_workers_cpus() -> None:

@@ -1,5 +1,6 @@
 """generate in shards on the test SLURM cluster (tests/slurm_cluster.py), from a copy of the
-shared run: two shard jobs, each its own sbatch, one SIGKILLed mid-way by `scancel`; the rerun
+shared run: two shard jobs, each its own sbatch, one SIGKILLed mid-way by `scancel` (and
+then no process of it alive, found by environment); the rerun
 resubmits that shard alone, which sends only the requests its store file lacks, and the
 joined replies equal one job's, request for request.
 
@@ -16,6 +17,7 @@ import re
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -24,7 +26,7 @@ import yaml
 from devkit.fake_openai import fake_openai_server as fake_openai
 from eagleflow.common.replies import read_replies
 from tests.helpers import SNAKEMAKE, stored_replies
-from tests.slurm_cluster import SMALL, copy_for_cluster
+from tests.slurm_cluster import SMALL, copy_for_cluster, wait_until_no_process_of
 
 RUN = "results/small"
 TARGET = f"{RUN}/generate/replies.parquet"
@@ -49,6 +51,9 @@ def slurm_job(comment: str, run_id: str | None = None) -> tuple[str, str] | None
 @pytest.fixture(scope="module")
 def sharded(finished_run, module_tmp):
     wf, profile_dir, env = copy_for_cluster(finished_run, module_tmp)
+    # Every process of the run carries it, and so every process of its SLURM jobs.
+    marker = f"EAGLEFLOW_TEST_JOB={uuid.uuid4().hex}"
+    env = env | dict([marker.split("=", 1)])
     store = wf / f"{RUN}/generate/store.sqlite"
     vllm_replies = wf / f"{RUN}/generate/vllm-replies.parquet"
     (wf / TARGET).rename(vllm_replies)
@@ -87,6 +92,10 @@ def sharded(finished_run, module_tmp):
         job = slurm_job("rule_generate_wildcards_1-of-2")
         assert job and job[1] == "RUNNING", job
         subprocess.run(["scancel", "--signal=KILL", "--full", job[0]], check=True)
+        # Killed means dead, every process of the shard (its inner Snakemake too), before the
+        # rerun: one left alive would still send requests and write to the store beside it.
+        alive = wait_until_no_process_of(job[0], marker)
+        assert not alive, f"processes of the killed shard (job {job[0]}) still alive:\n" + "\n".join(alive)
         first, _ = run.communicate(timeout=600)
         assert run.returncode != 0, "the run survived its killed shard"
         stored_at_kill = stored_replies(shard_store)

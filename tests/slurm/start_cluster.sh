@@ -4,6 +4,14 @@
 # if missing, writes /etc/slurm/slurm.conf if it differs, starts munged, slurmctld and slurmd
 # if they are not running, and waits until the node is idle. Prints the partition name.
 #
+# A cancelled job is dead, every process of it: proctrack/cgroup (the freezer hierarchy of cgroup
+# v1, which this kind of machine mounts) puts each job in its own cgroup, and a kill reaches every
+# process in it, also one that left the job's process tree (a daemonized child, a process
+# re-parented to init when its parent died first). proctrack/linuxproc, which follows parent
+# pids, missed such a process: a SIGKILLed shard's inner Snakemake lived on. Where no writable
+# freezer hierarchy exists, linuxproc stays and the Epilog (tests/slurm/epilog.sh) kills every
+# process whose environment names the job, after SLURM's own kill.
+#
 # Accounting is off (no slurmdbd): `sacct` cannot answer, so Snakemake's slurm executor must
 # poll with `--slurm-status-command squeue`. MinJobAge keeps finished jobs visible to squeue
 # for an hour: long enough for that (the plugin falls back to sacct when MinJobAge is under 3x
@@ -50,6 +58,21 @@ CPUS="$(nproc)"
 # what it finds.
 MEM_MB="$(awk '/^MemTotal:/ {print int($2 / 1024 * 0.9)}' /proc/meminfo)"
 
+freezer_writable() {
+    local probe=/sys/fs/cgroup/freezer/eagleflow-probe.$$
+    mkdir "$probe" 2>/dev/null || return 1
+    rmdir "$probe"
+}
+EPILOG="$(cd "$(dirname "$0")" && pwd)/epilog.sh"
+if [ "${EAGLEFLOW_SLURM_PROCTRACK:-auto}" != linuxproc ] && freezer_writable; then
+    PROCTRACK=proctrack/cgroup
+    CGROUP_CONF="CgroupPlugin=cgroup/v1
+CgroupMountpoint=/sys/fs/cgroup"
+else
+    PROCTRACK=proctrack/linuxproc
+    CGROUP_CONF=""
+fi
+
 mkdir -p "$CONF_DIR" "$STATE/slurmctld" "$STATE/slurmd" "$LOGS"
 NEW_CONF="$(cat <<CONF
 # Written by eagleflow tests/slurm/start_cluster.sh: one node, no accounting, for tests.
@@ -64,7 +87,8 @@ SlurmctldPidFile=/run/slurmctld.pid
 SlurmdPidFile=/run/slurmd.pid
 SlurmctldLogFile=$LOGS/slurmctld.log
 SlurmdLogFile=$LOGS/slurmd.log
-ProctrackType=proctrack/linuxproc
+ProctrackType=$PROCTRACK
+Epilog=$EPILOG
 TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core_Memory
@@ -82,8 +106,10 @@ CONF
 
 running() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
-if [ ! -f "$CONF" ] || [ "$(cat "$CONF")" != "$NEW_CONF" ]; then
+CGROUP_FILE="$CONF_DIR/cgroup.conf"
+if [ ! -f "$CONF" ] || [ "$(cat "$CONF")" != "$NEW_CONF" ] || [ "$(cat "$CGROUP_FILE" 2>/dev/null)" != "$CGROUP_CONF" ]; then
     printf '%s\n' "$NEW_CONF" >"$CONF"
+    if [ -n "$CGROUP_CONF" ]; then printf '%s\n' "$CGROUP_CONF" >"$CGROUP_FILE"; else rm -f "$CGROUP_FILE"; fi
     # A changed config needs restarted daemons; stop the ones this script started before.
     for pidfile in /run/slurmd.pid /run/slurmctld.pid; do
         if running "$pidfile"; then
