@@ -11,6 +11,10 @@ CORES ?= all
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml workflow/envs/cpu-constraints.txt
+	# Mooncake's store (the served mode's transfer) loads only beside Debian's libibverbs1.
+	@ldconfig -p | grep -q 'libibverbs.so.1 ' || { [ "$$(id -u)" = 0 ] \
+		&& { apt-get install -y -q --no-install-recommends libibverbs1 || { apt-get update -q && apt-get install -y -q --no-install-recommends libibverbs1; }; } \
+		|| echo "libibverbs1 is missing: install it (apt-get install libibverbs1) for hidden_states.mode: served with Mooncake"; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet --no-compile -c workflow/envs/cpu-constraints.txt -e '.[cpu,dev]'

@@ -39,8 +39,9 @@ README = ROOT / "config/README.md"
 RULES = ROOT / "workflow/rules"
 HEADER = ["| key | default | changes results | meaning |", "| --- | --- | --- | --- |"]
 HEADING = re.compile(r"^## `([a-z_]+)`$")
-# A rule's param that holds a whole config section (workflow/rules/common.smk's helpers).
-WHOLE_SECTION = re.compile(r'\b(?:section|variant_section|draft_section)\("(\w+)"\)')
+# A rule's param that holds a whole config section (workflow/rules/common.smk's helpers), or
+# one less some of its subsections (section_without("hidden_states", "served")).
+WHOLE_SECTION = re.compile(r'\b(?:section|variant_section|draft_section|section_without)\("(\w+)"((?:,\s*"\w+")*)\)')
 
 
 def resolved(prop: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
@@ -78,13 +79,20 @@ def default_of(config: dict[str, Any], key: str) -> Any:
 
 
 def whole_section_rules(rules_dir: Path = RULES) -> dict[str, list[str]]:
-    """{section: the rules that take it whole as a param}, read from the rule files."""
-    out: dict[str, list[str]] = {}
+    """{section: the rules that take it whole as a param}, read from the rule files; for a
+    subsection some of them leave out, {section.subsection: the rules that take it}."""
+    taken: list[tuple[str, str, set[str]]] = []  # (rule, section, subsections left out)
     for smk in sorted(rules_dir.glob("*.smk")):
         for block in re.split(r"(?m)^(?=rule )", smk.read_text()):
             rule = re.match(r"rule (\w+):", block)
-            for name in WHOLE_SECTION.findall(block) if rule else ():
-                out.setdefault(name, []).append(rule.group(1))
+            for name, without in WHOLE_SECTION.findall(block) if rule else ():
+                taken.append((rule.group(1), name, set(re.findall(r'"(\w+)"', without))))
+    out: dict[str, list[str]] = {}
+    for rule, name, _ in taken:
+        out.setdefault(name, []).append(rule)
+    for _, name, without in taken:
+        for sub in without:
+            out[f"{name}.{sub}"] = [r for r, n, w in taken if n == name and sub not in w]
     return {name: sorted(rules) for name, rules in out.items()}
 
 
@@ -93,7 +101,13 @@ def reruns(key: str, prop: dict[str, Any], whole: dict[str, list[str]]) -> list[
     rules that take its section whole; none for a key that changes results."""
     if prop.get("x-changes-results", True):
         return []
-    return list(prop.get("x-reruns") or whole.get(key.split(".")[0], []))
+    if prop.get("x-reruns"):
+        return list(prop["x-reruns"])
+    parts = key.split(".")
+    for n in range(len(parts) - 1, 0, -1):  # the innermost section a rule takes
+        if ".".join(parts[:n]) in whole:
+            return list(whole[".".join(parts[:n])])
+    return []
 
 
 def run_only_keys(schema: dict[str, Any], whole: dict[str, list[str]]) -> list[str]:

@@ -39,7 +39,10 @@ def hidden_states_config(**overrides):
     from eagleflow.common.config import typed
     from eagleflow.hidden_states.backend import HiddenStatesConfig
 
-    return typed(HiddenStatesConfig, config_section("hidden_states", **overrides), "hidden_states")
+    # As the extraction jobs take it (workflow/rules: section_without): served mode's
+    # transfer is the train job's (train.served.ServedSettings).
+    section = {k: v for k, v in config_section("hidden_states", **overrides).items() if k != "served"}
+    return typed(HiddenStatesConfig, section, "hidden_states")
 
 
 def train_config(**overrides):

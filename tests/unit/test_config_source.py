@@ -23,6 +23,7 @@ from eagleflow.plan.hours import Rates
 from eagleflow.prompts.config import FilterConfig, PromptsConfig, WrittenConfig
 from eagleflow.runtime.spec import ServerConfig
 from eagleflow.train.config import TrainConfig
+from eagleflow.train.served import MooncakeSettings, ServedSettings
 from eagleflow.vocab import VocabConfig
 
 # Every typed section: the dataclass a job reads the section into, by the section's key.
@@ -35,11 +36,18 @@ TYPED = {
     "vocab": VocabConfig,
     "hidden_states": HiddenStatesConfig,
     "hidden_states.vllm": VllmExtractionConfig,
+    "hidden_states.served": ServedSettings,
+    "hidden_states.served.mooncake": MooncakeSettings,
     "train": TrainConfig,
     "benchmark": BenchmarkConfig,
     "parity": ParityConfig,
     "throughput": Rates,
 }
+
+
+# Subsections a section's jobs never receive, typed apart for the job that reads them
+# (workflow/rules: section_without): served mode's transfer, the train job's.
+TYPED_APART = {"hidden_states": {"served"}}
 
 
 def section_schema(schema, key):
@@ -100,14 +108,16 @@ def test_each_typed_section_has_the_schemas_keys_and_types(key):
     cls, section = TYPED[key], section_schema(schema, key)
     hints = typing.get_type_hints(cls)
     fields = set(cls.__dataclass_fields__)
-    assert fields == set(section["properties"]), f"{key}: {cls.__name__}'s fields against the schema's keys"
+    keys = set(section["properties"]) - TYPED_APART.get(key, set())
+    assert fields == keys, f"{key}: {cls.__name__}'s fields against the schema's keys"
     for name in fields:
         admitted = schema_types(section["properties"][name], schema["$defs"])
         held = hint_types(hints[name])
         assert held == {"any"} or held == admitted, (
             f"{key}.{name}: the schema admits {sorted(admitted)}, {cls.__name__} holds {sorted(held)}"
         )
-    typed(cls, ref.default_of(config, key), key)  # the defaults read into it
+    defaults = {k: v for k, v in ref.default_of(config, key).items() if k in keys}
+    typed(cls, defaults, key)  # the defaults read into it
 
 
 def test_a_default_changed_in_the_source_is_a_named_drift_in_the_readme():
@@ -156,8 +166,15 @@ def test_the_rules_that_take_a_section_whole_are_read_from_the_rule_files(tmp_pa
     (tmp_path / "a.smk").write_text(
         'rule one:\n    params:\n        x=section("dataset"),\n        y=draft_section("train"),\n'
         'rule two:\n    params:\n        z=variant_section("dataset"),\n        w=written_section(),\n'
+        'rule three:\n    params:\n        h=section_without("hidden_states", "served"),\n'
+        'rule four:\n    params:\n        h=section("hidden_states"),\n'
     )
-    assert ref.whole_section_rules(tmp_path) == {"dataset": ["one", "two"], "train": ["one"]}
+    assert ref.whole_section_rules(tmp_path) == {
+        "dataset": ["one", "two"],
+        "train": ["one"],
+        "hidden_states": ["four", "three"],
+        "hidden_states.served": ["four"],
+    }
 
 
 def test_every_rerun_the_source_names_is_a_rule_and_only_for_keys_that_change_no_result():
@@ -172,7 +189,8 @@ def test_every_rerun_the_source_names_is_a_rule_and_only_for_keys_that_change_no
 
 def test_the_hidden_state_keys_that_change_no_result_are_not_in_a_samples_key():
     """A stored sample's key (hidden_states.run.content_settings) leaves out the operational
-    settings: every hidden_states key the source says changes no result is one of them."""
+    settings: every hidden_states key the source says changes no result is one of them, or in a
+    subsection the extraction jobs never receive (TYPED_APART)."""
     from eagleflow.hidden_states.run import OPERATIONAL
 
     _, schema, _ = ref.load()
@@ -180,5 +198,5 @@ def test_the_hidden_state_keys_that_change_no_result_are_not_in_a_samples_key():
         key.split(".")[1]
         for key, prop in ref.documented_keys(schema).items()
         if key.startswith("hidden_states.") and prop.get("x-changes-results") is False
-    }
+    } - TYPED_APART["hidden_states"]
     assert marked and marked <= OPERATIONAL, marked - OPERATIONAL

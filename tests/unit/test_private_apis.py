@@ -35,3 +35,13 @@ def test_xdist_splits_load_scopes_by_node_id():
     from xdist.scheduler import LoadScopeScheduling
 
     assert list(inspect.signature(LoadScopeScheduling._split_scope).parameters) == ["self", "nodeid"]
+
+
+def test_hs_connectors_mooncake_store_keeps_its_client_in_store():
+    """train/served.py closes the trainer's Mooncake client through it before the master stops."""
+    from hs_connectors.mooncake_store import MooncakeHiddenStatesStore, MooncakeStoreConfig
+
+    store = MooncakeHiddenStatesStore(MooncakeStoreConfig())
+    assert store._store is None and not store.is_setup
+    store._store = object()
+    assert store.is_setup

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from eagleflow.common.config import ConfigError
 from eagleflow.runtime.server_args import result_args, server_args
 from eagleflow.variants import variant_config, variant_overrides
 
@@ -141,6 +142,27 @@ def synth_parsing(config: dict[str, Any]) -> dict[str, Any]:
         "chat_template_kwargs": config["generate"]["chat_template_kwargs"],
         "verify_token_ids": synth["verify_token_ids"],
         "trust_remote_code": config["verifier"]["trust_remote_code"],
+    }
+
+
+def served_states(config: dict[str, Any], verifier_argv: Sequence[str]) -> dict[str, Any] | None:
+    """Served mode: what shapes the states the train job is sent (the aux layers, the storage
+    dtype they are rounded to, the server's result flags). None otherwise, so that no served
+    setting restales an offline train job. How they travel (hidden_states.served) the job reads
+    from the config: it changes no state."""
+    hs = config["hidden_states"]
+    if hs["mode"] != "served":
+        return None
+    if hs["target"] != "final_state":
+        raise ConfigError(
+            "hidden_states.target: topk makes stored states smaller; hidden_states.mode: served stores none "
+            "and trains on the final state (set target: final_state, or mode: offline)"
+        )
+    return {
+        "aux_layer_ids": hs["aux_layer_ids"],
+        "dtype": hs["dtype"],
+        "trust_remote_code": config["verifier"]["trust_remote_code"],
+        "server_args": result_args(verifier_argv),
     }
 
 

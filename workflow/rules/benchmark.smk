@@ -93,7 +93,7 @@ rule parity:
         gpu=gpus("hidden_states"),
     params:
         # The verifier's states as the hidden_states stage computes them, with its backend.
-        hidden_states=section("hidden_states"),
+        hidden_states=section_without("hidden_states", "served"),
         server=hidden_states_server(),
         trust_remote_code=config["verifier"]["trust_remote_code"],
         chat_template_kwargs=chat_template_kwargs(),

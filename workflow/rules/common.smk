@@ -106,6 +106,13 @@ def section(name):
     return sorted_keys(config[name])
 
 
+def section_without(name, *keys):
+    """A config section as a param, less the subsections `keys` whose settings the rule's jobs
+    never read (hidden_states.served: only the train job reads it), so that a change to them
+    restales none of the rule's jobs."""
+    return sorted_keys({k: v for k, v in config[name].items() if k not in keys})
+
+
 def variant_results(path):
     """Path of a variant's output: results/<run>/variants/{variant}/<path>."""
     return results(f"variants/{{variant}}/{path}")
@@ -313,8 +320,9 @@ def synth_parsing():
 
 def train_states(wildcards):
     """What the train job reads the verifier's states from: the index of the stored samples, or
-    (hidden_states.mode: online) the dataset, whose states it computes itself."""
-    if config["hidden_states"]["mode"] == "online":
+    (hidden_states.mode: online, served) the dataset, whose states it computes itself or a
+    vLLM server extracts as it trains."""
+    if config["hidden_states"]["mode"] in ("online", "served"):
         return {
             "dataset": [
                 results("dataset/train.parquet"),
@@ -326,6 +334,10 @@ def train_states(wildcards):
 
 def online_states():
     return rule_params.online_states(config)
+
+
+def served_states():
+    return rule_params.served_states(config, VERIFIER_ARGV)
 
 
 def parity_report(wildcards):

@@ -24,7 +24,7 @@ rule hidden_states:
     resources:
         gpu=gpus("hidden_states"),
     params:
-        hidden_states=section("hidden_states"),
+        hidden_states=section_without("hidden_states", "served"),
         server=hidden_states_server(),
         trust_remote_code=config["verifier"]["trust_remote_code"],
         code=code("hidden_states"),
@@ -47,7 +47,7 @@ rule hidden_states_index:
     # the index, and with it a part whose manifest a killed job left missing (Snakemake does
     # not rebuild a missing input of an output it holds for current).
     params:
-        hidden_states=section("hidden_states"),
+        hidden_states=section_without("hidden_states", "served"),
         server=hidden_states_server(),
         code=code("hidden_states_index"),
     script:

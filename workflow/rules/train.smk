@@ -23,6 +23,7 @@ rule train:
         serve_verifier_path=serve_verifier_path,
         checkpoint_dir=checkpoint_dir,
         online=online_states(),
+        served=served_states(),
         code=code("train"),
     script:
         "../eagleflow/entry/train.py"

@@ -82,6 +82,9 @@ class TrainJob:
     # settings the states are computed with, and the job's log (the load ledger sits by it).
     dataset: list[str] = dataclasses.field(default_factory=list)
     online: dict[str, Any] | None = None
+    # Served mode (train/served.py): {"states": what shapes them (aux layer ids, dtype, the
+    # server's result flags), "settings": hidden_states.served, "server": the server section}.
+    served: dict[str, Any] | None = None
     log_path: str | None = None
     # The output cache's entry the finished draft and metrics are kept in, {"dir", "slot",
     # "key"} (train.launch): kept by rank 0 before it drops the checkpoints, so that no

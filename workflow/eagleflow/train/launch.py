@@ -41,6 +41,15 @@ def main(smk) -> None:
             "index": smk.input.get("index"),
             "dataset": list(smk.input.get("dataset", [])),
             "online": smk.params.online,
+            # Served mode: what shapes the states (a param), and how they travel (the config's
+            # hidden_states.served and server sections: run-only, no param restales on them).
+            "served": None
+            if smk.params.served is None
+            else {
+                "states": smk.params.served,
+                "settings": smk.config["hidden_states"]["served"],
+                "server": smk.config["server"],
+            },
             "log_path": smk.log[0],
             "vocab_map": smk.input.vocab_map,
             "verifier_dir": smk.input.verifier,

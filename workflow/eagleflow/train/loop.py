@@ -54,6 +54,7 @@ from eagleflow.train.evaluation import Walk, evaluate
 from eagleflow.train.methods import DraftMethod, DraftSpec, draft_method, method_attn_impl
 from eagleflow.train.online import TokenSample, VerifierStates, load_token_samples, open_verifier
 from eagleflow.train.optimizer import build_optimizer
+from eagleflow.train.served import ServedStates
 from eagleflow.train.steps import Window, lr_at, packed_batch, steps_in, train_step
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,8 @@ def job_fingerprint(job: TrainJob, cfg: TrainConfig) -> str:
         job.vocab_map,
         job.shards or job.dataset,
         code_fingerprint("eagleflow.train.loop"),
-        online=job.online,
+        # Served mode's states are keyed as online's: by the settings that shape them.
+        online=job.online if job.served is None else {"served": job.served["states"]},
         verifier=verifier_fingerprint(job.verifier_dir),
     )
 
@@ -91,6 +93,8 @@ def run_train(job: TrainJob, cfg: TrainConfig, on_step_end: StepCallback | None 
         trainer.fit(on_step_end)
         trainer.export()
     finally:
+        if trainer is not None and isinstance(trainer.source, ServedStates):
+            trainer.source.close()
         if rt.world_size > 1 and dist.is_initialized():
             # DDP's reducer holds the process group. Dropped only when this function returned,
             # after the group was destroyed, gloo's destructor ran once the other rank had
@@ -120,10 +124,11 @@ class Trainer:
     optimizer: torch.optim.Optimizer
     method: DraftMethod  # train.method: the draft model, its data's alignment and metrics
     # What training reads, per batch, through `source`: refs to the shards' samples, or online
-    # the dataset's token samples; the eval split likewise (online: computed once, at setup).
+    # and served the dataset's token samples; the eval split likewise (online and served:
+    # computed once, at setup).
     train: list[ShardRef] | list[TokenSample]
     evals: list[ShardRef] | list[Sample]
-    source: ShardSamples | VerifierStates  # turns `train` items into samples with their states
+    source: ShardSamples | VerifierStates | ServedStates  # turns `train` items into samples with their states
     epochs: list[list[list[int]]]  # the packing of every epoch: batches of sample indices
     total_steps: int
     fwd_kwargs: dict[str, Any]
@@ -142,7 +147,11 @@ class Trainer:
         # Data: refs to the samples the index names, or (online) the dataset's tokens and the verifier,
         # in the method's alignment.
         vocab = load_file(job.vocab_map)
-        if job.online is None:
+        if job.served is not None:  # served mode: a vLLM server extracts them as training asks
+            train, eval_tokens = load_token_samples(*job.dataset, train_fraction=cfg.sample_fraction)
+            source = ServedStates(job.verifier_dir, job.served, job.log_path or "train.log", method.align)
+            evals = source.samples(eval_tokens)
+        elif job.online is None:
             source = ShardSamples.from_index(job.index, t2d=vocab["t2d"], align=method.align)
             train, evals = source.refs(cfg.sample_fraction)
         else:
@@ -151,13 +160,13 @@ class Trainer:
             evals = source.samples(eval_tokens)
         aux_layer_ids = source.aux_layer_ids
         if not train or not evals:
-            where = "the dataset" if job.online is not None else "the hidden-state shards"
+            where = "the hidden-state shards" if job.index else "the dataset"
             raise ValueError(f"{where}: {len(train)} train and {len(evals)} eval samples; both must be non-empty")
         spec = DraftSpec(
             job.verifier_dir, vocab["d2t"], vocab["t2d"], aux_layer_ids, method_attn_impl(method, rt.attn_impl)
         )
         model = method.build(spec, cfg).to(rt.device)
-        if job.online is None and source.compact:  # shards with the compact target
+        if isinstance(source, ShardSamples) and source.compact:  # shards with the compact target
             take_precomputed_targets(model)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = build_optimizer(model, cfg.optimizer, cfg.lr, cfg.weight_decay)
@@ -249,7 +258,10 @@ class Trainer:
             disable=not rt.is_main,
         )
         # Offline, the next step's batch is read from the shards while this one runs; online
-        # its states come from the verifier on the training device, in the loop's own thread.
+        # its states come from the verifier on the training device, in the loop's own thread;
+        # served, the feed asks the server for the batches ahead, from the resumed step on.
+        if isinstance(self.source, ServedStates):
+            self.source.expect(self.my_batches(state.epoch, state.batch_index))
         todo = read_ahead(self.steps_from(state.epoch, state.batch_index), self.read_step, self.job.online is None)
         for (epoch, j, n_steps), (step_batches, batch, counted) in todo:
             lr, grad_norm = self.step(step_batches, batch, counted, window)
@@ -284,15 +296,25 @@ class Trainer:
             for j in range(batch_index if e == epoch else 0, n_steps):
                 yield e, j, n_steps
 
-    def read_step(self, position: tuple[int, int, int]) -> tuple[list[list[int]], dict[str, torch.Tensor], bool]:
-        """A step's world_size consecutive batches of the epoch's packing (one per rank), this
-        rank's batch read with its states and packed, and whether it counts (False: the step
-        has no batch for this rank, which stands in with the step's first)."""
+    def my_batches(self, epoch: int, batch_index: int) -> Iterator[list[Any]]:
+        """This rank's batch of every step from a position on, as its items (read_step's)."""
+        for position in self.steps_from(epoch, batch_index):
+            yield [self.train[i] for i in self.rank_batch(position)[2]]
+
+    def rank_batch(self, position: tuple[int, int, int]) -> tuple[list[list[int]], bool, list[int]]:
+        """A step's world_size consecutive batches of the epoch's packing (one per rank),
+        whether this rank's counts (False: the step has no batch for it, and it stands in with
+        the step's first), and this rank's batch."""
         epoch, j, _ = position
         ws = self.rt.world_size
         step_batches = self.epochs[epoch][j * ws : (j + 1) * ws]
         counted = self.rt.rank < len(step_batches)
-        mine = step_batches[self.rt.rank if counted else 0]
+        return step_batches, counted, step_batches[self.rt.rank if counted else 0]
+
+    def read_step(self, position: tuple[int, int, int]) -> tuple[list[list[int]], dict[str, torch.Tensor], bool]:
+        """The step's batches (rank_batch), this rank's read with its states and packed, and
+        whether it counts."""
+        step_batches, counted, mine = self.rank_batch(position)
         return step_batches, packed_batch(self.samples(mine), self.cfg.batch_tokens, self.rt), counted
 
     def step(
@@ -326,7 +348,7 @@ class Trainer:
 
     def eval_samples(self, items: list[ShardRef] | list[Sample]) -> list[Sample]:
         """Eval samples with their states: read from the shards now (online: computed at setup)."""
-        return items if self.job.online is not None else self.source.samples(items)
+        return self.source.samples(items) if isinstance(self.source, ShardSamples) else items
 
     def train_row(self, epoch: int, lr: float, grad_norm: torch.Tensor, window: Window) -> dict[str, Any]:
         """The metrics row of the steps since the last one; starts the next window."""
@@ -399,7 +421,9 @@ class Trainer:
             final = {k: v.detach() for k, v in self.model.state_dict().items()} | self.best
             with atomic_path(job.draft_out) as tmp_draft:
                 export_draft(self.model, final, tmp_draft, job.serve_verifier_path)
-            write_jsonl(job.metrics_out, state.rows)
+            # Served mode: what the feed did in this process (since the job started or resumed).
+            served = [{"split": "served", **self.source.summary()}] if isinstance(self.source, ServedStates) else []
+            write_jsonl(job.metrics_out, state.rows + served)
             log.info(
                 "exported the best draft (step %d, eval loss %.4f) to %s",
                 state.best_step,
