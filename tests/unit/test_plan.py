@@ -196,6 +196,26 @@ def test_a_run_that_does_not_fit_names_settings_that_would(tmp_path, tiny_llama_
     assert "none on disk" in summary_line(fp8_online)
 
 
+def test_served_mode_plans_no_stored_states_and_the_requests_and_bytes_in_flight(tmp_path, tiny_llama_dir):
+    config = merged(
+        plan_config(tmp_path, tiny_llama_dir),
+        {"hidden_states": {"mode": "served", "served": {"max_inflight_mb": 3}}, "train": {"batch_tokens": 100}},
+    )
+    write_dataset(tmp_path, "t", [1000] * 10)
+    plan = make_plan(config, tmp_path, gpu_memory=None)
+    stored, flight = plan.disk[0], plan.disk[1]
+    assert stored["bytes"] == 0 and flight["requests_per_epoch"] == plan.tokens.samples
+    # The bound plus one training batch, as the trainer holds them (float32).
+    from eagleflow.hidden_states.layers import default_aux_layer_ids
+
+    verifier = json.loads((Path(tiny_llama_dir) / "config.json").read_text())
+    aux = len(config["hidden_states"]["aux_layer_ids"] or default_aux_layer_ids(verifier["num_hidden_layers"]))
+    hidden = verifier["hidden_size"]
+    assert flight["bytes"] == 3 * 2**20 + 100 * (aux + 1) * hidden * 4
+    line = summary_line(plan)
+    assert "none on disk (hidden_states.mode: served)" in line and f"{plan.tokens.samples:,} verifier requests" in line
+
+
 def test_snakemake_dry_runs_print_the_summary_only_when_states_are_planned(tmp_path, tiny_llama_dir):
     config = plan_config(tmp_path, tiny_llama_dir)
     lines = []

@@ -120,3 +120,19 @@ def test_a_finished_run_supplies_the_rates_it_measured(tmp_path):
     configured = measured_rates(tmp_path, "r", RATES)[0]
     assert Rates(**{f: getattr(configured, f) for f in RATES.__dataclass_fields__}) == RATES
     assert configured.train_rate("dflash") == RATES.train_tokens_per_s
+
+
+def test_served_training_takes_the_slower_of_training_and_the_epochs_extraction_and_stores_nothing():
+    """Served mode: no hidden-state stage; every epoch extracts every token again while the
+    draft trains on them (they overlap), after one start of the train job's server."""
+    served = merged(CONFIG, {"hidden_states": {"mode": "served"}})
+    work = planned_work(samples=100, tokens=36_000, exact=True, config=served, rates=RATES)
+    epochs = CONFIG["train"]["epochs"]
+    hours = stage_hours(work, RATES, 1, served)
+    assert hours["hidden_states"] == 0
+    # Training (500 tok/s) is slower than extraction (1000 tok/s): it sets the pace.
+    assert hours["train"] == pytest.approx((60 + 36_000 * epochs / 500) / 3600)
+    slow_server = Rates(**{**RATES.__dict__, "extract_tokens_per_s": 100.0})
+    assert stage_hours(work, slow_server, 1, served)["train"] == pytest.approx((60 + 36_000 * epochs / 100) / 3600)
+    unknown = Rates(**{**RATES.__dict__, "extract_tokens_per_s": None})
+    assert stage_hours(work, unknown, 1, served)["train"] is None

@@ -6,7 +6,10 @@ rates in `throughput` (or those a finished run measured), for 1..N verifier repl
   at `throughput.reply_tokens`, else `generate.max_tokens`: the upper bound);
 - hidden_states: a start of the extraction server, then every sample token the store lacks
   at `extract_tokens_per_s` (one job and one server per node; none when the store holds
-  every sample, and none online, where training computes the states);
+  every sample, and none online, where training computes the states, nor served);
+- served (`hidden_states.mode: served`): the train job's server extracts every sample token
+  once an epoch while the draft trains on them, so each draft's training takes the longer of
+  the two, and one start of its server;
 - train: for each distinct draft, every sample token `train.epochs` times (of its
   `sample_fraction`), at its method's rate (`train_tokens_per_s`, else what a finished run
   measured for that method); the drafts one after another;
@@ -144,19 +147,30 @@ def stage_hours(work: Work, rates: Rates, replicas: int, config: dict[str, Any])
             return 0.0
         return None if rate is None else (load + tokens / (rate * parallel)) / HOUR
 
-    online = config["hidden_states"]["mode"] == "online"
+    mode = config["hidden_states"]["mode"]
     per_draft = [(t.passes, rates.train_rate(t.method)) for t in work.trainings]
     train = (
         None
         if any(rate is None for _, rate in per_draft)
         else sum(work.tokens * passes / rate for passes, rate in per_draft) / HOUR
     )
+    if mode == "served" and train is not None:
+        # Extraction and training overlap (the feed asks ahead): the slower sets the pace.
+        extract = rates.extract_tokens_per_s
+        train = (
+            None
+            if extract is None
+            else sum(
+                (load + max(work.tokens * passes / rate, work.tokens * passes / extract)) / HOUR
+                for passes, rate in per_draft
+            )
+        )
     return {
         "write_prompts": served(work.written_tokens, rates.generate_tokens_per_s, replicas),
         "generate": served(work.reply_tokens, rates.generate_tokens_per_s, replicas),
         # One job and one server per node (hidden_states.num_shards), side by side.
         "hidden_states": 0.0
-        if online
+        if mode in ("online", "served")
         else served(work.extract_tokens, rates.extract_tokens_per_s, config["hidden_states"]["num_shards"]),
         "train": train,
         # The baseline and each draft's run, one server each, one after the other.

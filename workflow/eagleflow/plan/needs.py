@@ -98,6 +98,7 @@ def make_plan(
     num_aux = len(hs["aux_layer_ids"] or default_aux_layer_ids(g.num_layers))
     draft_vocab = config["vocab"]["draft_vocab_size"]
     online = hs["mode"] == "online"
+    served = hs["mode"] == "served"
 
     # Disk.
     topk = target_topk(hs["target"], hs["topk"])
@@ -107,7 +108,7 @@ def make_plan(
     # What the phase writes: the samples its store lacks (plan.tokens: stored_samples).
     shard_total = (
         0
-        if online
+        if online or served
         else shard_bytes(tokens.new_tokens, tokens.new_samples, num_states, g.hidden_size, hs["dtype"], topk)
     )
     stored = f"; {tokens.stored_samples} of {tokens.samples} samples stored already" if tokens.stored_samples else ""
@@ -115,8 +116,9 @@ def make_plan(
         {
             "stage": "hidden_states",
             "online": online,
-            "what": "no stored states (hidden_states.mode: online)"
-            if online
+            "served": served,
+            "what": f"no stored states (hidden_states.mode: {hs['mode']})"
+            if online or served
             else f"{tokens.new_samples} samples in {hs['num_shards']} extraction job{'s' * (hs['num_shards'] > 1)}: "
             f"{num_states} states x "
             f"{g.hidden_size} in {hs['dtype']}"
@@ -126,7 +128,9 @@ def make_plan(
             "where": states_dir,
         }
     )
-    if hs["backend"] == "vllm" and not online:
+    if served:
+        plan.disk.append(served_in_flight(config, tokens, num_aux, g.hidden_size))
+    if hs["backend"] == "vllm" and not online and not served:
         # vLLM's connector writes one file per request in flight (the server's dtype, bf16).
         in_flight = hs["vllm"]["concurrency"] if isinstance(hs["vllm"]["concurrency"], int) else 256
         where = Path(hs["vllm"]["storage_dir"] or "/tmp")
@@ -321,6 +325,27 @@ def render(plan: Plan) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def served_in_flight(config: dict[str, Any], tokens: Any, num_aux: int, hidden_size: int) -> dict[str, Any]:
+    """Served mode's row: nothing stored; the verifier requests each epoch makes and the most
+    bytes of states in flight, the bound plus one training batch (train/feed.py), as the
+    trainer holds them (float32). Pure."""
+    bound = int(config["hidden_states"]["served"]["max_inflight_mb"] * 2**20)
+    batch = config["train"]["batch_tokens"] * (num_aux + 1) * hidden_size * 4
+    epochs = config["train"]["epochs"] * config["train"]["sample_fraction"]
+    return {
+        "stage": "train",
+        "served": True,
+        "what": f"states in flight to the train job ({config['hidden_states']['served']['transfer']} transfer): "
+        f"{tokens.samples:,} verifier requests ({tokens.tokens:,} tokens) an epoch, {epochs:g} epochs, "
+        "every epoch extracted again",
+        "bytes": bound + batch,
+        "requests_per_epoch": tokens.samples,
+        "where": Path(config["hidden_states"]["served"]["storage_dir"] or "/tmp")
+        if config["hidden_states"]["served"]["transfer"] == "file"
+        else Path("/dev/shm"),
+    }
+
+
 def summary_line(plan: Plan) -> str:
     """The line `snakemake -n` prints. Pure."""
     if not plan.disk:
@@ -328,6 +353,12 @@ def summary_line(plan: Plan) -> str:
     shards, t = plan.disk[0], plan.tokens
     if shards.get("online"):
         return "Hidden states: none on disk (hidden_states.mode: online: the train job computes them)"
+    if shards.get("served"):
+        flight = plan.disk[1]
+        return (
+            f"Hidden states: none on disk (hidden_states.mode: served): {flight['requests_per_epoch']:,} verifier "
+            f"requests an epoch stream them to the train job, at most {gb(flight['bytes'])} in flight"
+        )
     fits = "fits" if not plan.suggestions else "DOES NOT FIT (python -m eagleflow.plan names settings that do)"
     stored = f" ({t.stored_samples:,} of {t.samples:,} samples stored already)" if t.stored_samples else ""
     return (
