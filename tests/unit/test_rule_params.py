@@ -78,6 +78,33 @@ def test_online_states_reach_training_only_online():
     assert rp.online_states(merged(online, {"hidden_states": {"num_shards": 3}})) == rp.online_states(online)
 
 
+def test_served_states_reach_training_only_served_and_only_what_shapes_the_states():
+    from eagleflow.common.config import ConfigError
+
+    assert rp.served_states(CONFIG, argv(CONFIG)) is None
+    served = merged(CONFIG, {"hidden_states": {"mode": "served"}})
+    states = rp.served_states(served, argv(served))
+    assert states["dtype"] == served["hidden_states"]["dtype"] and ["--dtype", served["server"]["dtype"]] in [
+        list(group) for group in states["server_args"]
+    ]
+    # How the states travel changes none of them: the train job's param stays.
+    moved = merged(served, {"hidden_states": {"served": {"transfer": "mooncake", "max_inflight_mb": 1}}})
+    assert rp.served_states(moved, argv(moved)) == states
+    fp8 = merged(served, {"hidden_states": {"dtype": "float8_e4m3fn"}})
+    assert rp.served_states(fp8, argv(fp8)) != states
+    with pytest.raises(ConfigError, match="target: topk"):
+        topk = merged(served, {"hidden_states": {"target": "topk"}})
+        rp.served_states(topk, argv(topk))
+    ranks = merged(served, {"train": {"nproc_per_node": 2}})
+    with pytest.raises(ConfigError, match="hidden_states.served.endpoints"):
+        rp.served_states(ranks, argv(ranks))
+    given = merged(ranks, {"hidden_states": {"served": {"endpoints": ["http://127.0.0.1:8000"]}}})
+    assert rp.served_states(given, argv(given)) == states
+    theirs = merged(given, {"hidden_states": {"served": {"transfer": "mooncake"}}})
+    with pytest.raises(ConfigError, match="mooncake.master"):
+        rp.served_states(theirs, argv(theirs))
+
+
 def test_the_server_reaches_states_only_through_the_vllm_backend():
     hf = merged(CONFIG, {"hidden_states": {"backend": "hf"}})
     vllm = merged(CONFIG, {"hidden_states": {"backend": "vllm"}})

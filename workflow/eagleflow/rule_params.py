@@ -158,6 +158,18 @@ def served_states(config: dict[str, Any], verifier_argv: Sequence[str]) -> dict[
             "hidden_states.target: topk makes stored states smaller; hidden_states.mode: served stores none "
             "and trains on the final state (set target: final_state, or mode: offline)"
         )
+    if config["train"]["nproc_per_node"] > 1 and not hs["served"]["endpoints"]:
+        raise ConfigError(
+            "hidden_states.mode: served launches one extraction server per train job, for one training "
+            "process; with train.nproc_per_node > 1 start the servers yourself and name them in "
+            "hidden_states.served.endpoints (every rank asks them for its own batches)"
+        )
+    served = hs["served"]
+    if served["endpoints"] and served["transfer"] == "mooncake" and not served["mooncake"]["master"]:
+        raise ConfigError(
+            "hidden_states.served.endpoints with transfer: mooncake: set hidden_states.served.mooncake.master "
+            "to the master those servers put the states into"
+        )
     return {
         "aux_layer_ids": hs["aux_layer_ids"],
         "dtype": hs["dtype"],
