@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))  # the
 
 from safetensors.torch import load_file, save_file
 
+from devkit.configs import extraction_section
 from devkit.runs import FinishedRun
 from eagleflow.benchmark.parity import ParityConfig, extraction_job, run_parity
 from eagleflow.benchmark.run import run_benchmark
@@ -80,7 +81,7 @@ def main() -> None:
     server = ServerConfig.from_section(config["server"])
     bench = typed(BenchmarkConfig, config["benchmark"], "benchmark")
     cfg = typed(ParityConfig, config["parity"], "parity")
-    hs = config["hidden_states"]
+    hs = extraction_section(config["hidden_states"])
     lines = [
         "| draft | vLLM mean acceptance length (per position) | replay, same streams | vLLM - replay "
         "| replay, every anchor | findings |",

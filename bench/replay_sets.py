@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))  # the eagleflow package
 
 from bench.standard_sets import draft_dirs
+from devkit.configs import extraction_section
 from devkit.runs import FinishedRun
 from eagleflow.benchmark.parity import extraction_job, replay_streams, stream_samples
 from eagleflow.benchmark.speculative import draft_method_name, read_draft_config, serving_config
@@ -65,7 +66,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="replay-sets-") as tmp:
         extraction = extraction_job(
             verifier,
-            config["hidden_states"],
+            extraction_section(config["hidden_states"]),
             config["server"] if config["hidden_states"]["backend"] == "vllm" else None,
             config["verifier"]["trust_remote_code"],
             log_path=str(Path(tmp) / "extraction.log"),

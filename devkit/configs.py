@@ -35,14 +35,18 @@ def lean_server_config(**overrides):
     return server_config(**merged(lean, overrides))
 
 
+def extraction_section(hidden_states: dict) -> dict:
+    """The hidden_states section as the extraction and parity jobs receive it (workflow/rules:
+    section_without): without `served`, served mode's transfer, which the train job reads
+    (train.served.ServedSettings)."""
+    return {k: v for k, v in hidden_states.items() if k != "served"}
+
+
 def hidden_states_config(**overrides):
     from eagleflow.common.config import typed
     from eagleflow.hidden_states.backend import HiddenStatesConfig
 
-    # As the extraction jobs take it (workflow/rules: section_without): served mode's
-    # transfer is the train job's (train.served.ServedSettings).
-    section = {k: v for k, v in config_section("hidden_states", **overrides).items() if k != "served"}
-    return typed(HiddenStatesConfig, section, "hidden_states")
+    return typed(HiddenStatesConfig, extraction_section(config_section("hidden_states", **overrides)), "hidden_states")
 
 
 def train_config(**overrides):

@@ -15,7 +15,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from devkit.configs import config_section
+from devkit.configs import config_section, extraction_section
 from eagleflow.benchmark.parity import ParityConfig, ParityError, extraction_job, run_parity
 from tests.helpers import REPO, vllm_available
 
@@ -49,7 +49,7 @@ class Run:
     def parity(self, tmp: Path, *, draft=None, streams=None, report=None, cfg=WARN, metrics=None) -> dict:
         extraction = extraction_job(
             self.verifier,
-            config_section("hidden_states", **SMALL["hidden_states"]),
+            extraction_section(config_section("hidden_states", **SMALL["hidden_states"])),
             None,
             False,
             log_path=str(self.logs / "parity.default.log"),

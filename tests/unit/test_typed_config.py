@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import yaml
 
-from devkit.configs import config_section
+from devkit.configs import config_section, extraction_section
 from eagleflow.benchmark.workload import BenchmarkConfig
 from eagleflow.common.config import ConfigError, typed
 from eagleflow.dataset import DatasetConfig
@@ -63,21 +63,19 @@ def test_missing_and_unknown_keys_are_named():
         typed(TrainConfig, section, "train")
 
 
-def extraction_section(**overrides) -> dict:
-    """hidden_states as the extraction jobs receive it: less what is typed apart."""
-    section = config_section("hidden_states", **overrides)
-    return {k: v for k, v in section.items() if k not in TYPED_APART["hidden_states"]}
-
-
 def test_nested_sections_and_tuples_are_typed():
-    hs = typed(HiddenStatesConfig, extraction_section(aux_layer_ids=[1, 3]), "hidden_states")
+    hs = typed(
+        HiddenStatesConfig, extraction_section(config_section("hidden_states", aux_layer_ids=[1, 3])), "hidden_states"
+    )
     assert hs.aux_layer_ids == (1, 3)
     assert (
         isinstance(hs.vllm, VllmExtractionConfig)
         and hs.vllm.concurrency == config_section("hidden_states")["vllm"]["concurrency"]
     )
     with pytest.raises(ConfigError, match=r"hidden_states\.vllm\.port: unknown key"):
-        typed(HiddenStatesConfig, extraction_section(vllm={"port": 1}), "hidden_states")
+        typed(
+            HiddenStatesConfig, extraction_section(config_section("hidden_states", vllm={"port": 1})), "hidden_states"
+        )
 
 
 def test_synth_parsing_view_takes_think_markers_as_a_pair():
