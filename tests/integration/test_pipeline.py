@@ -433,7 +433,10 @@ def another_value(prop: dict, value):
             return max(1, prop.get("minimum", 1))
         if "number" in kinds:
             return 1.5
-        return "EAGLEFLOW_TEST_VALUE"
+        if "array" in kinds:
+            return [another_value(prop.get("items", {}), None)]
+        # A string the schema constrains by a pattern: its example.
+        return prop.get("examples", ["EAGLEFLOW_TEST_VALUE"])[0]
     return value + "-changed"
 
 
