@@ -13,7 +13,8 @@ from tests.slurm_cluster import cluster_env, job_processes, start_cluster, wait_
 
 # Runs in the job: a child that leaves the job's process tree (started by a subshell that exits
 # at once, so init adopts it; setsid: a session of its own), then the job waits to be cancelled.
-# Under proctrack/linuxproc the first sleep outlived `scancel --signal=KILL --full`.
+# Under proctrack/linuxproc without the test cluster's Epilog the first sleep outlived
+# `scancel --signal=KILL --full`.
 ESCAPING_JOB = "(setsid sleep 900 < /dev/null > /dev/null 2>&1 &); sleep 900"
 
 

@@ -4,13 +4,14 @@
 # if missing, writes /etc/slurm/slurm.conf if it differs, starts munged, slurmctld and slurmd
 # if they are not running, and waits until the node is idle. Prints the partition name.
 #
-# A cancelled job is dead, every process of it: proctrack/cgroup (the freezer hierarchy of cgroup
-# v1, which this kind of machine mounts) puts each job in its own cgroup, and a kill reaches every
-# process in it, also one that left the job's process tree (a daemonized child, a process
-# re-parented to init when its parent died first). proctrack/linuxproc, which follows parent
-# pids, missed such a process: a SIGKILLed shard's inner Snakemake lived on. Where no writable
-# freezer hierarchy exists, linuxproc stays and the Epilog (tests/slurm/epilog.sh) kills every
-# process whose environment names the job, after SLURM's own kill.
+# A cancelled job is dead, every process of it. proctrack/linuxproc kills the processes it finds
+# under the job's steps by their parent pids, at once; a process that left the tree (a daemonized
+# child, one re-parented to init when its parent died first) it cannot see: a SIGKILLed shard's
+# inner Snakemake lived on. The Epilog (tests/slurm/epilog.sh) kills every process whose
+# environment names the job once the job has ended. proctrack/cgroup (cgroup v1's freezer here,
+# EAGLEFLOW_SLURM_PROCTRACK=cgroup) would see them all, but on this kind of machine's legacy
+# freezer a SIGKILLed step ran on for 7 s after `scancel` (the killed generate shard finished
+# every request it had left), so linuxproc and the Epilog are the default.
 #
 # Accounting is off (no slurmdbd): `sacct` cannot answer, so Snakemake's slurm executor must
 # poll with `--slurm-status-command squeue`. MinJobAge keeps finished jobs visible to squeue
@@ -64,7 +65,8 @@ freezer_writable() {
     rmdir "$probe"
 }
 EPILOG="$(cd "$(dirname "$0")" && pwd)/epilog.sh"
-if [ "${EAGLEFLOW_SLURM_PROCTRACK:-auto}" != linuxproc ] && freezer_writable; then
+if [ "${EAGLEFLOW_SLURM_PROCTRACK:-linuxproc}" = cgroup ]; then
+    freezer_writable || die "EAGLEFLOW_SLURM_PROCTRACK=cgroup: no writable cgroup v1 freezer hierarchy here"
     PROCTRACK=proctrack/cgroup
     CGROUP_CONF="CgroupPlugin=cgroup/v1
 CgroupMountpoint=/sys/fs/cgroup"
