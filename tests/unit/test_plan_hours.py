@@ -134,5 +134,7 @@ def test_served_training_takes_the_slower_of_training_and_the_epochs_extraction_
     assert hours["train"] == pytest.approx((60 + 36_000 * epochs / 500) / 3600)
     slow_server = Rates(**{**RATES.__dict__, "extract_tokens_per_s": 100.0})
     assert stage_hours(work, slow_server, 1, served)["train"] == pytest.approx((60 + 36_000 * epochs / 100) / 3600)
+    two = merged(served, {"hidden_states": {"served": {"endpoints": ["http://a:8000", "http://b:8000"]}}})
+    assert stage_hours(work, slow_server, 1, two)["train"] == pytest.approx((60 + 36_000 * epochs / 200) / 3600)
     unknown = Rates(**{**RATES.__dict__, "extract_tokens_per_s": None})
     assert stage_hours(work, unknown, 1, served)["train"] is None

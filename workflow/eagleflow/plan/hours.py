@@ -7,9 +7,9 @@ rates in `throughput` (or those a finished run measured), for 1..N verifier repl
 - hidden_states: a start of the extraction server, then every sample token the store lacks
   at `extract_tokens_per_s` (one job and one server per node; none when the store holds
   every sample, and none online, where training computes the states, nor served);
-- served (`hidden_states.mode: served`): the train job's server extracts every sample token
-  once an epoch while the draft trains on them, so each draft's training takes the longer of
-  the two, and one start of its server;
+- served (`hidden_states.mode: served`): the train job's server (or the servers
+  `served.endpoints` names, side by side) extracts every sample token once an epoch while the
+  draft trains on them, so each draft's training takes the longer of the two, and one start;
 - train: for each distinct draft, every sample token `train.epochs` times (of its
   `sample_fraction`), at its method's rate (`train_tokens_per_s`, else what a finished run
   measured for that method); the drafts one after another;
@@ -155,8 +155,10 @@ def stage_hours(work: Work, rates: Rates, replicas: int, config: dict[str, Any])
         else sum(work.tokens * passes / rate for passes, rate in per_draft) / HOUR
     )
     if mode == "served" and train is not None:
-        # Extraction and training overlap (the feed asks ahead): the slower sets the pace.
-        extract = rates.extract_tokens_per_s
+        # Extraction and training overlap (the feed asks ahead): the slower sets the pace. The
+        # servers named in served.endpoints feed the trainer side by side; else its own one.
+        servers = len(config["hidden_states"]["served"]["endpoints"] or []) or 1
+        extract = None if rates.extract_tokens_per_s is None else rates.extract_tokens_per_s * servers
         train = (
             None
             if extract is None
