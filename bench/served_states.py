@@ -28,9 +28,9 @@ from pathlib import Path
 
 import yaml
 
-from devkit.runs import copy_finished_run
-
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from devkit.runs import copy_workflow  # noqa: E402
 
 
 def tree_rss(pid: int) -> int:
@@ -84,11 +84,21 @@ class Peaks(threading.Thread):
 
 
 def fresh_copy(workdir: Path, dst: Path, run: str) -> None:
-    """The finished run without its stored states, drafts and their cache entries."""
-    copy_finished_run(workdir, dst)
-    for sub in ("hidden_states", "drafts", "variants", "baseline", "best"):
-        shutil.rmtree(dst / f"results/{run}/{sub}", ignore_errors=True)
-    shutil.rmtree(dst / f"results/{run}/.done", ignore_errors=True)
+    """The finished run's inputs to extraction and training (its results up to the vocabulary,
+    the prepared verifier, Snakemake's records of them; mtimes kept) with this checkout's
+    workflow: no stored state, no draft, no cache entry."""
+    keep = ("prompts", "generate", "synth", "dataset", "vocab", "logs", "benchmarks", "benchmark_sets.json")
+    for name in keep:
+        src = workdir / f"results/{run}/{name}"
+        if src.is_dir():
+            shutil.copytree(src, dst / f"results/{run}/{name}", symlinks=True)
+        elif src.exists():
+            (dst / f"results/{run}").mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst / f"results/{run}/{name}")
+    shutil.copytree(workdir / "resources", dst / "resources", symlinks=True)
+    if (workdir / ".snakemake/metadata").is_dir():
+        shutil.copytree(workdir / ".snakemake/metadata", dst / ".snakemake/metadata")
+    copy_workflow(dst)
 
 
 def run_mode(workdir: Path, scratch: Path, configfiles: list[str], run: str, mode: dict, name: str) -> dict:
