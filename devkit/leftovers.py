@@ -67,20 +67,21 @@ def is_under(path: str, folder: str) -> bool:
     return path == folder or path.startswith(folder.rstrip("/") + "/")
 
 
-def matches(environ: bytes, cwd: str, exe: str, cmdline: list[str], marker: bytes, under: str | None) -> bool:
-    """Whether a process belongs to the run: its environment holds `marker`, or its working
-    directory, its executable or a path on its command line lies under `under`. Pure."""
-    if marker and marker in environ.split(b"\0"):
+def matches(environ: bytes, cwd: str, exe: str, cmdline: list[str], markers: list[bytes], under: str | None) -> bool:
+    """Whether a process belongs to the run: its environment holds every one of `markers`, or
+    its working directory, its executable or a path on its command line lies under `under`. Pure."""
+    if markers and set(markers) <= set(environ.split(b"\0")):
         return True
     if under is None:
         return False
     return is_under(cwd, under) or is_under(exe, under) or any(is_under(arg, under) for arg in cmdline[:2])
 
 
-def leftovers(marker: str, under: str | None, exclude: set[int]) -> list[Leftover]:
-    """The processes of the run still alive, but those in `exclude` and kernel threads."""
+def leftovers(markers: list[str], under: str | None, exclude: set[int]) -> list[Leftover]:
+    """The processes of the run still alive (`markers`: NAME=VALUE entries their environment
+    holds, all of them), but those in `exclude` and kernel threads."""
     found = []
-    want = marker.encode()
+    want = [m.encode() for m in markers]
     for entry in PROC.iterdir():
         if not entry.name.isdigit() or int(entry.name) in exclude:
             continue
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     exclude = ancestors(os.getpid())
     deadline = time.monotonic() + args.grace_s
     while True:
-        found = leftovers(args.marker, under, exclude)
+        found = leftovers([args.marker], under, exclude)
         if not found or time.monotonic() >= deadline:
             break
         time.sleep(1)

@@ -60,21 +60,11 @@ def start_cluster() -> str:
 def job_processes(job_id: str, marker: str) -> list[str]:
     """The processes alive on this node that belong to SLURM job `job_id`: found by their
     environment, which must hold both the job's id (SLURM sets it in everything the job starts)
-    and the test's `marker` (NAME=VALUE, set in what the test submits), not by name. One line
-    each: pid and command."""
-    want = {f"SLURM_JOB_ID={job_id}".encode(), marker.encode()}
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = set((entry / "environ").read_bytes().split(b"\0"))
-            if want <= environ and b"State:\tZ" not in (entry / "status").read_bytes():
-                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                found.append(f"{entry.name} {command[:200]}")
-        except OSError:  # gone meanwhile, or a kernel thread
-            continue
-    return found
+    and the test's `marker` (NAME=VALUE, set in what the test submits), not by name
+    (devkit.leftovers, .ci/run's check). One line each: pid and command."""
+    from devkit.leftovers import leftovers
+
+    return [f"{p.pid} {p.command}" for p in leftovers([f"SLURM_JOB_ID={job_id}", marker], None, set())]
 
 
 def wait_until_no_process_of(job_id: str, marker: str, timeout_s: float = 30.0) -> list[str]:

@@ -1,13 +1,13 @@
 """The served mode's feed: each sample's states requested ahead of the training step that needs
 them, with the bytes in flight bounded (train/served.py says where the states come from).
 
-The trainer tells the feed its schedule once (`expect`: this rank's batches, in step order,
-from the resumed position on, so that no request is sent for a batch already trained) and
-then takes one batch per step (`take`). A background thread runs an event loop that walks the
-schedule and fetches each sample while the bytes of the states requested and not yet taken
-stay within `max_bytes`; the batch the trainer takes next always goes whole, so the peak is
-at most the bound plus one batch. `take` blocks until every
-sample of its batch has arrived, and gives their bytes back to the budget.
+The trainer hands the feed its schedules (`expect`: the eval split as one batch at setup, then
+this rank's batches in step order from the resumed position on, so that no request is sent for
+a batch already trained) and takes one batch at a time (`take`). A background thread runs an
+event loop that walks the schedules and fetches each sample while the bytes of the states
+requested and not yet taken stay within `max_bytes`; the batch the trainer takes next always
+goes whole, so the peak is at most the bound plus one batch. `take` blocks until every sample
+of its batch has arrived, and gives their bytes back to the budget.
 
 What it measures (FeedStats): samples received and their rate, the seconds the trainer waited
 on states (the server is the bottleneck), the seconds the feed held requests back because the
@@ -86,7 +86,7 @@ class StatesFeed(Generic[T, S]):
         self._next_take = 0
         self._loop = asyncio.new_event_loop()
         self._budget: asyncio.Condition | None = None
-        self._schedules: asyncio.Queue[Iterator[list[T]] | None] | None = None
+        self._schedules: asyncio.Queue[Iterator[list[T]]] | None = None
         self._task: asyncio.Task | None = None
         ready = threading.Event()
         self._thread = threading.Thread(target=self._serve, args=(ready,), name="states-feed", daemon=True)
@@ -130,9 +130,9 @@ class StatesFeed(Generic[T, S]):
         if len(samples) != len(items):
             raise FeedError(f"batch {b}: the trainer asked for {len(items)} samples, the schedule had {len(samples)}")
         freed = sum(self._nbytes(item) for item in items)
-        # The loop ends once it fetched the whole schedule: nothing is left to admit then.
+        # A loop that has ended (the feed failed or was closed) has nothing left to admit.
         with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._release(freed)))
+            asyncio.run_coroutine_threadsafe(self._release(freed), self._loop)
         return samples  # type: ignore[return-value]
 
     def close(self) -> None:
@@ -193,8 +193,8 @@ class StatesFeed(Generic[T, S]):
                 self._cond.notify_all()
 
         try:
-            while (schedule := await self._schedules.get()) is not None:
-                for batch in schedule:
+            while True:  # until close() cancels it
+                for batch in await self._schedules.get():
                     with self._cond:
                         self._done[b] = [None] * len(batch)
                         self._missing[b] = len(batch)

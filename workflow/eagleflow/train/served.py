@@ -39,6 +39,7 @@ import logging
 import os
 import tempfile
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -309,7 +310,7 @@ class ServedStates:
         spec = served_spec(
             self.server, verifier_dir, self.aux_layer_ids, num_layers, trust_remote_code, str(storage), mooncake
         )
-        if mooncake is None:
+        if mooncake is None and not s.endpoints:  # the launched server's own files (its scratch dir)
             storage.mkdir(parents=True, exist_ok=True)
         served = self._stack.enter_context(serve(spec, log_path, self.server, s.endpoints))
         self._urls = [served.url] if isinstance(served.url, str) else list(served.url)
@@ -351,9 +352,7 @@ class ServedStates:
     def summary(self) -> dict[str, Any]:
         """What the feeds did since this job started (the train log's and the stats row's)."""
         # How many samples arrived once, twice, ...: every epoch's samples exactly once each.
-        times: dict[int, int] = {}
-        for n in self.received.values():
-            times[n] = times.get(n, 0) + 1
+        times = Counter(self.received.values())
         received = {str(k): times[k] for k in sorted(times)}
         return {"transfer": self.settings.transfer, **self.stats.summary(), "samples_received_times": received}
 
@@ -408,8 +407,7 @@ class ServedStates:
                 )
                 stacked = check_states(item, tensors, len(self.aux_layer_ids), self.hidden_size)
             except (TransferTimeout, RefusedStates) as exc:
-                kind = exc.kind if isinstance(exc, RefusedStates) else "transfer_timeouts"
-                self.stats.count(f"refused_{kind}" if isinstance(exc, RefusedStates) else kind)
+                self.stats.count(f"refused_{exc.kind}" if isinstance(exc, RefusedStates) else "transfer_timeouts")
                 last = str(exc)
                 log.warning("sample %s: %s; asking the server again (%d of %d)", item.id, exc, attempt + 1, attempts)
                 continue
