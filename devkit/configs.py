@@ -38,7 +38,7 @@ def lean_server_config(**overrides):
 def extraction_section(hidden_states: dict) -> dict:
     """The hidden_states section as the extraction and parity jobs receive it (workflow/rules:
     section_without): without `served`, served mode's transfer, which the train job reads
-    (train.served.ServedSettings)."""
+    (train.served_servers.ServedSettings)."""
     return {k: v for k, v in hidden_states.items() if k != "served"}
 
 

@@ -19,8 +19,8 @@ SMALL = REPO / "tests/config/small.yaml"
 # The test node's memory is shared by concurrent jobs; SLURM does not enforce it here
 # (no cgroups), it only has to fit the node for scheduling.
 TEST_MEM_MB = 2000
-# Where tests/slurm/start_cluster.sh's slurmd writes its process id.
-SLURMD_PIDFILE = Path("/run/slurmd.pid")
+# Where tests/slurm/start_cluster.sh's slurmds write their process ids (one per node).
+SLURMD_PIDFILES = "/run/slurmd-*.pid"
 # The small config with a learning curve: one more variant, lc-50, on the shared run's data.
 WITH_CURVE = {"learning_curve": {"fractions": [0.5]}}
 
@@ -83,12 +83,13 @@ def run_jobs_on_this_workers_cpus() -> None:
     while their own idled (CI: test_slurm.py's run 372 s, 176 s on its own CPU; one of two CPUs idle
     for 9 minutes). The SLURM modules run on one worker (tests/conftest.py's SLURM_MODULES)."""
     cpus = os.sched_getaffinity(0)
-    pid = SLURMD_PIDFILE.read_text().strip()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            os.sched_setaffinity(int(task.name), cpus)
-        except ProcessLookupError:  # a thread that ended meanwhile
-            continue
+    for pidfile in Path("/").glob(SLURMD_PIDFILES.lstrip("/")):
+        pid = pidfile.read_text().strip()
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                os.sched_setaffinity(int(task.name), cpus)
+            except ProcessLookupError:  # a thread that ended meanwhile
+                continue
 
 
 def node_cpus() -> int:

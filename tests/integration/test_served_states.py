@@ -57,6 +57,17 @@ def server_lease(wf: Path) -> dict | None:
     return None
 
 
+def train_job_pid(wf: Path) -> int | None:
+    """The train job's pid: the process that launched its (shared) extraction server
+    (runtime.shared_server's server.json)."""
+    for path in (wf / f"{RUN}/logs/servers").glob("shared-served-0-*/server.json"):
+        try:
+            return json.loads(path.read_text())["launched_by_pid"]
+        except (OSError, json.JSONDecodeError, KeyError):
+            continue
+    return None
+
+
 def drafts(wf: Path) -> list[Path]:
     return sorted((wf / f"{RUN}/drafts").glob("*/draft"))
 
@@ -102,9 +113,9 @@ def runs(finished_run, module_tmp):
             server_killed = next((p for p in group_members(held["pgid"]) if parent_pid(p) == held["pgid"]), None)
             if server_killed:
                 os.kill(server_killed, signal.SIGKILL)
-        elif server_killed and checkpoints(served) and (held := server_lease(served)):
-            os.kill(held["owner_pid"], signal.SIGKILL)  # the train job, as the OOM killer would
-            job_killed = held["owner_pid"]
+        elif server_killed and checkpoints(served) and (job := train_job_pid(served)):
+            os.kill(job, signal.SIGKILL)  # the train job, as the OOM killer would
+            job_killed = job
         time.sleep(0.05)
     first_out = first.communicate(timeout=900)[0]
     first_log = train_log(served).read_text() if train_log(served) else ""
@@ -212,6 +223,7 @@ def through_mooncake(runs, module_tmp):
     from eagleflow.runtime.spec import ServerConfig, ServerSpec
     from eagleflow.train.online import load_token_samples
     from eagleflow.train.served import ServedStates
+    from eagleflow.train.served_servers import served_backing
 
     wf = runs["offline"]
     config = merged(
@@ -233,7 +245,14 @@ def through_mooncake(runs, module_tmp):
     train, evals = load_token_samples(
         str(wf / f"{RUN}/dataset/train.parquet"), str(wf / f"{RUN}/dataset/eval.parquet"), 1.0
     )
-    source = ServedStates(verifier, served, str(module_tmp / "mooncake" / "train.log"))
+    log_path = str(module_tmp / "mooncake" / "train.log")
+    # The launcher's part (the master), then one training process's.
+    with served_backing(served, log_path) as backed:
+        fetched = fetch_all_then_kill_the_master(ServedStates(verifier, backed, log_path), train, evals)
+    return {**fetched, "wf": wf}
+
+
+def fetch_all_then_kill_the_master(source, train, evals) -> dict:
     try:
         items = train + evals
         source.expect([items[i : i + 3] for i in range(0, len(items), 3)])
@@ -248,7 +267,7 @@ def through_mooncake(runs, module_tmp):
             master_error = exc
     finally:
         source.close()
-    return {"items": items, "got": got, "summary": summary, "master_error": master_error, "wf": wf}
+    return {"items": items, "got": got, "summary": summary, "master_error": master_error}
 
 
 @pytest.mark.vllm

@@ -1,8 +1,18 @@
 #!/usr/bin/env bash
-# A real one-node SLURM cluster on this machine, for tests/integration/test_slurm.py (and by hand:
+# A real SLURM cluster on this machine, for the SLURM tests (and by hand:
 # `sudo tests/slurm/start_cluster.sh`). Idempotent: installs Debian's slurm-wlm and munge
-# if missing, writes /etc/slurm/slurm.conf if it differs, starts munged, slurmctld and slurmd
-# if they are not running, and waits until the node is idle. Prints the partition name.
+# if missing, writes /etc/slurm/slurm.conf if it differs, starts munged, slurmctld and the
+# slurmds if they are not running, and waits until the nodes are idle. Prints the partition name.
+#
+# Two nodes. This host is the first, and the partition every test submits to by default holds
+# it alone. The second, `eagleflow-n2`, is a slurmd in a network namespace and a UTS namespace
+# of its own (ip netns, unshare): its own hostname, its own loopback and one address,
+# 10.77.0.2, on a veth pair whose other end, 10.77.0.1, is the first node's address in the
+# cluster. A server the second node binds is reachable only at that address, as on another
+# machine; the filesystem and munge's socket are shared, as a cluster's shared filesystem
+# would be. The partition `<partition>-two` holds both (tests/integration/test_served_slurm.py:
+# the trainer on one node, vLLM on the other). Where network namespaces cannot be made,
+# the cluster is the first node alone and says so on stderr.
 #
 # A cancelled job is dead, every process of it. proctrack/linuxproc kills the processes it finds
 # under the job's steps by their parent pids, at once; a process that left the tree (a daemonized
@@ -54,6 +64,36 @@ if ! munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1; then
 fi
 
 HOST="$(hostname -s)"
+NODE2=eagleflow-n2
+NETNS=eagleflow-n2
+HOST_ADDR=10.77.0.1
+NODE2_ADDR=10.77.0.2
+
+# The second node's network: a namespace with loopback and one end of a veth pair, its
+# default route the first node. Idempotent.
+second_node_network() {
+    if ! ip netns list 2>/dev/null | grep -qw "$NETNS"; then
+        ip netns add "$NETNS" || return 1
+    fi
+    if ! ip link show eagleflow-n1 >/dev/null 2>&1; then
+        ip link add eagleflow-n1 type veth peer name eagleflow-n2 || return 1
+        ip link set eagleflow-n2 netns "$NETNS" || return 1
+    fi
+    ip addr show eagleflow-n1 | grep -q "inet $HOST_ADDR/" || ip addr add "$HOST_ADDR/24" dev eagleflow-n1 || return 1
+    ip link set eagleflow-n1 up || return 1
+    ip netns exec "$NETNS" sh -c "
+        ip link set lo up &&
+        { ip addr show eagleflow-n2 | grep -q 'inet $NODE2_ADDR/' || ip addr add $NODE2_ADDR/24 dev eagleflow-n2; } &&
+        ip link set eagleflow-n2 up &&
+        { ip route show default | grep -q . || ip route add default via $HOST_ADDR; }" || return 1
+}
+if second_node_network; then
+    TWO_NODES=1
+else
+    echo "start_cluster: no network namespace here: the cluster is one node, without $NODE2" >&2
+    TWO_NODES=0
+    HOST_ADDR=127.0.0.1
+fi
 CPUS="$(nproc)"
 # Declare less memory than the machine has: slurmd drains a node whose RealMemory exceeds
 # what it finds.
@@ -75,20 +115,20 @@ else
     CGROUP_CONF=""
 fi
 
-mkdir -p "$CONF_DIR" "$STATE/slurmctld" "$STATE/slurmd" "$LOGS"
+mkdir -p "$CONF_DIR" "$STATE/slurmctld" "$STATE/slurmd-$HOST" "$STATE/slurmd-$NODE2" "$LOGS"
 NEW_CONF="$(cat <<CONF
-# Written by eagleflow tests/slurm/start_cluster.sh: one node, no accounting, for tests.
+# Written by eagleflow tests/slurm/start_cluster.sh: no accounting, for tests.
 ClusterName=eagleflow
-SlurmctldHost=$HOST(127.0.0.1)
+SlurmctldHost=$HOST($HOST_ADDR)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 StateSaveLocation=$STATE/slurmctld
-SlurmdSpoolDir=$STATE/slurmd
+SlurmdSpoolDir=$STATE/slurmd-%n
 SlurmctldPidFile=/run/slurmctld.pid
-SlurmdPidFile=/run/slurmd.pid
+SlurmdPidFile=/run/slurmd-%n.pid
 SlurmctldLogFile=$LOGS/slurmctld.log
-SlurmdLogFile=$LOGS/slurmd.log
+SlurmdLogFile=$LOGS/slurmd-%n.log
 ProctrackType=$PROCTRACK
 Epilog=$EPILOG
 TaskPlugin=task/none
@@ -101,10 +141,15 @@ MpiDefault=none
 ReturnToService=2
 MinJobAge=3600
 SchedulerType=sched/backfill
-NodeName=$HOST NodeAddr=127.0.0.1 CPUs=$CPUS RealMemory=$MEM_MB State=UNKNOWN
+NodeName=$HOST NodeAddr=$HOST_ADDR CPUs=$CPUS RealMemory=$MEM_MB State=UNKNOWN
 PartitionName=$PARTITION Nodes=$HOST Default=YES MaxTime=INFINITE State=UP
 CONF
 )"
+if [ "$TWO_NODES" = 1 ]; then
+    NEW_CONF="$NEW_CONF
+NodeName=$NODE2 NodeAddr=$NODE2_ADDR CPUs=$CPUS RealMemory=$MEM_MB State=UNKNOWN
+PartitionName=$PARTITION-two Nodes=$HOST,$NODE2 MaxTime=INFINITE State=UP"
+fi
 
 running() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
@@ -113,7 +158,7 @@ if [ ! -f "$CONF" ] || [ "$(cat "$CONF")" != "$NEW_CONF" ] || [ "$(cat "$CGROUP_
     printf '%s\n' "$NEW_CONF" >"$CONF"
     if [ -n "$CGROUP_CONF" ]; then printf '%s\n' "$CGROUP_CONF" >"$CGROUP_FILE"; else rm -f "$CGROUP_FILE"; fi
     # A changed config needs restarted daemons; stop the ones this script started before.
-    for pidfile in /run/slurmd.pid /run/slurmctld.pid; do
+    for pidfile in /run/slurmd.pid /run/slurmd-$HOST.pid /run/slurmd-$NODE2.pid /run/slurmctld.pid; do
         if running "$pidfile"; then
             pid="$(cat "$pidfile")"
             kill "$pid"
@@ -125,18 +170,28 @@ fi
 running /run/slurmctld.pid || slurmctld
 for _ in $(seq 100); do scontrol ping 2>/dev/null | grep -q "is UP" && break; sleep 0.2; done
 scontrol ping | grep -q "is UP" || die "slurmctld does not answer; see $LOGS/slurmctld.log"
-running /run/slurmd.pid || slurmd
+running "/run/slurmd-$HOST.pid" || slurmd
+if [ "$TWO_NODES" = 1 ] && ! running "/run/slurmd-$NODE2.pid"; then
+    # Its own network and hostname; slurmd finds its NodeName by the hostname. nsenter, not
+    # `ip netns exec`, which mounts a /sys of the namespace's own without the cgroup mounts.
+    nsenter --net="/run/netns/$NETNS" unshare --uts sh -c "hostname $NODE2 && exec slurmd"
+fi
 
+NODES="$HOST"
+[ "$TWO_NODES" = 1 ] && NODES="$HOST $NODE2"
 deadline=$((SECONDS + WAIT_S))
-while :; do
-    state="$(sinfo -h -N -n "$HOST" -o %T 2>/dev/null | head -1)"
-    case "$state" in
-        idle | mixed | allocated) break ;;
-        down* | drain* | drained*)
-            # Left over from an earlier start (e.g. a node that was not responding).
-            scontrol update NodeName="$HOST" State=RESUME 2>/dev/null || true ;;
-    esac
-    [ "$SECONDS" -lt "$deadline" ] || die "node $HOST is '$state' after ${WAIT_S}s; see $LOGS/slurmd.log and $LOGS/slurmctld.log"
-    sleep 1
+for node in $NODES; do
+    while :; do
+        state="$(sinfo -h -N -n "$node" -o %T 2>/dev/null | head -1)"
+        case "$state" in
+            idle | mixed | allocated) break ;;
+            down* | drain* | drained*)
+                # Left over from an earlier start (e.g. a node that was not responding).
+                scontrol update NodeName="$node" State=RESUME 2>/dev/null || true ;;
+        esac
+        [ "$SECONDS" -lt "$deadline" ] \
+            || die "node $node is '$state' after ${WAIT_S}s; see $LOGS/slurmd-$node.log and $LOGS/slurmctld.log"
+        sleep 1
+    done
 done
 echo "$PARTITION"

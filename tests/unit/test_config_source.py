@@ -23,7 +23,7 @@ from eagleflow.plan.hours import Rates
 from eagleflow.prompts.config import FilterConfig, PromptsConfig, WrittenConfig
 from eagleflow.runtime.spec import ServerConfig
 from eagleflow.train.config import TrainConfig
-from eagleflow.train.served import MooncakeSettings, ServedSettings
+from eagleflow.train.served_servers import MooncakeSettings, ServedSettings
 from eagleflow.vocab import VocabConfig
 
 # Every typed section: the dataclass a job reads the section into, by the section's key.

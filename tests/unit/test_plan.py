@@ -235,7 +235,7 @@ def test_online_mode_does_not_fit_when_the_verifier_does_not_fit_beside_the_draf
     write_dataset(tmp_path, "t", [100, 50, 30])
     roomy = make_plan(config, tmp_path, gpu_memory=10**12)
     assert not roomy.suggestions
-    need = roomy.gpu[-1]["bytes"]
+    need = next(r["bytes"] for r in roomy.gpu if r["what"].startswith("online mode"))
     tight = make_plan(config, tmp_path, gpu_memory=need - 1)
     assert any(s.startswith("hidden_states.mode: offline") for s in tight.suggestions)
     assert (

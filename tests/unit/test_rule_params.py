@@ -95,14 +95,32 @@ def test_served_states_reach_training_only_served_and_only_what_shapes_the_state
     with pytest.raises(ConfigError, match="target: topk"):
         topk = merged(served, {"hidden_states": {"target": "topk"}})
         rp.served_states(topk, argv(topk))
-    ranks = merged(served, {"train": {"nproc_per_node": 2}})
-    with pytest.raises(ConfigError, match="hidden_states.served.endpoints"):
-        rp.served_states(ranks, argv(ranks))
+    # Several training processes share the launched servers; where and how many changes no state.
+    ranks = merged(served, {"train": {"nproc_per_node": 2}, "hidden_states": {"served": {"servers": 3}}})
+    assert rp.served_states(ranks, argv(ranks)) == states
     given = merged(ranks, {"hidden_states": {"served": {"endpoints": ["http://127.0.0.1:8000"]}}})
     assert rp.served_states(given, argv(given)) == states
     theirs = merged(given, {"hidden_states": {"served": {"transfer": "mooncake"}}})
     with pytest.raises(ConfigError, match="mooncake.master"):
         rp.served_states(theirs, argv(theirs))
+    elsewhere = merged(served, {"hidden_states": {"served": {"placement": "nodes"}}})
+    with pytest.raises(ConfigError, match="set transfer: mooncake"):
+        rp.served_states(elsewhere, argv(elsewhere))
+
+
+def test_a_served_train_job_asks_for_its_servers_nodes_or_gpus():
+    served = merged(CONFIG, {"hidden_states": {"mode": "served", "served": {"servers": 2}}})
+    gpus = merged(served, {"server": {"gpus": 4}, "train": {"gpus": 1}})
+    # On its host: its own GPUs and its servers'; one node.
+    assert rp.gpus(gpus, "train") == 1 + 2 * 4 and rp.train_nodes(gpus) == 1
+    # On nodes of their own: the servers' GPUs are theirs; one node more for each.
+    nodes = merged(gpus, {"hidden_states": {"served": {"placement": "nodes", "transfer": "mooncake"}}})
+    assert rp.gpus(nodes, "train") == 1 and rp.train_nodes(nodes) == 3
+    # Servers it does not launch, or another mode: nothing more.
+    named = merged(nodes, {"hidden_states": {"served": {"endpoints": ["http://10.0.0.2:8000"]}}})
+    assert rp.gpus(named, "train") == 1 and rp.train_nodes(named) == 1
+    offline = merged(nodes, {"hidden_states": {"mode": "offline"}})
+    assert rp.gpus(offline, "train") == 1 and rp.train_nodes(offline) == 1
 
 
 def test_the_server_reaches_states_only_through_the_vllm_backend():

@@ -20,8 +20,8 @@ from eagleflow.train.served import (
     ServedStatesError,
     TransferTimeout,
     check_states,
-    served_spec,
 )
+from eagleflow.train.served_servers import served_spec
 
 NUM_AUX, HIDDEN = 2, 4
 

@@ -71,7 +71,26 @@ def gpus(config: dict[str, Any], stage: str) -> int:
         return server_gpus
     if stage == "hidden_states" and config["hidden_states"]["backend"] == "vllm":
         return 0 if config["hidden_states"]["vllm"]["endpoint"] else server_gpus
+    if stage == "train":
+        return config["train"]["gpus"] + served_host_gpus(config)
     return config[stage]["gpus"]
+
+
+def served_host_gpus(config: dict[str, Any]) -> int:
+    """GPUs of the extraction servers a served-mode train job launches on its own host."""
+    hs = config["hidden_states"]
+    served = hs["served"]
+    if hs["mode"] != "served" or served["endpoints"] or served["placement"] != "host":
+        return 0
+    return served["servers"] * config["server"]["gpus"]
+
+
+def train_nodes(config: dict[str, Any]) -> int:
+    """Nodes the train job asks SLURM for (the `nodes` resource): its own, and in served mode
+    with placement: nodes one more for each server it launches (train/served_servers.py)."""
+    served = config["hidden_states"]["served"]
+    on_nodes = served["placement"] == "nodes" and not served["endpoints"]
+    return 1 + served["servers"] if config["hidden_states"]["mode"] == "served" and on_nodes else 1
 
 
 def hidden_states_server(config: dict[str, Any], verifier_argv: Sequence[str]) -> list[list[str]]:
@@ -158,17 +177,16 @@ def served_states(config: dict[str, Any], verifier_argv: Sequence[str]) -> dict[
             "hidden_states.target: topk makes stored states smaller; hidden_states.mode: served stores none "
             "and trains on the final state (set target: final_state, or mode: offline)"
         )
-    if config["train"]["nproc_per_node"] > 1 and not hs["served"]["endpoints"]:
-        raise ConfigError(
-            "hidden_states.mode: served launches one extraction server per train job, for one training "
-            "process; with train.nproc_per_node > 1 start the servers yourself and name them in "
-            "hidden_states.served.endpoints (every rank asks them for its own batches)"
-        )
     served = hs["served"]
     if served["endpoints"] and served["transfer"] == "mooncake" and not served["mooncake"]["master"]:
         raise ConfigError(
             "hidden_states.served.endpoints with transfer: mooncake: set hidden_states.served.mooncake.master "
             "to the master those servers put the states into"
+        )
+    if served["placement"] == "nodes" and served["transfer"] != "mooncake":
+        raise ConfigError(
+            "hidden_states.served.placement: nodes runs the servers on other nodes than the trainer, and the "
+            "file transfer reads the server's files on one host: set transfer: mooncake"
         )
     return {
         "aux_layer_ids": hs["aux_layer_ids"],

@@ -241,6 +241,10 @@ def gpus(stage):
     return rule_params.gpus(config, stage)
 
 
+def train_nodes():
+    return rule_params.train_nodes(config)
+
+
 def part_paths():
     """The extraction parts' manifests (hidden_states.run: one job per part, its samples by a
     stable hash of their ids)."""

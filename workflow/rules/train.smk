@@ -18,6 +18,8 @@ rule train:
     threads: all_cores()
     resources:
         gpu=gpus("train"),
+        # Served mode with placement: nodes: one node more per extraction server (SLURM --nodes).
+        nodes=train_nodes(),
     params:
         train=draft_section("train"),
         serve_verifier_path=serve_verifier_path,

@@ -156,8 +156,9 @@ def stage_hours(work: Work, rates: Rates, replicas: int, config: dict[str, Any])
     )
     if mode == "served" and train is not None:
         # Extraction and training overlap (the feed asks ahead): the slower sets the pace. The
-        # servers named in served.endpoints feed the trainer side by side; else its own one.
-        servers = len(config["hidden_states"]["served"]["endpoints"] or []) or 1
+        # servers named in served.endpoints, or the replicas it launches, feed it side by side.
+        served_cfg = config["hidden_states"]["served"]
+        servers = len(served_cfg["endpoints"] or []) or served_cfg["servers"]
         extract = None if rates.extract_tokens_per_s is None else rates.extract_tokens_per_s * servers
         train = (
             None

@@ -37,7 +37,7 @@ def planned_loads(jobs: dict[str, int], config: dict[str, Any]) -> dict[str, int
     states, computed by the same backend) share one server: one load. A stage that
     uses an already running server (`server.endpoint`, `hidden_states.vllm.endpoint`) loads
     nothing. Online (`hidden_states.mode: online`) every train job loads the verifier itself, and
-    served every train job starts its extraction server (none with `hidden_states.served.endpoints`)."""
+    served every train job starts its extraction servers (`served.servers`; none with `served.endpoints`)."""
     jobs = by_eagleflow_rule(jobs)
     hs = config["hidden_states"]
     extraction_endpoint = hs["backend"] == "vllm" and hs["vllm"]["endpoint"]
@@ -49,7 +49,7 @@ def planned_loads(jobs: dict[str, int], config: dict[str, Any]) -> dict[str, int
         "generate": jobs.get("generate", 0) if own_server else 0,
         # An upper bound: a job whose samples the store holds starts nothing.
         "hidden_states": 0 if extraction_endpoint else jobs.get("hidden_states", 0),
-        "train": jobs.get("train", 0)
+        "train": jobs.get("train", 0) * (hs["served"]["servers"] if hs["mode"] == "served" else 1)
         if hs["mode"] == "online" or (hs["mode"] == "served" and not hs["served"]["endpoints"])
         else 0,
         "baseline": jobs.get("baseline", 0),

@@ -31,6 +31,7 @@ import yaml
 from eagleflow.common.config import typed, validate_config
 from eagleflow.hidden_states.layers import default_aux_layer_ids
 from eagleflow.hidden_states.storage import FP8, num_stored_states, shard_bytes, target_topk, token_bytes
+from eagleflow.plan.fit import side_by_side
 from eagleflow.plan.hours import Rates, measured_rates, planned_work, render_hours
 from eagleflow.plan.sizes import (
     Geometry,
@@ -39,6 +40,7 @@ from eagleflow.plan.sizes import (
     draft_train_bytes,
     estimated_weight_bytes,
     free_bytes,
+    gpu_count,
     gpu_memory_bytes,
     optimizer_state_floats,
     weight_bytes_on_disk,
@@ -77,10 +79,12 @@ def make_plan(
     gpu_memory: int | None = None,
     assume_prompt_tokens: int = 256,
     samples: list[int] | None = None,
+    host_gpus: int | None = None,
 ) -> Plan:
     """The plan for `config` run from `root`. `verifier_config`: config.json to use when the
     verifier is not on this machine; `gpu_memory`: bytes per GPU (default: nvidia-smi's);
-    `samples`: sample counts to give the hours at (default: the run's own)."""
+    `samples`: sample counts to give the hours at (default: the run's own); `host_gpus`: GPUs
+    of one host (default: nvidia-smi's count; without GPUs here, the servers' own)."""
     run = config["run"]
     plan = Plan(run, None, gpu_memory=gpu_memory if gpu_memory is not None else gpu_memory_bytes())
     vdir = verifier_dir(config, root)
@@ -215,6 +219,7 @@ def make_plan(
             }
         )
     plan.suggestions = suggest(plan, config, num_aux, g.hidden_size, weights, mem["total"])
+    served_fit(plan, config, weights, mem["total"], host_gpus if host_gpus is not None else gpu_count())
     rates, measured = measured_rates(root, run, typed(Rates, config["throughput"], "throughput"))
     work = planned_work(
         tokens.samples,
@@ -283,6 +288,36 @@ def suggest(
             f"{plan.gpu_memory / GB:.0f}; halve batch_tokens (activations scale with it)"
         )
     return out
+
+
+def served_fit(plan: Plan, config: dict[str, Any], weights: int, train_bytes: int, host_gpus: int | None) -> None:
+    """Whether served mode's servers and the trainer fit side by side on one host (plan.fit):
+    a GPU row, and a setting that would fit when a served run does not (another mode's run is
+    told whether served mode would fit its host)."""
+    hs = config["hidden_states"]
+    if hs["mode"] == "served" and hs["served"]["placement"] != "host":
+        return
+    fit = side_by_side(config, weights, train_bytes, plan.gpu_memory, host_gpus)
+    if fit is None:
+        return
+    verdict = "fit" if fit.fits else "do not fit"
+    plan.gpu.append(
+        {"what": f"served mode on one host: the servers and the trainer side by side {verdict}", "bytes": fit.bytes}
+        | {"per": fit.detail}
+    )
+    if fit.fits:
+        return
+    if hs["mode"] == "served":
+        plan.suggestions.append(
+            "hidden_states.served.placement: nodes (each server on a node of its own beside the trainer's, a "
+            "SLURM run) or hidden_states.mode: offline (the states stored first): on one host the servers and "
+            f"the trainer do not fit side by side ({fit.detail})"
+        )
+    else:
+        plan.notes.append(
+            f"hidden_states.mode: served would not fit this host: {fit.detail}. It stays {hs['mode']} here; served "
+            "runs with placement: nodes (the servers on other nodes)"
+        )
 
 
 def distinct_drafts(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -397,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--configfile", action="append", default=[], help="merged over config/config.yaml, in order")
     ap.add_argument("--verifier-config", help="the verifier's config.json, when the verifier is not on this machine")
     ap.add_argument("--gpu-memory-gb", type=float, help="memory per GPU (default: nvidia-smi's)")
+    ap.add_argument("--host-gpus", type=int, help="GPUs of one host (default: nvidia-smi's; without: the server's)")
     ap.add_argument("--assume-prompt-tokens", type=int, default=256, help="prompt length when the prompts are absent")
     ap.add_argument("--samples", type=int, nargs="+", help="give the hours at these sample counts")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -410,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         gpu_memory=int(args.gpu_memory_gb * GB) if args.gpu_memory_gb else None,
         assume_prompt_tokens=args.assume_prompt_tokens,
         samples=args.samples,
+        host_gpus=args.host_gpus,
     )
     if args.json:
         print(json.dumps(plan, default=lambda o: o.__dict__ if hasattr(o, "__dict__") else str(o), indent=1))

@@ -227,3 +227,8 @@ def gpu_memory_bytes() -> int | None:
     """The smallest visible GPU's memory, from nvidia-smi; None without GPUs."""
     sizes = [int(x) * 2**20 for x in nvidia_smi("memory.total")]
     return min(sizes) if sizes else None
+
+
+def gpu_count() -> int | None:
+    """The GPUs nvidia-smi sees here; None without GPUs."""
+    return len(nvidia_smi("memory.total")) or None

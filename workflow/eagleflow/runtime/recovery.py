@@ -185,3 +185,17 @@ class RestartSharedServer(RestartServer):
             if time.monotonic() > deadline:
                 return f"runs, but its /health has not answered 200 for {grace:.0f} s"
             await asyncio.sleep(0.5)
+
+
+class ByUrl(Recovery):
+    """Several servers behind one client (launched replicas): each URL's own recovery."""
+
+    def __init__(self, by_url: dict[str, Recovery]):
+        self.by_url = {url.rstrip("/"): recovery for url, recovery in by_url.items()}
+
+    @property
+    def restarts(self) -> int:  # type: ignore[override]
+        return sum(r.restarts for r in self.by_url.values())
+
+    async def recover(self, url: str, cause: str) -> bool:
+        return await self.by_url[url.rstrip("/")].recover(url, cause)

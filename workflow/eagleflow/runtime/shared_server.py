@@ -95,7 +95,9 @@ class SharedServer:
         """Launch the server for the phase (the caller holds the lock)."""
         claim = assign_job_gpus(self.sharing.gpus)
         try:
-            server = VllmServer(dataclasses.replace(self.spec, port=port), self.log_path, self.lease_dir)
+            # A spec's own port (a server on another node) unless restarted on the one it had.
+            spec = dataclasses.replace(self.spec, port=port or self.spec.port)
+            server = VllmServer(spec, self.log_path, self.lease_dir)
             server.launch(
                 shared=self.dir, linger_s=self.sharing.linger_s, pass_fds=claim.fds() if claim else (), kind=kind
             )

