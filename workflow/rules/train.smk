@@ -18,8 +18,10 @@ rule train:
     threads: all_cores()
     resources:
         gpu=gpus("train"),
-        # Served mode with placement: nodes: one node more per extraction server (SLURM --nodes).
+        # Served mode with placement: nodes: one node more per extraction server (SLURM --nodes),
+        # a task on each (SLURM fits --ntasks=1 on one node, whatever --nodes says).
         nodes=train_nodes(),
+        tasks=train_nodes(),
     params:
         train=draft_section("train"),
         serve_verifier_path=serve_verifier_path,

@@ -56,14 +56,19 @@ def node_addresses(show_node: str) -> dict[str, str]:
 def allocation(environ: dict[str, str] | None = None) -> Allocation:
     """This job's nodes, this one first. PlacementError outside a SLURM job."""
     env = os.environ if environ is None else environ
-    job_id, nodelist = env.get("SLURM_JOB_ID"), env.get("SLURM_JOB_NODELIST")
-    if not job_id or not nodelist:
+    job_id = env.get("SLURM_JOB_ID")
+    if not job_id:
         raise PlacementError(
             "hidden_states.served.placement: nodes places the servers on nodes of the train job's SLURM "
-            "allocation, and this job runs outside SLURM (no SLURM_JOB_ID, SLURM_JOB_NODELIST): run it "
-            "with the SLURM profile (profiles/slurm), or use placement: host"
+            "allocation, and this job runs outside SLURM (no SLURM_JOB_ID): run it with the SLURM profile "
+            "(profiles/slurm), or use placement: host"
         )
-    names = _scontrol("show", "hostnames", nodelist).split()
+    # The job's nodes from slurmctld: inside a step (Snakemake's jobstep runs the rule with
+    # `srun -n1`) SLURM_JOB_NODELIST is the step's one node.
+    found = re.search(r"(?:^|\s)NodeList=(\S+)", _scontrol("-o", "show", "job", job_id))
+    if found is None:
+        raise PlacementError(f"scontrol show job {job_id} names no NodeList")
+    names = _scontrol("show", "hostnames", found.group(1)).split()
     this = env.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
     if this not in names:
         raise PlacementError(f"this node, {this}, is not among the job's nodes {names}")
