@@ -1,11 +1,12 @@
 """Served mode across two nodes of the test SLURM cluster (tests/slurm/start_cluster.sh: this
 host, and a slurmd in a network and UTS namespace of its own, reachable only at its address):
 the train job of the shared run's draft goes through the SLURM profile with
-`hidden_states.served.placement: nodes`. It asks for two nodes; the trainer and the Mooncake
-master run on the one its batch script lands on, and vLLM's extraction server on the other,
-started by `srun` as a step of the same job and bound to that node's address. Every state
-crosses from one node's Mooncake client to the other's. When the job ends nothing of it is
-alive. The same xdist scope as the other SLURM modules (tests/conftest.py)."""
+`hidden_states.served.placement: nodes`. It asks for two nodes; the trainer (two data-parallel
+processes) and the Mooncake master run on the one its batch script lands on, and vLLM's
+extraction server on the other, started by `srun` as a step of the same job and bound to that
+node's address, one server for both training processes. Every state crosses from one node's
+Mooncake client to the other's. When the job ends nothing of it is alive. The same xdist
+scope as the other SLURM modules (tests/conftest.py)."""
 
 import json
 import re
@@ -24,8 +25,8 @@ ON_NODES = {
         "mode": "served",
         "served": {"transfer": "mooncake", "placement": "nodes", "servers": 1, "max_inflight_mb": 4},
     },
-    # Its own draft: not the shared run's (nothing restored from the output cache).
-    "train": {"seed": 7},
+    # Its own draft (nothing restored from the output cache), on two processes (gloo).
+    "train": {"seed": 7, "nproc_per_node": 2},
 }
 
 
@@ -78,6 +79,27 @@ def test_the_server_runs_on_the_other_node_and_every_state_crosses(on_two_nodes)
     assert served["transfer"] == "mooncake" and served["received"] == served["requested"] > 0, served
     assert not any(k.startswith(("refused_", "transfer_timeouts")) for k in served), served
     assert server_node in log and (on_two_nodes["wf"] / f"{RUN}/logs/served-0.server.log").exists()
+
+
+@pytest.mark.slurm
+@pytest.mark.vllm
+def test_one_server_feeds_both_training_processes_each_sample_once_an_epoch(on_two_nodes):
+    """One launch for the job: the first process starts the server, the other attaches. Each
+    epoch trains on every sample once (by one process or the other), and each process asks for
+    the eval split once: with two epochs and two processes, every sample arrives twice."""
+    from eagleflow.runtime.ledger import read_loads
+    from eagleflow.train.online import load_token_samples
+
+    wf = on_two_nodes["wf"]
+    loads = [(r["kind"], r["shared"]) for r in read_loads(wf / f"{RUN}/logs/servers") if r["stage"] == "train"]
+    assert loads == [("start", True)], loads
+    assert "using the phase's shared vLLM" in on_two_nodes["train_log"]
+    (metrics,) = (wf / f"{RUN}/drafts").glob("*/train/metrics.jsonl")
+    (served,) = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["split"] == "served"]
+    dataset = wf / f"{RUN}/dataset"
+    train, evals = load_token_samples(str(dataset / "train.parquet"), str(dataset / "eval.parquet"), 1.0)
+    assert served["processes"] == 2
+    assert served["samples_received_times"] == {"2": len(train) + len(evals)}, served
 
 
 @pytest.mark.slurm

@@ -244,3 +244,20 @@ def test_the_served_server_is_the_offline_backends_with_the_mooncake_connector_i
         a for a in file_spec.extra_args if a != file_spec.extra_args[flag + 1]
     ]
     assert spec.scratch_dirs == () and file_spec.scratch_dirs == ("/tmp/x",)
+
+
+def test_the_training_processes_summaries_merge_into_one_row():
+    """Several data-parallel processes each count what they fetched; the stats row adds the
+    counts up and keeps the largest peak and waits, and counts each sample's arrivals over all
+    of them (an eval sample every process asked for arrives once per process)."""
+    items = [token_sample(i) for i in range(3)]
+    first, second = faulty_source({}, 0, items), faulty_source({}, 0, items)
+    first.stats.requested, first.stats.received, first.stats.peak_bytes_in_flight = 2, 2, 100
+    second.stats.requested, second.stats.received, second.stats.peak_bytes_in_flight = 3, 3, 70
+    first.stats.count("refused_nonfinite")
+    first.received, second.received = {"s0": 1, "e": 1}, {"s1": 1, "s2": 1, "e": 1}
+    merged = first.summary([first.part(), second.part()])
+    assert merged["processes"] == 2 and merged["requested"] == 5 and merged["received"] == 5
+    assert merged["peak_bytes_in_flight"] == 100 and merged["refused_nonfinite"] == 1
+    assert merged["samples_received_times"] == {"1": 3, "2": 1}
+    assert first.summary()["samples_received_times"] == {"1": 2} and first.summary()["processes"] == 1

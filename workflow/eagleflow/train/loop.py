@@ -415,14 +415,20 @@ class Trainer:
     def export(self) -> None:
         """Rank 0 writes the best draft and the metrics rows, then drops this run's checkpoints."""
         job, state = self.job, self.state
+        # Served mode: what the feeds did in every training process (since the job started or resumed).
+        served = []
+        if isinstance(self.source, ServedStates):
+            parts = [self.source.part()]
+            if self.rt.world_size > 1:
+                parts = [None] * self.rt.world_size
+                dist.all_gather_object(parts, self.source.part())
+            served = [{"split": "served", **self.source.summary(parts)}]
         if self.rt.is_main:
             if self.best is None:
                 raise RuntimeError("no validation ran, so there is no best draft to export")
             final = {k: v.detach() for k, v in self.model.state_dict().items()} | self.best
             with atomic_path(job.draft_out) as tmp_draft:
                 export_draft(self.model, final, tmp_draft, job.serve_verifier_path)
-            # Served mode: what the feed did in this process (since the job started or resumed).
-            served = [{"split": "served", **self.source.summary()}] if isinstance(self.source, ServedStates) else []
             write_jsonl(job.metrics_out, state.rows + served)
             log.info(
                 "exported the best draft (step %d, eval loss %.4f) to %s",

@@ -258,12 +258,31 @@ class ServedStates:
             self._feed.expect([items])
         return self._feed.take(items)
 
-    def summary(self) -> dict[str, Any]:
-        """What the feeds did since this job started (the train log's and the stats row's)."""
+    def part(self) -> dict[str, Any]:
+        """This process's share of the summary (`summary(parts)` merges the processes')."""
+        return {"stats": self.stats.summary(), "received": dict(self.received)}
+
+    def summary(self, parts: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """What the feeds did since this job started (the train log's and the stats row's):
+        this process's, or every training process's `part` merged. Counts and rates add up;
+        the peak bytes in flight and the waits are the largest one process had."""
+        parts = parts or [self.part()]
+        largest = ("peak_bytes_in_flight", "trainer_wait_s", "server_wait_s")
+        stats: dict[str, Any] = {}
+        for part in parts:
+            for key, value in part["stats"].items():
+                stats[key] = max(stats.get(key, 0), value) if key in largest else stats.get(key, 0) + value
+        received: Counter[str] = Counter()
+        for part in parts:
+            received.update(part["received"])
         # How many samples arrived once, twice, ...: every epoch's samples exactly once each.
-        times = Counter(self.received.values())
-        received = {str(k): times[k] for k in sorted(times)}
-        return {"transfer": self.settings.transfer, **self.stats.summary(), "samples_received_times": received}
+        times = Counter(received.values())
+        return {
+            "transfer": self.settings.transfer,
+            "processes": len(parts),
+            **stats,
+            "samples_received_times": {str(k): times[k] for k in sorted(times)},
+        }
 
     def close(self) -> None:
         log.info("served hidden states: %s", json.dumps(self.summary()))
