@@ -60,7 +60,7 @@ def server_lease(wf: Path) -> dict | None:
 def train_job_pid(wf: Path) -> int | None:
     """The train job's pid: the process that launched its (shared) extraction server
     (runtime.shared_server's server.json)."""
-    for path in (wf / f"{RUN}/logs/servers").glob("shared-served-0-*/server.json"):
+    for path in (wf / f"{RUN}/logs/servers").glob("shared-train.*.served-0-*/server.json"):
         try:
             return json.loads(path.read_text())["launched_by_pid"]
         except (OSError, json.JSONDecodeError, KeyError):

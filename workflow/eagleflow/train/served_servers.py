@@ -135,8 +135,11 @@ def served_spec(
     )
 
 
-def sharing_name(i: int) -> str:
-    return f"served-{i}"
+def sharing_name(log_path: str, i: int) -> str:
+    """Server `i`'s name among the run's servers: the train job's log name and `served-<i>`
+    (its log is `<logs>/train.<draft>.served-<i>.server.log`, and the load ledger counts it
+    as the train stage's)."""
+    return f"{Path(log_path).name.removesuffix('.log')}.served-{i}"
 
 
 @contextlib.contextmanager
@@ -176,7 +179,8 @@ def served_backing(served: dict[str, Any], log_path: str) -> Iterator[dict[str, 
             storage.mkdir(parents=True, exist_ok=True)
             stack.callback(shutil.rmtree, storage, True)
         # Training is over: its servers go first (before the master they put into).
-        stack.callback(lambda: [stop_idle_shared_servers(lease_dir, sharing_name(i)) for i in range(s.servers)])
+        for i in range(s.servers):
+            stack.callback(stop_idle_shared_servers, lease_dir, sharing_name(log_path, i))
         backing = {"host": host, "master": master, "storage": str(storage), "placement": placement, "gpus": devices}
         yield {**served, "backing": backing}
 
@@ -232,7 +236,7 @@ def open_servers(
             env = {} if gpus is None else {"CUDA_VISIBLE_DEVICES": gpus["servers"][i]}  # the launcher's split
             return dataclasses.replace(spec, env={**spec.env, **env})
         # Its node's address, a port free on this node (the server's is the job's own too).
-        wrapper = srun_prefix(backing["placement"]["job_id"], node, f"eagleflow-{sharing_name(i)}")
+        wrapper = srun_prefix(backing["placement"]["job_id"], node, f"eagleflow-{sharing_name(log_path, i)}")
         return dataclasses.replace(spec, host=node.address, port=free_port(), wrapper=tuple(wrapper))
 
     if s.endpoints:
@@ -241,7 +245,7 @@ def open_servers(
     nodes = [Node(**n) for n in backing["placement"]["nodes"]] if backing["placement"] else [None] * s.servers
     recoveries: dict[str, Recovery] = {}
     for i, node in enumerate(nodes):
-        sharing = Sharing(sharing_name(i), LINGER_S)  # GPUs: the launcher's split, or the node's
+        sharing = Sharing(sharing_name(log_path, i), LINGER_S)  # GPUs: the launcher's split, or the node's
         found = stack.enter_context(launched(spec_on(node, i), log_path, server.max_restarts, sharing))
         assert isinstance(found.url, str)
         recoveries[found.url] = found.recovery
