@@ -41,12 +41,13 @@ die() { echo "start_cluster: $*" >&2; exit 1; }
 [ "$(id -u)" -eq 0 ] || die "must run as root (installs packages and starts munged, slurmctld, slurmd)"
 
 if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! command -v sbatch >/dev/null \
-    || ! command -v munged >/dev/null; then
-    echo "start_cluster: installing slurm-wlm and munge" >&2
+    || ! command -v munged >/dev/null || ! command -v ip >/dev/null || ! command -v nsenter >/dev/null; then
+    echo "start_cluster: installing slurm-wlm, munge, iproute2 and util-linux" >&2
     export DEBIAN_FRONTEND=noninteractive
-    apt-get install -y -q --no-install-recommends slurm-wlm munge >&2 \
-        || { apt-get update -q >&2 && apt-get install -y -q --no-install-recommends slurm-wlm munge >&2; } \
-        || die "apt-get could not install slurm-wlm and munge"
+    PACKAGES="slurm-wlm munge iproute2 util-linux"
+    apt-get install -y -q --no-install-recommends $PACKAGES >&2 \
+        || { apt-get update -q >&2 && apt-get install -y -q --no-install-recommends $PACKAGES >&2; } \
+        || die "apt-get could not install $PACKAGES"
 fi
 
 # munge: the key the package made, or a new one; munged as root needs --force.
