@@ -61,6 +61,7 @@ def test_every_module_is_on_exactly_one_side():
             "plan.tokens",
             "plan.hours",
             "plan.loads",
+            "plan.fit",
             "__init__",
             "common.__init__",
         )
