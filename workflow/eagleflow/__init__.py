@@ -1,1 +1,2 @@
-"""eagleflow: a Snakemake DAG that trains EAGLE-3 drafts for a verifier served by vLLM."""
+"""eagleflow: a Snakemake DAG that trains speculative-decoding drafts (EAGLE-3 and the other
+methods of train.methods) for a verifier served by vLLM."""

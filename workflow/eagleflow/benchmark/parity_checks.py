@@ -39,7 +39,7 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def check_targets(agreement: float | None, greedy_data: bool, cfg: ParityConfig) -> list[Finding]:
-    """Training's targets against the data's next tokens (train.loop.target_agreement). On
+    """Training's targets against the data's next tokens (train.evaluation.target_agreement). On
     greedy data they are the same token; elsewhere sampling makes them differ. Pure."""
     if agreement is None or not greedy_data or agreement >= cfg.min_target_agreement:
         return []

@@ -5,7 +5,7 @@ first output token; from then on, with the verifier's states known up to positio
 token x_{i+1} known (the "anchor" i), the draft proposes k tokens in a chain, the verifier
 accepts the longest prefix that matches its greedy tokens x_{i+2..i+k+1} and adds one token
 of its own, and the next anchor is i + accepted + 1. `proposals[s][i]` is the token the
-draft proposes at chain step s from anchor i (benchmark.replay computes them for every
+draft proposes at chain step s from anchor i (train.proposals computes them for every
 anchor at once). Walking the anchors vLLM visits counts what vLLM counts; averaging over
 every anchor is what the training-time estimate (1 + sum_k full_acc_k) measures.
 """

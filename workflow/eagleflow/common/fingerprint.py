@@ -41,8 +41,8 @@ def _module_file(name: str, root: Path) -> Path | None:
 def runs_module(name: str) -> str:
     """Declare, where a module names another that runs elsewhere (vLLM's engine loads the
     hidden-states connector by its module path, in the server's process), that the caller's
-    results depend on it: the fingerprint scan counts `runs_module("eagleflow.x")` as an
-    import of eagleflow.x (_imports). Returns `name`."""
+    results depend on it: the fingerprint scan counts `runs_module("eagleflow.<module>")` as
+    an import of that module (_imports). Returns `name`."""
     return name
 
 

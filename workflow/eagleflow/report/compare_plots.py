@@ -1,4 +1,4 @@
-"""The comparison report's plots (eagleflow.compare): acceptance by variant, the
+"""The comparison report's plots (report.compare): acceptance by variant, the
 learning curve, the generate stage's concurrency limit, and the predicted speedup per k."""
 
 from __future__ import annotations

@@ -1,1 +1,2 @@
-"""train: the project's own EAGLE-3 training loop around speculators' Eagle3DraftModel."""
+"""train: the project's own training loop around the speculators draft model of `train.method`
+(train.methods: EAGLE-3, P-EAGLE, DFlash, DFlash2, DSpark)."""

@@ -53,7 +53,7 @@ def unservable_settings(train: Mapping[str, Any]) -> list[str]:
     no norm before fc. Checked before any job (the config check) and when a draft is built. Pure."""
     if train["draft_attention"] != "mla":
         return []
-    if train.get("method", "eagle3") != "eagle3":
+    if train["method"] != "eagle3":
         return [
             f"train.draft_attention: mla is an EAGLE-3 draft layer; a {train['method']} draft is served with its own"
         ]

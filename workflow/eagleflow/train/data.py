@@ -282,7 +282,7 @@ def pack(samples: list[Sample], batch_tokens: int, shuffle_seed: int | None) -> 
 
 def collate(samples: list[Sample], batch_tokens: int) -> dict[str, torch.Tensor]:
     """One packed [1, T] batch in the layout Eagle3DraftModel.forward takes (the compact
-    target's top-k pairs as they are: train.loop.to_device makes the dense targets)."""
+    target's top-k pairs as they are: train.steps.to_device makes the dense targets)."""
     cut = [min(len(s), batch_tokens) for s in samples]
 
     def cat(field: str) -> torch.Tensor:

@@ -240,7 +240,13 @@ def build_draft(
     config_class = config_class or Eagle3SpeculatorConfig
     model_class = model_class or Eagle3DraftModel
 
-    settings = {"draft_attention": attention, "sliding_window": sliding_window, "norm_before_fc": norm_before_fc}
+    # The layer built here is EAGLE-3's, whichever method builds on it (P-EAGLE).
+    settings = {
+        "method": "eagle3",
+        "draft_attention": attention,
+        "sliding_window": sliding_window,
+        "norm_before_fc": norm_before_fc,
+    }
     if problems := unservable_settings(settings):
         raise ValueError("; ".join(problems))
     register_mla_draft_layer()

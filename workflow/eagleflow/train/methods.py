@@ -106,7 +106,7 @@ class DraftMethod:
         estimated acceptance length. Pure.
 
         EAGLE-3: 1 + sum_k full_acc_k, where full_acc_k is the fraction of anchors whose first
-        k+1 draft tokens were all right. DFlash, DSpark: speculators' expected accepted length,
+        k+1 draft tokens were all right. DFlash, DFlash2, DSpark: speculators' expected accepted length,
         each block's leading run of right tokens plus the bonus token. P-EAGLE reports only each
         depth's accuracy: 1 + sum_d prod_{j<=d} acc_j, as if depths erred independently."""
 
