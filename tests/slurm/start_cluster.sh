@@ -90,6 +90,10 @@ second_node_network() {
 }
 if second_node_network; then
     TWO_NODES=1
+    # Its hostname resolves (torchrun's rendezvous looks its own host up), as a cluster's do.
+    grep -qE "^$NODE2_ADDR[[:space:]]+$NODE2\$" /etc/hosts 2>/dev/null \
+        || echo "$NODE2_ADDR $NODE2" >>/etc/hosts \
+        || echo "start_cluster: could not add $NODE2 to /etc/hosts" >&2
 else
     echo "start_cluster: no network namespace here: the cluster is one node, without $NODE2" >&2
     TWO_NODES=0
