@@ -242,3 +242,24 @@ def test_online_mode_does_not_fit_when_the_verifier_does_not_fit_beside_the_draf
         make_plan(merged(config, {"hidden_states": {"mode": "offline"}}), tmp_path, gpu_memory=need - 1).suggestions
         == []
     )
+
+
+def test_the_plan_says_whether_served_mode_fits_beside_the_trainer_on_one_host(tmp_path, tiny_llama_dir):
+    """A host whose GPUs the server fills: what vLLM leaves of each must hold a training
+    process. A served run that does not fit is refused with the settings that would; another
+    mode's run is told that served mode would not fit its host."""
+    one_gpu = {"server": {"gpus": 1, "extra_args": ["--gpu-memory-utilization", "0.9"]}}
+    served = merged(plan_config(tmp_path, tiny_llama_dir, mode="served"), one_gpu)
+    write_dataset(tmp_path, "t", [100, 50, 30])
+    roomy = make_plan(served, tmp_path, gpu_memory=10**13, host_gpus=1)
+    (row,) = [r for r in roomy.gpu if r["what"].startswith("served mode on one host")]
+    assert "fit" in row["what"] and "do not" not in row["what"] and not roomy.suggestions
+    tight = make_plan(served, tmp_path, gpu_memory=10**9, host_gpus=1)
+    assert any(s.startswith("hidden_states.served.placement: nodes") for s in tight.suggestions), tight.suggestions
+    # GPUs of their own: the memory no longer matters.
+    assert not make_plan(served, tmp_path, gpu_memory=10**9, host_gpus=2).suggestions
+    offline = make_plan(merged(served, {"hidden_states": {"mode": "offline"}}), tmp_path, gpu_memory=10**9, host_gpus=1)
+    assert any("hidden_states.mode: served would not fit this host" in n for n in offline.notes)
+    # On nodes of their own (a SLURM run): no verdict for one host.
+    nodes = merged(served, {"hidden_states": {"served": {"placement": "nodes", "transfer": "mooncake"}}})
+    assert not [r for r in make_plan(nodes, tmp_path, gpu_memory=10**9, host_gpus=1).gpu if "served mode" in r["what"]]
