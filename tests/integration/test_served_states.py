@@ -231,7 +231,8 @@ def through_mooncake(runs, module_tmp):
         {
             "hidden_states": {
                 "mode": "served",
-                "served": {"transfer": "mooncake", "max_inflight_mb": 1, "concurrency": 1},
+                # Two launched replicas: requests go to the least busy, in turn when as busy (one at a time here).
+                "served": {"transfer": "mooncake", "max_inflight_mb": 1, "concurrency": 1, "servers": 2},
             }
         },
     )
@@ -258,6 +259,7 @@ def fetch_all_then_kill_the_master(source, train, evals) -> dict:
         source.expect([items[i : i + 3] for i in range(0, len(items), 3)])
         got = [s for i in range(0, len(items), 3) for s in source.samples(items[i : i + 3])]
         summary = source.summary()
+        per_server = {url: completions_served(url) for url in source._urls}
         os.killpg(source._master.pgid, signal.SIGKILL)
         try:
             source._scheduled = False  # one sample fetched at once, as the eval split is
@@ -267,7 +269,15 @@ def fetch_all_then_kill_the_master(source, train, evals) -> dict:
             master_error = exc
     finally:
         source.close()
-    return {"items": items, "got": got, "summary": summary, "master_error": master_error}
+    return {"items": items, "got": got, "summary": summary, "master_error": master_error, "per_server": per_server}
+
+
+def completions_served(url: str) -> int:
+    """Requests a vLLM server finished, from its /metrics."""
+    import httpx2 as httpx
+
+    lines = httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+    return int(sum(float(line.split()[-1]) for line in lines if line.startswith("vllm:request_success_total")))
 
 
 @pytest.mark.vllm
@@ -288,6 +298,10 @@ def test_the_states_through_mooncake_equal_the_offline_stores_bit_for_bit(throug
     summary = through_mooncake["summary"]
     assert summary["transfer"] == "mooncake" and summary["received"] == len(items)
     assert summary["samples_received_times"] == {"1": len(items)}
+    # Both launched replicas answered, and between them every request once.
+    per_server = through_mooncake["per_server"]
+    assert len(per_server) == 2 and all(n > 0 for n in per_server.values()), per_server
+    assert sum(per_server.values()) == len(items), per_server
 
 
 @pytest.mark.vllm

@@ -97,3 +97,13 @@ def test_the_seed_hosts_verifier_leaves_too_little_for_the_trainer():
     # Servers it does not launch: no verdict.
     named = kimi_like(endpoints=["http://10.0.0.2:8000"])
     assert side_by_side(named, weights=594 * GB, train_bytes=1, gpu_memory=141 * GB, host_gpus=8) is None
+
+
+def test_equally_busy_replicas_take_requests_in_turn():
+    from eagleflow.runtime.client import ChatClient
+
+    client = ChatClient(["http://127.0.0.1:1", "http://127.0.0.1:2"])
+    assert sorted(client._pick(None) for _ in range(4)) == [0, 0, 1, 1]
+    client._in_flight[0] = 3  # the busier one is left alone
+    assert {client._pick(None) for _ in range(3)} == {1}
+    assert client._pick(1) == 0  # a retry avoids the replica it saw fail

@@ -91,6 +91,7 @@ class ChatClient:
         self.limit = limit
         self.recovery = recovery
         self._in_flight = [0] * len(self.base_urls)
+        self._turn = 0  # ties between equally busy replicas go round
         self._watch: asyncio.Task | None = None
         self._clients = [
             httpx.AsyncClient(
@@ -119,8 +120,13 @@ class ChatClient:
             await client.aclose()
 
     def _pick(self, avoid: int | None) -> int:
+        """The least busy replica (not `avoid`, the one a retry saw fail); among equally busy
+        ones, each in turn (one request at a time would otherwise always go to the first)."""
         candidates = [i for i in range(len(self._clients)) if i != avoid] or [avoid]
-        return min(candidates, key=lambda i: self._in_flight[i])
+        least = min(self._in_flight[i] for i in candidates)
+        tied = [i for i in candidates if self._in_flight[i] == least]
+        self._turn += 1
+        return tied[self._turn % len(tied)]
 
     async def chat(self, payload: dict[str, Any]) -> dict[str, Any]:
         """POST /v1/chat/completions with retries; return the decoded JSON body."""
