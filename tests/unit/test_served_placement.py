@@ -102,7 +102,7 @@ def test_the_seed_hosts_verifier_leaves_too_little_for_the_trainer():
 def test_equally_busy_replicas_take_requests_in_turn():
     from eagleflow.runtime.client import ChatClient
 
-    client = ChatClient(["http://127.0.0.1:1", "http://127.0.0.1:2"])
+    client = ChatClient(["http://127.0.0.1:1", "http://127.0.0.1:2"], concurrency=1, request_timeout_s=1.0)
     assert sorted(client._pick(None) for _ in range(4)) == [0, 0, 1, 1]
     client._in_flight[0] = 3  # the busier one is left alone
     assert {client._pick(None) for _ in range(3)} == {1}
