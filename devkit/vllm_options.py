@@ -9,7 +9,7 @@ flags, a BooleanOptionalAction's `--no-x`), whether its value is JSON, and wheth
 occurrence adds a value (argparse's `append`). runtime.server_args reads argvs with it where
 vLLM is not importable (keys are computed while Snakemake builds the DAG, on hosts where vLLM
 may be absent); which options can change a result is eagleflow's own list
-(runtime/vllm_flags/run_only.py). Without --write, says whether the recorded file is the
+(runtime/vllm_flags/run_only.yaml). Without --write, says whether the recorded file is the
 installed vLLM's (tests/unit/test_server_args.py runs the check).
 """
 

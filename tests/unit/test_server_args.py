@@ -10,8 +10,7 @@ import pytest
 from devkit import vllm_options
 from eagleflow.runtime import vllm_flags
 from eagleflow.runtime.server_args import RUN_ONLY_FLAGS, result_args, server_args
-from eagleflow.runtime.vllm_flags import FLAGS, RESULT, RUN_ONLY
-from eagleflow.runtime.vllm_flags.run_only import RUN_ONLY_OPTIONS
+from eagleflow.runtime.vllm_flags import FLAGS, RESULT, RUN_ONLY, RUN_ONLY_OPTIONS
 
 LAUNCHER = ["python", "-m", "vllm.entrypoints.openai.api_server"]
 BASE = ["--model", "/verifier", "--port", "8000", "--dtype", "float32", "--max-model-len", "2048"]
@@ -185,7 +184,8 @@ def test_the_recorded_options_are_the_installed_vllms():
     assert not (added or dropped or changed), (
         f"vLLM {installed['vllm_version']}'s parser against options.json (from {vllm_flags.VLLM_VERSION}): "
         f"added {added}, dropped {dropped}, read otherwise {changed}. Run `python -m devkit.vllm_options "
-        "--write`, and put each added option that cannot change a result in runtime/vllm_flags/run_only.py."
+        "--write`, and put each added option that cannot change a result in runtime/vllm_flags/run_only.yaml, "
+        "under its vLLM argument group."
     )
 
 
