@@ -6,11 +6,11 @@ workflow/eagleflow/runtime/vllm_flags/options.json records them.
 For each option, by its canonical (first long) name and in the parser's order: how many
 values argparse takes after it (0, 1, or nargs '?', '+', '*'), its other spellings (short
 flags, a BooleanOptionalAction's `--no-x`), whether its value is JSON, and whether every
-occurrence adds a value (argparse's `append`). runtime.server_args reads argvs with it where
-vLLM is not importable (keys are computed while Snakemake builds the DAG, on hosts where vLLM
-may be absent); which options can change a result is eagleflow's own list
-(runtime/vllm_flags/run_only.py). Without --write, says whether the recorded file is the
-installed vLLM's (tests/unit/test_server_args.py runs the check).
+occurrence adds a value (argparse's `append`). runtime.server_args rebuilds the parser from it
+with the stdlib's argparse where vLLM is not importable (keys are computed while Snakemake
+builds the DAG, on hosts where vLLM may be absent); which options can change a result is
+eagleflow's own list (runtime/vllm_flags/run_only.yaml). Without --write, says whether the
+recorded file is the installed vLLM's (tests/unit/test_server_args.py runs the check).
 """
 
 from __future__ import annotations

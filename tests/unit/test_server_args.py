@@ -4,14 +4,17 @@ and whether that table still describes the vLLM that is installed."""
 
 import argparse
 import itertools
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+import yaml
 
 from devkit import vllm_options
 from eagleflow.runtime import vllm_flags
 from eagleflow.runtime.server_args import RUN_ONLY_FLAGS, result_args, server_args
-from eagleflow.runtime.vllm_flags import FLAGS, RESULT, RUN_ONLY
-from eagleflow.runtime.vllm_flags.run_only import RUN_ONLY_OPTIONS
+from eagleflow.runtime.vllm_flags import FLAGS, RESULT, RUN_ONLY, RUN_ONLY_OPTIONS
 
 LAUNCHER = ["python", "-m", "vllm.entrypoints.openai.api_server"]
 BASE = ["--model", "/verifier", "--port", "8000", "--dtype", "float32", "--max-model-len", "2048"]
@@ -103,6 +106,65 @@ def test_values_that_look_like_flags_and_lists():
     assert ["--hf-overrides", '{"rope_theta":1}'] in key("--hf-overrides", '{"rope_theta": 1}')
 
 
+def test_unique_prefixes_name_a_flag_and_ambiguous_ones_are_refused():
+    """argparse's allow_abbrev, as vLLM's parser has it: a unique prefix names its flag (a
+    negation's too), an exact name wins over the longer names it begins, an ambiguous prefix
+    is refused with the flags it could name."""
+    assert key("--enforce") == key("--enforce-eager") != key("--no-enforce") == key("--no-enforce-eager")
+    assert server_args(["--model", "/m"]) == [["--model", "/m"]]  # not --model-impl
+    with pytest.raises(ValueError, match="ambiguous option: --max-num could match") as refused:
+        key("--max-num", "8")
+    assert {"--max-num-seqs", "--max-num-batched-tokens"} <= set(str(refused.value).replace(",", " ").split())
+
+
+def test_negation_is_vllms_where_it_defines_one():
+    """`--no-x` is the value False of a BooleanOptionalAction `--x`; where vLLM defines no such
+    negation, `--no-x` is a flag it does not know, kept as given (and counted)."""
+    assert "--no-enforce-eager" in FLAGS["--enforce-eager"].aliases
+    assert server_args(["--enforce-eager", "--no-enforce_eager"]) == [["--no-enforce-eager"]]
+    assert "--no-seed" not in FLAGS["--seed"].aliases
+    assert server_args(["--seed", "1", "--no-seed"]) == [["--no-seed"], ["--seed", "1"]]
+    assert key("--no-seed") != key()
+
+
+def test_values_given_with_equals_are_the_flags_only_value():
+    assert server_args(["--max-model=4k"]) == [["--max-model-len", "4k"]]
+    assert server_args(["--chat-template="]) == [["--chat-template", ""]]
+    assert server_args(["--lora-modules=a=/x", "--seed=-1"]) == [["--lora-modules", "a=/x"], ["--seed", "-1"]]
+    with pytest.raises(ValueError, match="'b=/y' after --lora-modules=a=/x is no flag's value"):
+        server_args(["--lora-modules=a=/x", "b=/y"])
+
+
+def test_json_values_each_canonical_and_appends_each_kept():
+    lora = ['{"path": "/x", "name": "a"}', "b=/y"]
+    assert server_args(["--lora-modules", *lora]) == [["--lora-modules", '{"name":"a","path":"/x"}', "b=/y"]]
+    assert server_args([*LAUNCHER, '-cc={"b": 1, "a": [2, 1]}']) == [["--compilation-config", '{"a":[2,1],"b":1}']]
+    assert server_args(["--hf-overrides", "1"]) == [["--hf-overrides", "1"]]  # JSON, but no object: as given
+    middleware = ["--middleware", "m1", "--middleware", "m2"]  # argparse's `append`
+    assert server_args(middleware) == [["--middleware", "m1"], ["--middleware", "m2"]]
+
+
+def test_every_spelling_of_every_option_names_it():
+    """Each option in each spelling options.json records, with values for its arity, is read
+    under its canonical name (a negation as itself), with those values."""
+    for flag, spec in FLAGS.items():
+        values = {0: [], 1: ["1"], "?": ["1"], "+": ["1", "2"], "*": ["1", "2"]}[spec.arity]
+        for spelling in (flag, *spec.aliases) if flag != "--config" else ():
+            named = spelling if spelling == f"--no-{flag[2:]}" else flag
+            assert server_args([*LAUNCHER, spelling, *values]) == [[named, *values]], spelling
+
+
+def test_reading_an_argv_imports_no_vllm():
+    """Keys are computed while Snakemake builds the DAG, where vLLM may be absent."""
+    workflow = Path(vllm_flags.__file__).parents[3]
+    code = (
+        f"import sys; sys.path.insert(0, {str(workflow)!r}); "
+        "from eagleflow.runtime.server_args import result_args; result_args(['--model', 'm', '-tp', '2']); "
+        "assert not [m for m in sys.modules if m.split('.')[0] == 'vllm'], 'vLLM was imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_unknown_flags_count_with_their_values_as_given():
     argv = [*LAUNCHER, "--model", "/m", "--port", "1", "--dtype", "bf16", "--enforce-eager"]
     argv += ["--compilation-config", '{"custom_ops": ["-rotary_embedding"]}', "--x=1", "--flag", "--y", "a", "b"]
@@ -134,11 +196,15 @@ def test_the_launcher_is_not_read_as_flags():
     "extra, error",
     [
         (["--enforce-eager", "true"], "'true' after --enforce-eager is no flag's value"),
-        (["--enforce-eager=1"], "--enforce-eager takes no value"),
-        (["--seed"], "--seed expects a value"),
-        (["--seed", "--enforce-eager"], "--seed expects a value"),
+        (["--enforce-eager=1"], "argument --enforce-eager/--no-enforce-eager: ignored explicit argument '1'"),
+        (["--seed"], "argument --seed: expected one argument"),
+        (["--seed", "--enforce-eager"], "argument --seed: expected one argument"),
+        (["--lora-modules"], "argument --lora-modules: expected at least one argument"),
         (["--config", "serve.yaml"], "--config reads flags from a file"),
-        (["--enable-lo", "x"], "--enable-lo is ambiguous"),
+        (["--enable-lo", "x"], "ambiguous option: --enable-lo could match"),
+        (["--x=1", "a"], "'a' after --x=1 is no flag's value"),
+        (["--", "-tp", "2"], "'-tp' after -- is no flag's value"),
+        (["-cc.mode"], "-cc.mode [(]a dotted JSON key[)] has no value"),
     ],
 )
 def test_an_argv_vllm_would_misread_is_refused(extra, error):
@@ -185,12 +251,26 @@ def test_the_recorded_options_are_the_installed_vllms():
     assert not (added or dropped or changed), (
         f"vLLM {installed['vllm_version']}'s parser against options.json (from {vllm_flags.VLLM_VERSION}): "
         f"added {added}, dropped {dropped}, read otherwise {changed}. Run `python -m devkit.vllm_options "
-        "--write`, and put each added option that cannot change a result in runtime/vllm_flags/run_only.py."
+        "--write`, and put each added option that cannot change a result in runtime/vllm_flags/run_only.yaml, "
+        "under its vLLM argument group."
     )
 
 
 def test_every_run_only_option_is_one_vllm_defines():
     assert set(FLAGS) >= RUN_ONLY_OPTIONS, sorted(RUN_ONLY_OPTIONS - set(FLAGS))
+
+
+def test_run_only_options_are_listed_under_their_vllm_argument_group():
+    """run_only.yaml is grouped as vLLM's parser groups its options (each group's rule decides
+    a new option of it): a group vLLM renames, or an option it moves, is named."""
+    parser = vllm_parser()
+    groups = {
+        g.title: {next(s for s in a.option_strings if s.startswith("--")) for a in g._group_actions if a.option_strings}
+        for g in parser._action_groups
+    }
+    listed = yaml.safe_load((Path(vllm_flags.__file__).parent / "run_only.yaml").read_text())
+    misplaced = {group: sorted(set(flags) - groups.get(group, set())) for group, flags in listed.items()}
+    assert not {group: flags for group, flags in misplaced.items() if flags}, misplaced
 
 
 @pytest.mark.parametrize(

@@ -1,92 +1,52 @@
 """Which of the flags a vLLM server is launched with can change what it computes. Pure.
 
-The launcher (runtime.spec) and this reader are run-only code, in no rule's fingerprint; the
-argv the launcher builds reaches the result keys as data instead: the response store's key (generate) and the shard
-cache's key (hidden_states, vllm backend) hold `result_args` of the argv a job launches, and
-the rules' params hold the same list, computed from the same launcher while Snakemake builds
-the DAG. A launcher change that adds or changes a flag of this kind restales what it changes;
-one that only changes how the server runs restales nothing.
-
-Which flag is which is runtime.vllm_flags' table. The argv is read as vLLM reads it, without
-importing vLLM (keys are computed where it may be absent): FlexibleArgumentParser's rewrites
-first (underscores, `-O3`, dotted JSON keys), then argparse's matching (short aliases,
-`--x=v`, unique prefixes, `--no-x`, how many values each flag takes). What comes out is
-canonical, so that spelling and order change no key: long names, one group per flag sorted
-by name, the last occurrence of a flag winning as in argparse, JSON values with sorted keys.
-Values are compared as given otherwise (`--max-model-len 4k` and `4000` are two keys: a
-spurious recompute, never a wrong restore), and a flag whose value names a file (a chat
-template, a tokenizer) is keyed by the name, not by the file's content.
-"""
+Run-only code, in no rule's fingerprint: the argv a job launches reaches the result keys as
+data instead (its `result_args` in generate's store key, the vllm backend's shard-cache key,
+the rules' params), read as vLLM reads it without importing vLLM (keys are computed where it
+may be absent): FlexibleArgumentParser's rewrites, then argparse with vLLM's options as
+runtime.vllm_flags records them. Spelling and order change no key; values count as given
+(`--max-model-len 4k` and `4000` are two keys: a spurious recompute, never a wrong restore)."""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import functools
 import json
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from eagleflow.runtime.vllm_flags import FLAGS, RESULT, RUN_ONLY
+from eagleflow.runtime.vllm_flags import FLAGS, RUN_ONLY
 
-# Every spelling vLLM accepts for an option (its canonical name, short aliases, `--no-x`),
-# to the canonical name.
-OPTION_NAMES: dict[str, str] = {alias: flag for flag, spec in FLAGS.items() for alias in (flag, *spec.aliases)}
-# BooleanOptionalAction's negations, `--no-x` -> `--x`: the same setting, set to False.
-NEGATIONS: dict[str, str] = {
-    f"--no-{flag[2:]}": flag for flag, spec in FLAGS.items() if f"--no-{flag[2:]}" in spec.aliases
-}
-# The flags that only change how a server runs (derived from the table, the one list that
-# decides: tests/unit/test_runtime_boundary.py). Every other flag counts, unknown ones too.
+# The flags that only change how a server runs; every other flag counts, unknown ones too. A
+# group of server_args names one by its canonical name or its `--no-x`, both among its spellings.
 RUN_ONLY_FLAGS = frozenset(flag for flag, spec in FLAGS.items() if spec.kind == RUN_ONLY)
-
-# argparse takes a token that looks like a negative number as a value, not a flag (vLLM has
-# no option that looks like one): `--seed -1`.
-_NEGATIVE_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
-# FlexibleArgumentParser's `-O <n>`: a separate level only for these values.
-_O_LEVELS = frozenset({"0", "1", "2", "3"})
-
-
-@dataclass(frozen=True)
-class _Occurrence:
-    """One flag as given: `key` is what later occurrences replace (the canonical name),
-    `group` the canonical [flag, value...] it contributes."""
-
-    key: str
-    group: list[str]
-    replaces: bool  # False for unknown and `append` flags: every occurrence counts
+_RUN_ONLY_SPELLINGS = frozenset(spelling for flag in RUN_ONLY_FLAGS for spelling in (flag, *FLAGS[flag].aliases))
+# A flag the table does not know (a newer vLLM's) reaches argparse after a NUL, as a value of one of these
+# options (`--x` takes the values up to the next flag, `--x=v` one): no argv token holds a NUL or abbreviates them.
+_UNKNOWN, _UNKNOWN_GIVEN = "--\0unknown", "--\0unknown="
 
 
 def server_args(argv: Sequence[str]) -> list[list[str]]:
-    """[flag, value...] for each flag of a server's `argv`, as vLLM reads it: canonical long
-    names (`-q` is `--quantization`, `--no-x` stays `--no-x`), sorted by flag, one group per
-    flag (the last occurrence wins, as argparse keeps it; unknown and `append` flags keep
-    every occurrence), JSON values canonical. Without the launcher before vLLM's flags.
-
-    Defaults followed by overrides merge into one setting per flag: the overrides win."""
+    """[flag, value...] for each flag of a server's `argv` (without the launcher before vLLM's
+    flags), as vLLM reads it: canonical long names (`-q` is `--quantization`, `--no-x` stays
+    `--no-x`), sorted, one group per flag (the last occurrence wins, as argparse keeps it, so
+    overrides after defaults win; unknown and `append` flags keep each), JSON canonical."""
     args = list(argv)
-    occurrences = _parse(_rewrite(args[_launcher_end(args) :]))
-    latest: dict[str, int] = {o.key: i for i, o in enumerate(occurrences) if o.replaces}
-    kept = [o for i, o in enumerate(occurrences) if not o.replaces or latest[o.key] == i]
-    return [o.group for o in sorted(kept, key=lambda o: o.key)]
+    settings = _read(_rewrite(args[_launcher_end(args) :]))
+    return [group for _, groups in sorted(settings.items()) for group in groups]
 
 
 def result_args(argv: Sequence[str]) -> list[list[str]]:
     """server_args of `argv` that can change a reply or a state: all but the run-only ones."""
-    return [g for g in server_args(argv) if is_result_flag(g[0])]
-
-
-def is_result_flag(flag: str) -> bool:
-    """Whether `flag` (any spelling vLLM accepts) can change a result; an unknown flag can."""
-    spec = FLAGS.get(NEGATIONS.get(flag, OPTION_NAMES.get(flag, flag)))
-    return spec is None or spec.kind == RESULT
+    return [group for group in server_args(argv) if group[0] not in _RUN_ONLY_SPELLINGS]
 
 
 def _launcher_end(args: list[str]) -> int:
-    """Where vLLM's own arguments begin. What comes after `python ... -m MODULE` is the
-    module's, and what comes after `vllm serve` the subcommand's, less a positional model
-    tag first (`vllm serve MODEL`, run-only as --model is). Another launcher (srun, docker,
-    a user's server.command) may have options of its own: there vLLM's arguments begin at
-    the first long flag (the launcher's argv always continues with `--model`)."""
+    """Where vLLM's own arguments begin: after `python ... -m MODULE`, or `vllm serve` and a
+    model tag (run-only, as --model is). Another launcher (srun, docker, a user's command) may
+    have options of its own: there at the first long flag (the argv goes on with `--model`)."""
     first_long = next((i for i, a in enumerate(args) if a.startswith("--")), len(args))
     before = args[:first_long]
     if "-m" in before:
@@ -98,17 +58,12 @@ def _launcher_end(args: list[str]) -> int:
     return next((i for i in range(start, len(args)) if args[i].startswith("-")), len(args))
 
 
-# FlexibleArgumentParser.parse_args (vllm/utils/argparse_utils.py) rewrites the argv before
-# argparse sees it; mirrored here, quirks included.
-
-
 def _rewrite(args: list[str]) -> list[str]:
-    """The argv argparse gets from FlexibleArgumentParser: `--help=x` is `--help`;
-    underscores in a long flag's name are dashes (up to a `.` or `=`: `--max_model_len` is
-    `--max-model-len`); `-O3`, `-O=3`, `-Ox` are `--optimization-level 3` / `x`, and `-O N`
-    too for N in 0..3; dotted keys merge into JSON values (_merge_dotted)."""
-    if "--config" in args:
-        # vLLM splices in the flags of a YAML file here; a key cannot see them.
+    """The argv argparse gets from FlexibleArgumentParser.parse_args (vllm/utils/argparse_utils.py),
+    quirks included: `--help=x` is `--help`; a long flag's underscores are dashes up to a `.`
+    or `=`; `-O3`, `-O=3`, `-Ox`, `-O.mode=3` are `--optimization-level 3`, `x`, `.mode=3`,
+    and `-O N` too for N in 0..3; dotted keys merge into JSON values (_merge_dotted)."""
+    if "--config" in args:  # vLLM splices in the flags of a YAML file here
         raise ValueError(
             "server argv: --config reads flags from a file, which no cache key can see; "
             "list them in server.extra_args instead"
@@ -119,87 +74,53 @@ def _rewrite(args: list[str]) -> list[str]:
             out.append("--help")
         elif arg.startswith("--"):
             name, eq, value = arg.partition("=")
-            out.append(_dashed(name) + eq + value)
+            head, dot, keys = name[2:].partition(".")
+            out.append("--" + head.replace("_", "-") + dot + keys + eq + value)
         elif arg.startswith("-O") and arg != "-O":
-            # `-O.mode=3` becomes `--optimization-level .mode=3`, as in vLLM.
             out += ["--optimization-level", arg[3:] if arg[2] == "=" else arg[2:]]
-        elif arg == "-O" and i + 1 < len(args) and args[i + 1] in _O_LEVELS:
+        elif arg == "-O" and args[i + 1 : i + 2] in (["0"], ["1"], ["2"], ["3"]):  # no other level
             out.append("--optimization-level")
         else:
             out.append(arg)
     return _merge_dotted(out)
 
 
-def _dashed(name: str) -> str:
-    """`--a_b.c_d` -> `--a-b.c_d`: vLLM replaces underscores from after `--` to the first
-    `.`; the dotted keys after it are JSON keys, kept as given."""
-    head, dot, rest = name[2:].partition(".")
-    return "--" + head.replace("_", "-") + dot + rest
-
-
 def _merge_dotted(args: list[str]) -> list[str]:
-    """FlexibleArgumentParser's dotted JSON keys: `--cc.mode 3` and `--cc.mode=3` set key
-    `mode` of a dict for `--cc`, `--x.list+ a,b` appends to a list; every dict of a flag
-    (as spelled: `-cc` and `--compilation-config` collect apart) is then appended to the
-    argv as one JSON value, after every other argument, so it replaces a JSON value given
-    for the same flag anywhere (argparse keeps the last)."""
+    """FlexibleArgumentParser's dotted JSON keys: `--cc.mode 3` and `--cc.mode=3` set key `mode`
+    of a dict for `--cc`, `--x.list+ a,b` appends to a list; each flag's dict (as spelled: `-cc`
+    and `--compilation-config` collect apart) goes after every other argument as one JSON value,
+    so it replaces a JSON value given for the flag anywhere (argparse keeps the last)."""
     dicts: dict[str, dict[str, Any]] = {}
     out: list[str] = []
-    skip = False
-    for i, arg in enumerate(args):
-        if skip:
-            skip = False
-            continue
-        if not (arg.startswith("-") and "." in arg):
+    tokens = iter(args)
+    for arg in tokens:
+        path, eq, value = arg.partition("=")
+        if not arg.startswith("-") or "." not in path:  # `--x=1.5`: the `.` is the value's
             out.append(arg)
             continue
-        if "=" in arg:
-            path, value = arg.split("=", 1)
-            if "." not in path:  # the `.` was in the value: `--x=1.5`
-                out.append(arg)
-                continue
-        else:
-            # Taken whatever it looks like (`-0.5` is a dotted key of `-0` here, as in vLLM).
-            if i + 1 == len(args):
-                raise ValueError(f"server argv: {arg} (a dotted JSON key) has no value")
-            path, value, skip = arg, args[i + 1], True
+        value = value if eq else next(tokens, None)  # whatever it looks like, as in vLLM
+        if value is None:
+            raise ValueError(f"server argv: {arg} (a dotted JSON key) has no value")
         if path.endswith("+"):
             path, value = path[:-1], json.dumps(value.split(","))
         flag, *keys = path.split(".")
-        _merge(dicts.setdefault(flag, {}), _nested(keys, _dotted_value(value)))
-    for flag, value in dicts.items():
-        out += [flag, json.dumps(value)]
-    return out
+        nested = functools.reduce(lambda inner, key: {key: inner}, reversed(keys), _dotted_value(value))
+        _merge(dicts.setdefault(flag, {}), nested)
+    return out + [a for flag, value in dicts.items() for a in (flag, json.dumps(value))]
 
 
 def _dotted_value(text: str) -> Any:
-    """A dotted key's value: JSON, else a human-readable integer (`80g`), else the text."""
-    try:
+    """JSON, else vLLM's human_readable_int (`1k` 1000, `1K` 1024, `2.5k` 2500), else the text."""
+    with contextlib.suppress(json.JSONDecodeError):
         return json.loads(text)
-    except json.JSONDecodeError:
-        try:
-            return _human_readable_int(text)
-        except ValueError:
-            return text
-
-
-def _human_readable_int(text: str) -> int:
-    """vllm.utils.argparse_utils.human_readable_int: `1k` is 1000, `1K` 1024, `25.6k` 25600."""
-    text = text.strip()
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", text)
-    if not match:
-        return int(text)
-    number, suffix = match.groups()
-    if suffix in "kmgt":
-        return int(float(number) * 10 ** (3 * ("kmgt".index(suffix) + 1)))
-    return int(number) * 2 ** (10 * ("KMGT".index(suffix) + 1))  # no decimals: ValueError
-
-
-def _nested(keys: list[str], value: Any) -> Any:
-    """keys a, b and value v -> {"a": {"b": v}}."""
-    for key in reversed(keys):
-        value = {key: value}
-    return value
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgt])|(\d+)([KMGT])", text.strip())
+    with contextlib.suppress(ValueError):
+        if match is None:
+            return int(text)
+        if match[2]:
+            return int(float(match[1]) * 10 ** (3 * ("kmgt".index(match[2]) + 1)))
+        return int(match[3]) * 2 ** (10 * ("KMGT".index(match[4]) + 1))
+    return text
 
 
 def _merge(into: dict[str, Any], update: dict[str, Any]) -> None:
@@ -213,42 +134,65 @@ def _merge(into: dict[str, Any], update: dict[str, Any]) -> None:
             into[key] = value
 
 
-# argparse (Python 3.11's ArgumentParser._parse_optional and _get_option_tuples) on the
-# rewritten argv: which tokens are flags, which flag each names, which values it takes.
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:
+        raise ValueError(f"server argv: {message} (vLLM's parser refuses it too)")
 
 
-@dataclass(frozen=True)
-class _Option:
-    """A token argparse reads as a flag: the option string it names (for a flag the table
-    does not know, the token up to `=`), and a value given with it (`--x=v`, `-qfp8`)."""
+class _Noted(argparse.Action):
+    """Sets a flag's canonical [flag, value...] under its canonical name: `--no-x` stays itself
+    (the value False of `--x`, which it replaces); an `append` or unknown flag adds one each time."""
 
-    name: str
-    given: str | None
-    known: bool
-
-
-def _parse(tokens: list[str]) -> list[_Occurrence]:
-    """Each flag of `tokens` in order, with the values argparse gives it. vLLM takes one
-    positional, the model tag, which this project never passes after flags: a token no flag
-    takes is refused (it is mostly a value given to a flag that takes none)."""
-    occurrences: list[_Occurrence] = []
-    i = 0
-    while i < len(tokens):
-        token = tokens[i]
-        if token == "--":  # argparse: only positionals follow
-            if i + 1 < len(tokens):
-                raise _positional_error(tokens[i + 1], "--")
-            break
-        option = _option(token)
-        if option is None:
-            raise _positional_error(token, tokens[i - 1] if i else None)
-        values, i = _values(option, tokens, i + 1)
-        occurrences.append(_occurrence(option, values))
-    return occurrences
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
+        values = [] if values is None else [values] if isinstance(values, str) else values
+        if self.dest == _UNKNOWN:  # as given
+            group = [*values[0][1:].split("=", 1), *values[1:]]
+            flag, repeats = group[0], True
+        else:
+            flag, spec = self.dest, FLAGS[self.dest]
+            negation, repeats = option_string == f"--no-{flag[2:]}", spec.repeats
+            group = [option_string if negation else flag, *(_canonical_json(v) if spec.json else v for v in values)]
+        setattr(namespace, flag, [*getattr(namespace, flag, []), group] if repeats else [group])
 
 
-def _positional_error(token: str, after: str | None) -> ValueError:
-    """The error for a token argparse would take as vLLM's positional model tag."""
+@functools.cache
+def _parser() -> _Parser:
+    """vLLM's server parser from options.json: argparse reads which tokens are flags, which flag
+    each names (spellings, unique prefixes as vLLM allows, `--x=v`, `--no-x`), which values."""
+    parser = _Parser(add_help=False, allow_abbrev=True)
+    for flag, spec in FLAGS.items():
+        nargs = {0: 0, 1: None}.get(spec.arity, spec.arity)  # type: ignore[call-overload]
+        parser.add_argument(flag, *spec.aliases, nargs=nargs, action=_Noted, dest=flag, default=argparse.SUPPRESS)
+    parser.add_argument(_UNKNOWN, nargs="+", action=_Noted, dest=_UNKNOWN, default=argparse.SUPPRESS)
+    parser.add_argument(_UNKNOWN_GIVEN, action=_Noted, dest=_UNKNOWN, default=argparse.SUPPRESS)
+    return parser
+
+
+def _parse(tokens: list[str]) -> tuple[dict[str, list[list[str]]], list[str]]:
+    """The settings argparse reads in `tokens`, and the tokens it gives no flag."""
+    namespace, left = _parser().parse_known_args(tokens, argparse.Namespace())
+    return vars(namespace), left
+
+
+def _read(argv: list[str]) -> dict[str, list[list[str]]]:
+    """The settings of `argv`. vLLM's one positional, the model tag, is never passed after
+    flags here: a token no flag takes is refused (mostly a value to a flag that takes none)."""
+    end = argv.index("--") if "--" in argv else len(argv)  # argparse: only positionals follow
+    given = argv[:end]
+    # Of the tokens argparse leaves, those it reads as flags rather than values (`-1`, `-x y`).
+    unknown = {t for t in _parse(given)[1] if _parse([_UNKNOWN, "\0", t])[1]}
+    tokens = [m for t in given for m in ((_UNKNOWN_GIVEN if "=" in t else _UNKNOWN, "\0" + t) if t in unknown else [t])]
+    settings, left = _parse(tokens)
+    if left:
+        # The first token left ends the shortest prefix that leaves one (a NUL after it feeds a flag cut off there).
+        i = next(i for i in range(len(tokens)) if {*_parse([*tokens[: i + 1], "\0"])[1]} - {"\0"})
+        raise _stray(tokens[i], tokens[i - 1].lstrip("\0") if i else None)
+    if end + 1 < len(argv):
+        raise _stray(argv[end + 1], "--")
+    return settings
+
+
+def _stray(token: str, after: str | None) -> ValueError:
     where = f" after {after}" if after else ""
     return ValueError(
         f"server argv: {token!r}{where} is no flag's value (that flag takes none, or fewer); "
@@ -256,90 +200,10 @@ def _positional_error(token: str, after: str | None) -> ValueError:
     )
 
 
-def _option(token: str) -> _Option | None:
-    """The flag `token` names, or None for a token argparse reads as a value."""
-    if not token.startswith("-") or token == "-":
-        return None
-    if token in OPTION_NAMES:
-        return _Option(token, None, known=True)
-    name, eq, value = token.partition("=")
-    if eq and name in OPTION_NAMES:
-        return _Option(name, value, known=True)
-    matches = _abbreviations(token)
-    if len(matches) > 1:
-        options = ", ".join(m.name for m in matches)
-        raise ValueError(f"server argv: {token} is ambiguous, vLLM could read it as any of {options}")
-    if matches:
-        return matches[0]
-    if _NEGATIVE_NUMBER.match(token) or " " in token:
-        return None
-    return _Option(name, value if eq else None, known=False)
-
-
-def _abbreviations(token: str) -> list[_Option]:
-    """argparse's allow_abbrev (on in vLLM): a long flag's unique prefix names it
-    (`--max-model 4096`); a single-dash token is a short option's prefix (`-s` is `-sc`) or
-    a one-letter option with its value attached (`-qfp8` is `-q fp8`)."""
-    if token.startswith("--"):
-        prefix, eq, value = token.partition("=")
-        return [_Option(o, value if eq else None, known=True) for o in OPTION_NAMES if o.startswith(prefix)]
-    short = token[:2]
-    return [
-        _Option(o, token[2:] if o == short else None, known=True)
-        for o in OPTION_NAMES
-        if o == short or o.startswith(token)
-    ]
-
-
-def _values(option: _Option, tokens: list[str], i: int) -> tuple[list[str], int]:
-    """The values `option` takes from `tokens[i:]`, and the index after them. As argparse's
-    nargs: a value given with the flag is its only one; otherwise arity 1 takes the next
-    token, '?' the next if it is a value, '+' and '*' every value up to the next flag. A flag
-    the table does not know takes every value up to the next flag."""
-    arity = FLAGS[OPTION_NAMES[option.name]].arity if option.known else "*"
-    if arity == 0:
-        if option.given is not None:
-            raise ValueError(f"server argv: {option.name} takes no value, got {option.given!r}")
-        return [], i
-    if option.given is not None:
-        return [option.given], i
-    if arity in (1, "?"):
-        if i < len(tokens) and _is_value(tokens[i]):
-            return [tokens[i]], i + 1
-        if arity == 1:
-            raise ValueError(f"server argv: {option.name} expects a value")
-        return [], i
-    end = i
-    while end < len(tokens) and _is_value(tokens[end]):
-        end += 1
-    if arity == "+" and end == i:
-        raise ValueError(f"server argv: {option.name} expects one or more values")
-    return tokens[i:end], end
-
-
-def _is_value(token: str) -> bool:
-    """Whether argparse reads `token` as a value rather than a flag."""
-    return token != "--" and _option(token) is None
-
-
-def _occurrence(option: _Option, values: list[str]) -> _Occurrence:
-    """The canonical group of one flag as given. A `--no-x` stays itself (the value False
-    of `--x`, which it replaces); an unknown flag is kept as given, every occurrence."""
-    if not option.known:
-        return _Occurrence(option.name, [option.name, *values], replaces=False)
-    canonical = OPTION_NAMES[option.name]
-    spec = FLAGS[canonical]
-    flag = option.name if option.name in NEGATIONS else canonical
-    return _Occurrence(canonical, [flag, *(_canonical_json(v) if spec.json else v for v in values)], not spec.repeats)
-
-
 def _canonical_json(value: str) -> str:
-    """A JSON object or list with sorted keys and no spaces, so that `{"a":1,"b":2}` and
-    `{"b": 2, "a": 1}` are one key; any other value as given."""
-    try:
+    """A JSON object or list with sorted keys and no spaces, so that spacing and key order change no key."""
+    with contextlib.suppress(json.JSONDecodeError):
         parsed = json.loads(value)
-    except json.JSONDecodeError:
-        return value
-    if not isinstance(parsed, dict | list):
-        return value
-    return json.dumps(parsed, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        if isinstance(parsed, dict | list):
+            return json.dumps(parsed, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return value

@@ -1,41 +1,41 @@
 """Every option vLLM's OpenAI API server defines, and whether it can change what the server
-computes. Keys are computed while Snakemake builds the DAG, on hosts where vLLM may be absent
-or slow to import, so nothing here imports it:
-
-- how each option is read (its arity, spellings, JSON value, `append`) is vLLM's own parser's
-  answer, recorded in options.json by `python -m devkit.vllm_options --write` (vLLM's
-  version is in the file; tests/unit/test_server_args.py fails when the installed vLLM's
-  parser says otherwise, so a new vLLM is one command and a review of its new options);
-- which options only change how a server runs is eagleflow's list (run_only.py); every other
-  option is a RESULT. runtime.server_args parses a server's argv with this table; a flag the
-  table does not know counts as a RESULT.
-
-The policy (docs/invalidation.md): a key holds every input that can change an output's bytes
-or its numerics beyond the project's tolerance (RESULT), and nothing that only changes
-capacity, placement or how the server is operated (RUN_ONLY).
-"""
+computes, without importing vLLM (keys are computed while Snakemake builds the DAG, where vLLM
+may be absent). How each option is read is vLLM's own parser's answer, options.json, recorded
+by `python -m devkit.vllm_options --write` (tests/unit/test_server_args.py fails when the
+installed vLLM's parser says otherwise); which options only change how a server runs is
+eagleflow's list, run_only.yaml (the policy: docs/invalidation.md); every other is a RESULT."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Literal, NamedTuple
 
-from eagleflow.runtime.vllm_flags.kinds import RESULT, RUN_ONLY, Arity, Flag, FlagClass
-from eagleflow.runtime.vllm_flags.run_only import RUN_ONLY_OPTIONS
+import yaml
 
-__all__ = ["FLAGS", "RESULT", "RUN_ONLY", "VLLM_VERSION", "Arity", "Flag", "FlagClass"]
+RESULT: Literal["result"] = "result"
+RUN_ONLY: Literal["run-only"] = "run-only"
 
-_RECORDED = json.loads((Path(__file__).parent / "options.json").read_text())
+
+class Flag(NamedTuple):
+    """One option of vLLM's server: its kind; how many values argparse takes after it (0, 1, or
+    nargs '?', '+', '*'); its other spellings (`-tp`, a BooleanOptionalAction's `--no-x`); whether
+    its value is JSON (keys compare it canonicalized); whether each occurrence adds a value."""
+
+    kind: Literal["result", "run-only"]
+    arity: Literal[0, 1, "?", "+", "*"]
+    aliases: tuple[str, ...] = ()
+    json: bool = False
+    repeats: bool = False
+
+
+_RECORDED = json.loads(Path(__file__).with_name("options.json").read_text())
 VLLM_VERSION: str = _RECORDED["vllm_version"]
-
+RUN_ONLY_OPTIONS = frozenset(
+    flag for group in yaml.safe_load(Path(__file__).with_name("run_only.yaml").read_text()).values() for flag in group
+)
 # Every option, by its canonical (first long) name, in the parser's order.
 FLAGS: dict[str, Flag] = {
-    name: Flag(
-        RUN_ONLY if name in RUN_ONLY_OPTIONS else RESULT,
-        spec["arity"],
-        tuple(spec["aliases"]),
-        spec["json"],
-        spec["repeats"],
-    )
+    name: Flag(RUN_ONLY if name in RUN_ONLY_OPTIONS else RESULT, **spec | {"aliases": tuple(spec["aliases"])})
     for name, spec in _RECORDED["options"].items()
 }
