@@ -30,8 +30,8 @@ import yaml
 
 from eagleflow.common.config import typed, validate_config
 from eagleflow.hidden_states.layers import default_aux_layer_ids
-from eagleflow.hidden_states.storage import FP8, num_stored_states, shard_bytes, target_topk, token_bytes
-from eagleflow.plan.fit import side_by_side
+from eagleflow.hidden_states.storage import num_stored_states, shard_bytes, target_topk, token_bytes
+from eagleflow.plan.fit import served_fit, suggest
 from eagleflow.plan.hours import Rates, measured_rates, planned_work, render_hours
 from eagleflow.plan.sizes import (
     Geometry,
@@ -233,91 +233,6 @@ def make_plan(
     plan.hours = render_hours(work, rates, config, samples)
     plan.notes += measured
     return plan
-
-
-def suggest(
-    plan: Plan, config: dict[str, Any], num_aux: int, hidden_size: int, weights: int, train_bytes: int
-) -> list[str]:
-    """Settings that would make a run fit that does not. Pure."""
-    hs, tokens = config["hidden_states"], plan.tokens
-    topk = target_topk(hs["target"], hs["topk"])
-    num_states = num_stored_states(num_aux, topk)
-    per_token = token_bytes(num_states, hidden_size, hs["dtype"], topk)
-    out = []
-    shards = plan.disk[0]
-    if shards["bytes"] > shards["free"]:
-        fit_tokens = shards["free"] // per_token
-        if hs["dtype"] != FP8:
-            fp8 = shard_bytes(tokens.tokens, tokens.samples, num_states, hidden_size, FP8, topk)
-            out.append(
-                f"hidden_states.dtype: {FP8} stores {fp8 / GB:.1f} GB instead; the draft's acceptance "
-                "in vLLM against bf16 shards is in BENCHMARKS.md"
-            )
-        if not topk:
-            compact = shard_bytes(tokens.tokens, tokens.samples, num_aux, hidden_size, hs["dtype"], hs["topk"])
-            out.append(
-                f"hidden_states.target: topk keeps the verifier's top-{hs['topk']} logits instead of the final "
-                f"state: {compact / GB:.1f} GB (with {FP8} as well: "
-                f"{shard_bytes(tokens.tokens, tokens.samples, num_aux, hidden_size, FP8, hs['topk']) / GB:.1f} GB)"
-            )
-        gpu = plan.gpu_memory
-        if gpu is None or train_bytes + weights // max(1, config["train"]["nproc_per_node"]) < gpu:
-            out.append(
-                "hidden_states.mode: online computes the states during training and writes none, "
-                "when the verifier fits on the training GPUs beside the draft (docs/operations.md)"
-            )
-        if tokens.samples:
-            mean = tokens.tokens / tokens.samples
-            out.append(
-                f"prompts.max_train: about {int(fit_tokens / mean)} samples of {mean:.0f} tokens fit in "
-                f"{shards['free'] / GB:.1f} GB free"
-            )
-        out.append(f"dataset.max_seq_len: a shorter cut lowers the longest samples ({tokens.longest} tokens now)")
-    for row in plan.disk[1:]:
-        if row["bytes"] > row["free"]:
-            out.append(f"{row['where']}: {row['what']} need {row['bytes'] / GB:.1f} GB, {row['free'] / GB:.1f} free")
-    online_bytes = train_bytes + weights
-    if hs["mode"] == "online" and plan.gpu_memory is not None and online_bytes > plan.gpu_memory:
-        out.append(
-            f"hidden_states.mode: offline: online training holds the verifier ({weights / GB:.0f} GB) beside the "
-            f"draft on every training GPU, about {online_bytes / GB:.0f} GB against {plan.gpu_memory / GB:.0f}"
-        )
-    elif plan.gpu_memory is not None and train_bytes > plan.gpu_memory:
-        out.append(
-            f"train.batch_tokens: training needs about {train_bytes / GB:.0f} GB per process, the GPU has "
-            f"{plan.gpu_memory / GB:.0f}; halve batch_tokens (activations scale with it)"
-        )
-    return out
-
-
-def served_fit(plan: Plan, config: dict[str, Any], weights: int, train_bytes: int, host_gpus: int | None) -> None:
-    """Whether served mode's servers and the trainer fit side by side on one host (plan.fit):
-    a GPU row, and a setting that would fit when a served run does not (another mode's run is
-    told whether served mode would fit its host)."""
-    hs = config["hidden_states"]
-    if hs["mode"] == "served" and hs["served"]["placement"] != "host":
-        return
-    fit = side_by_side(config, weights, train_bytes, plan.gpu_memory, host_gpus)
-    if fit is None:
-        return
-    verdict = "fit" if fit.fits else "do not fit"
-    plan.gpu.append(
-        {"what": f"served mode on one host: the servers and the trainer side by side {verdict}", "bytes": fit.bytes}
-        | {"per": fit.detail}
-    )
-    if fit.fits:
-        return
-    if hs["mode"] == "served":
-        plan.suggestions.append(
-            "hidden_states.served.placement: nodes (each server on a node of its own beside the trainer's, a "
-            "SLURM run) or hidden_states.mode: offline (the states stored first): on one host the servers and "
-            f"the trainer do not fit side by side ({fit.detail})"
-        )
-    else:
-        plan.notes.append(
-            f"hidden_states.mode: served would not fit this host: {fit.detail}. It stays {hs['mode']} here; served "
-            "runs with placement: nodes (the servers on other nodes)"
-        )
 
 
 def distinct_drafts(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
