@@ -44,6 +44,21 @@ def test_runtime_imports_no_stage_module():
         assert not stray, f"{module} imports stage code {sorted(stray)}"
 
 
+def test_the_shared_result_side_imports_run_only_code_once_and_as_data():
+    """common/ is result-side code every fingerprint includes; run-only code is in none. One
+    import crosses that line, by design: common.requests keys a request by the server's result
+    flags, which runtime.server_args reads (its classification reaches the keys as the flags it
+    returns, data, not as code in the fingerprint; docs/invalidation.md, "Server flags")."""
+    crossing = {
+        (module, imported)
+        for module in modules()
+        if module.startswith(f"{PACKAGE}.common")
+        for imported in direct_imports(module)
+        if is_runtime(imported)
+    }
+    assert crossing == {(f"{PACKAGE}.common.requests", f"{PACKAGE}.runtime.server_args")}
+
+
 def test_every_module_is_on_exactly_one_side():
     """A result-side module is in some rule's fingerprint (an edit restales that rule); a
     run-only one is in none. A result-side module only runtime imports would be neither."""
