@@ -59,6 +59,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from hidden_states_overhead import plain  # noqa: E402 (a sibling bench script)
 
+from devkit.configs import build_draft  # noqa: E402
 from eagleflow.common.atomic import write_json  # noqa: E402
 from eagleflow.common.config import typed  # noqa: E402
 from eagleflow.hidden_states.forward import extract  # noqa: E402
@@ -66,7 +67,6 @@ from eagleflow.hidden_states.layers import default_aux_layer_ids  # noqa: E402
 from eagleflow.train.config import TrainConfig  # noqa: E402
 from eagleflow.train.data import Sample, collate, pack  # noqa: E402
 from eagleflow.train.device import init_runtime  # noqa: E402
-from eagleflow.train.draft import build_draft  # noqa: E402
 from eagleflow.train.methods import draft_method  # noqa: E402
 from eagleflow.train.optimizer import build_optimizer  # noqa: E402
 from eagleflow.train.steps import pad_to_length, train_step  # noqa: E402

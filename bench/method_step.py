@@ -3,7 +3,7 @@
     .venv/bin/python bench/method_step.py --workdir DIR [--methods eagle3 peagle dflash] [--steps 4] [--threads 2]
 
 Reads a finished run of the config in DIR (its prepared verifier, hidden-state shards and the
-default draft's vocabulary) and, per method (`train.method`, train/methods.py), builds the draft
+default draft's vocabulary) and, per method (`train.method`, train/methods/), builds the draft
 as training does, packs the run's training samples in its alignment at `train.batch_tokens`, and
 times `--steps` whole steps of the loop's own `train_step` (forward, backward, the configured
 optimizer) on the first packed batches. Prints a Markdown row per method: trainable parameters,

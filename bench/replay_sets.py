@@ -35,7 +35,7 @@ from bench.standard_sets import draft_dirs
 from devkit.configs import extraction_section
 from devkit.runs import FinishedRun
 from eagleflow.benchmark.parity import extraction_job, replay_streams, stream_samples
-from eagleflow.benchmark.speculative import draft_method_name, read_draft_config, serving_config
+from eagleflow.benchmark.speculative import read_draft_config, serving_config
 from eagleflow.common.acceptance import context_edges
 from eagleflow.common.atomic import read_jsonl
 from eagleflow.runtime.logs import configure_logging
@@ -56,7 +56,7 @@ def main() -> None:
     args = parser.parse_args()
     configure_logging(sys.stderr)
     from eagleflow.train.draft import load_draft
-    from eagleflow.train.methods import draft_method
+    from eagleflow.train.methods import method_of
 
     finished = FinishedRun.of(args.workdir, args.configfile)
     config, verifier = finished.config, finished.verifier
@@ -73,7 +73,7 @@ def main() -> None:
             threads=os.cpu_count() or 1,
             gpus=int(config["hidden_states"]["gpus"]),
         )
-        methods = {label: draft_method(draft_method_name(read_draft_config(d))) for label, d in drafts.items()}
+        methods = {label: method_of(read_draft_config(d)) for label, d in drafts.items()}
         # The streams as each alignment reads them (shifted for the EAGLE family, as they are
         # for a block drafter), extracted once each.
         samples = {
@@ -88,7 +88,7 @@ def main() -> None:
         if method.propose is None:
             logging.warning("%s: a %s draft's drafting is not replayed; skipped", label, method.name)
             continue
-        k = serving_config(read_draft_config(directory), args.k)["num_speculative_tokens"]
+        k = serving_config(read_draft_config(directory), method.served(), args.k)["num_speculative_tokens"]
         replays = replay_streams(method.propose, draft, samples[method.shifted], streams, k, edges)
         for name, replay in sorted(replays.items()):
             summary = replay.visited.summary()

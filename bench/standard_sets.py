@@ -34,15 +34,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))  # the eagleflow package
 
 from devkit.runs import FinishedRun
-from eagleflow.benchmark.run import run_baseline, run_benchmark
+from eagleflow.benchmark.baseline import run_baseline
+from eagleflow.benchmark.run import run_benchmark
 from eagleflow.benchmark.sets import SetSpec, build_sets
 from eagleflow.benchmark.sized_sets import conversation_tokens
+from eagleflow.benchmark.speculative import read_draft_config
 from eagleflow.benchmark.workload import BenchmarkConfig, Workload
 from eagleflow.common.atomic import read_jsonl, write_json
 from eagleflow.common.config import typed
 from eagleflow.common.identity import content_digest, verifier_fingerprint
 from eagleflow.runtime.logs import configure_logging
 from eagleflow.runtime.spec import ServerConfig, ServerSpec
+from eagleflow.train.methods import method_of
 
 
 def set_spec(arg: str) -> SetSpec:
@@ -119,6 +122,7 @@ def measure_drafts(
                 str(out / name),
                 server=server,
                 cfg=cfg,
+                serving=method_of(read_draft_config(str(directory))).served(),
                 chat_template_kwargs=chat_template_kwargs,
                 baseline=str(baseline),
                 streams_out=str(out / f"{name}.streams.jsonl"),

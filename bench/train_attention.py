@@ -12,6 +12,7 @@ the same function). Alternating the steps spreads the machine's noise over both.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -20,8 +21,10 @@ import yaml
 from safetensors.torch import load_file
 from speculators.losses import resolve_loss_config
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devkit
+
+from devkit.configs import build_draft
 from eagleflow.train.data import ShardSamples, collate, pack
-from eagleflow.train.draft import build_draft
 
 
 def main() -> None:

@@ -36,12 +36,12 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))  # the eagleflow package
 
+from devkit.configs import build_draft
 from devkit.train_inputs import make_train_inputs
 from eagleflow.common.atomic import read_jsonl
 from eagleflow.common.config import typed
 from eagleflow.train.config import TrainConfig, TrainJob
 from eagleflow.train.data import collate, load_shards, pack
-from eagleflow.train.draft import build_draft
 from eagleflow.train.loop import run_train
 
 

@@ -54,3 +54,33 @@ def train_config(**overrides):
     from eagleflow.train.config import TrainConfig
 
     return typed(TrainConfig, config_section("train", **overrides), "train")
+
+
+def build_draft(
+    verifier_dir,
+    d2t,
+    t2d,
+    *,
+    num_layers: int,
+    ttt_steps: int,
+    aux_layer_ids: list[int],
+    attn_impl: str,
+    sliding_window=None,
+    attention: str = "llama",
+    norm_before_fc: bool = False,
+    norm_output: bool = False,
+):
+    """A fresh EAGLE-3 draft of these settings (the rest: train_config's) with the verifier's
+    embeddings and lm_head rows loaded, as the train stage builds it (DraftMethod.build)."""
+    from eagleflow.train.methods import DraftSpec, draft_method
+
+    cfg = train_config(
+        method="eagle3",
+        num_layers=num_layers,
+        ttt_steps=ttt_steps,
+        sliding_window=sliding_window,
+        draft_attention=attention,
+        norm_before_fc=norm_before_fc,
+        norm_output=norm_output,
+    )
+    return draft_method(cfg.method).build(DraftSpec(str(verifier_dir), d2t, t2d, list(aux_layer_ids), attn_impl), cfg)

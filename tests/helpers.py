@@ -136,7 +136,7 @@ TINY_VOCAB, TINY_HIDDEN, TINY_AUX = 128, 128, [2, 4, 5]
 def tiny_draft(verifier_dir, attn_impl: str = "sdpa", ttt_steps: int = 3, sliding_window=None):
     import torch
 
-    from eagleflow.train.draft import build_draft
+    from devkit.configs import build_draft
 
     t2d = torch.zeros(TINY_VOCAB, dtype=torch.bool)
     t2d[::2] = True

@@ -17,8 +17,9 @@ from eagleflow.common.verifier_weights import load_verifier_embeddings, load_ver
 from eagleflow.hidden_states.index import write_index_of_parts
 from eagleflow.hidden_states.run import run_part
 from eagleflow.train.config import TrainJob
-from eagleflow.train.draft import draft_layer_config, load_draft
+from eagleflow.train.draft import load_draft
 from eagleflow.train.loop import run_train
+from eagleflow.train.methods.eagle3_mla import mla_layer_config
 
 TRAIN_CFG = {
     "num_layers": 1,
@@ -239,7 +240,7 @@ def test_mla_draft_trains_and_exports_as_vllm_loads_it(family, tmp_path):
     assert len(draft_tokens) == 2 and draft_tokens[0].shape == (1, 12)
     assert int(draft_tokens[0].max()) < DRAFT_VOCAB
     with pytest.raises(ValueError, match="multi-head latent attention"):
-        draft_layer_config(str(VERIFIER_BUILDERS["llama"](tmp_path / "llama")), 1, "sdpa", attention="mla")
+        mla_layer_config(read_text_config(str(VERIFIER_BUILDERS["llama"](tmp_path / "llama"))), 1, "sdpa")
 
 
 def test_the_optional_norms_train_export_and_reload(tmp_path):
@@ -267,11 +268,11 @@ def test_draft_targets_are_the_verifiers_own_logits(tiny_verifier, tmp_path):
     weights first: with the all-ones norm of a fresh model, forgetting to load it would pass."""
     import shutil
 
+    from devkit.configs import build_draft
     from eagleflow.common.verifier_config import safetensors_weight_map
     from eagleflow.common.verifier_weights import FINAL_NORM_NAMES
     from eagleflow.hidden_states.forward import extract, load_verifier
     from eagleflow.hidden_states.layers import default_aux_layer_ids
-    from eagleflow.train.draft import build_draft
 
     family, source = tiny_verifier
     verifier = tmp_path / "verifier"

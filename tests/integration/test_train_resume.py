@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from devkit.configs import build_draft
 from devkit.train_inputs import make_train_inputs
 from eagleflow.common.atomic import read_jsonl
 from eagleflow.runtime.ledger import read_loads
@@ -29,7 +30,6 @@ from eagleflow.train.checkpoint import (
 from eagleflow.train.config import TrainConfig
 from eagleflow.train.data import collate, load_shards, pack
 from eagleflow.train.device import Runtime, resolve_impls, untie_fused_loss_autotuners
-from eagleflow.train.draft import build_draft
 from eagleflow.train.evaluation import Walk, evaluate
 from eagleflow.train.launch import run_stage
 from eagleflow.train.loop import run_from_json

@@ -1,4 +1,4 @@
-"""Draft methods (train/methods.py): each of speculators' draft models trains through the same
+"""Draft methods (train/methods/): each of speculators' draft models trains through the same
 step, reports the metrics its summary reads, exports in the format vLLM loads and reloads as
 it trained; the speculative config each is served with is vLLM's own reading of its
 checkpoint; a block drafter is served with the causality it trained with."""
@@ -108,8 +108,8 @@ def test_the_speculative_config_is_vllms_reading_of_the_checkpoint(tiny_llama_di
     config = json.loads((tmp_path / "draft/config.json").read_text())
     vllms = base.SpeculatorsConfig.build_vllm_speculative_config(config)
     k = vllms["num_speculative_tokens"]
-    assert serving_config(config, k) == vllms
-    served = speculative_config(str(tmp_path / "draft"), config, k + 2)
+    assert serving_config(config, METHODS[name].served(), k) == vllms
+    served = speculative_config(str(tmp_path / "draft"), config, METHODS[name].served(), k + 2)
     assert served["model"] == str((tmp_path / "draft").resolve())
     assert served["num_speculative_tokens"] == (k + 2 if name == "eagle3" else k)
 

@@ -93,11 +93,11 @@ def test_draft_params_and_export_size_match_the_draft_eagleflow_builds(tiny_llam
             opt.step()
             states = [st for o in getattr(opt, "optimizers", [opt]) for st in o.state.values()]
             held = sum(t.numel() for st in states for t in st.values() if t.ndim)  # not AdamW's step counts
-            assert optimizer_state_floats(g, {**train, "optimizer": kind}, trainable, 3) == held, kind
+            assert optimizer_state_floats(g, {**train, "optimizer": kind}, vocab, 3) == held, kind
         out = tmp_path / f"draft-{method}-{layers}"
         export_draft(draft, draft.state_dict(), out, str(tiny_llama_dir))
         size = (out / "model.safetensors").stat().st_size
-        assert 0 <= size - draft_export_bytes(g, trainable, vocab, method) < 4096  # the safetensors header
+        assert 0 <= size - draft_export_bytes(g, train, vocab, 3) < 4096  # the safetensors header
 
 
 def test_a_run_of_several_methods_plans_each_drafts_training():
@@ -106,11 +106,11 @@ def test_a_run_of_several_methods_plans_each_drafts_training():
         "variants": {"flash": {"train": {"method": "dflash"}}, "k2": {"benchmark": {"num_speculative_tokens": 2}}},
     }
     drafts = distinct_drafts(config)
-    assert [t["method"] for t in drafts.values()] == ["eagle3", "dflash"]
+    assert [d.train["method"] for d in drafts.values()] == ["eagle3", "dflash"]
     assert list(drafts)[0] == "default (eagle3): " and list(drafts)[1].endswith("(dflash): ")
-    assert distinct_drafts(DEFAULT) == {"": DEFAULT["train"]}
+    assert distinct_drafts(DEFAULT) == {"": (DEFAULT["train"], DEFAULT["vocab"]["draft_vocab_size"])}
     # DFlash runs its layers on anchors times the block, EAGLE-3 on every token per step.
-    assert draft_positions(drafts[list(drafts)[1]]) == 512 * 8 and draft_positions(DEFAULT["train"]) == 512 * 3
+    assert draft_positions(drafts[list(drafts)[1]].train) == 512 * 8 and draft_positions(DEFAULT["train"]) == 512 * 3
 
 
 def write_dataset(root, run, lengths):
@@ -263,3 +263,14 @@ def test_the_plan_says_whether_served_mode_fits_beside_the_trainer_on_one_host(t
     # On nodes of their own (a SLURM run): no verdict for one host.
     nodes = merged(served, {"hidden_states": {"served": {"placement": "nodes", "transfer": "mooncake"}}})
     assert not [r for r in make_plan(nodes, tmp_path, gpu_memory=10**9, host_gpus=1).gpu if "served mode" in r["what"]]
+
+
+def test_each_draft_is_planned_with_its_own_vocabulary():
+    """A variant's vocab.draft_vocab_size sizes its draft (DFlash2 drafts over the verifier's
+    whole vocabulary, which its model refuses to be built without)."""
+    config = {
+        **DEFAULT,
+        "variants": {"whole": {"train": {"method": "dflash2"}, "vocab": {"draft_vocab_size": 49152}}},
+    }
+    drafts = distinct_drafts(config)
+    assert [d.vocab for d in drafts.values()] == [DEFAULT["vocab"]["draft_vocab_size"], 49152]

@@ -98,7 +98,8 @@ def test_a_finished_run_supplies_the_rates_it_measured(tmp_path):
     # The extracted tokens over the seconds the jobs extracted (not their servers' starts; the
     # stored tokens took none).
     write_json(run / "hidden_states/stats.json", {"tokens": 9000, "extracted_tokens": 5000, "extract_s": 10.0})
-    # Each method's rate from its drafts' training rows (a draft's method: its export's config).
+    # Each method's rate from its drafts' training rows (a draft's method: its export's config,
+    # speculators' or, for EAGLE-3's MLA draft, vLLM's own).
     for draft, method, speeds in (
         ("default", None, (100, 300, 200)),
         ("d-1", "dflash", (50, 40, 60)),
@@ -109,7 +110,11 @@ def test_a_finished_run_supplies_the_rates_it_measured(tmp_path):
         rows = [{"split": "train", "tokens_per_s": v} for v in speeds or (1,)] + [{"split": "eval"}]
         (run / f"drafts/{draft}/train/metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         if speeds:
-            config = {} if method is None else {"speculators_model_type": method}
+            config = (
+                {"architectures": ["Eagle3DeepseekV2ForCausalLM"]}
+                if method is None
+                else {"speculators_model_type": method}
+            )
             write_json(run / f"drafts/{draft}/draft/config.json", config)
     unset = Rates(None, None, None, None, 60.0, (1,))
     rates, notes = measured_rates(tmp_path, "r", unset)

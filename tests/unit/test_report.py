@@ -48,14 +48,17 @@ METRICS = [{"split": "eval", "step": 10, "loss": 1.0, "estimated_acceptance_leng
 QUALITY = {"num_samples": 30, "num_prompts": 28, "request_errors": 0, "counts": {"truncated": 3}}
 VOCAB = {"draft_vocab_size": 1024, "verifier_vocab_size": 49152, "coverage_train": 1.0, "coverage_eval": 0.95}
 PLOTS = {k: f"{k}.png" for k in ("acceptance", "context", "training", "quality", "vocab")}
+ESTIMATE = "1 + sum(full_acc_k)"  # the report's method's (rule_params.acceptance_estimate)
 
 
 def test_requests_sent_and_reused_are_in_the_report():
     rerun = {"requests": 30, "sent": 0, "reused": 30}
-    md = render_markdown(REPORT, METRICS, QUALITY, VOCAB, rerun, PLOTS)
+    md = render_markdown(REPORT, METRICS, QUALITY, VOCAB, rerun, PLOTS, estimate=ESTIMATE)
     assert "| verifier requests of the last generate | 0 sent / 30 reused from the store (100% reused) |" in md
     assert "no server was started" in md
-    first = render_markdown(REPORT, METRICS, QUALITY, VOCAB, {"requests": 30, "sent": 24, "reused": 6}, PLOTS)
+    first = render_markdown(
+        REPORT, METRICS, QUALITY, VOCAB, {"requests": 30, "sent": 24, "reused": 6}, PLOTS, estimate=ESTIMATE
+    )
     assert "24 sent / 6 reused from the store (20% reused)" in first and "no server was started" not in first
 
 
@@ -109,6 +112,7 @@ def test_run_report_writes_the_markdown_html_and_four_plots(tmp_path):
         str(tmp_path / "vocab.json"),
         str(tmp_path / "generate.json"),
         out,
+        estimate=ESTIMATE,
     )
     for name in ("acceptance_png", "context_png", "training_png", "quality_png", "vocab_png"):
         assert (tmp_path / "report" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
@@ -119,7 +123,9 @@ def test_run_report_writes_the_markdown_html_and_four_plots(tmp_path):
 
 
 def test_each_set_has_a_table_with_a_row_per_temperature_and_its_seed():
-    md = render_markdown(REPORT, METRICS, QUALITY, VOCAB, {"requests": 1, "sent": 1, "reused": 0}, PLOTS)
+    md = render_markdown(
+        REPORT, METRICS, QUALITY, VOCAB, {"requests": 1, "sent": 1, "reused": 0}, PLOTS, estimate=ESTIMATE
+    )
     section = md.split("## Benchmark sets", 1)[1]
     assert section.index("### eval") < section.index("### mt_bench")
     mt = section.split("### mt_bench", 1)[1]
@@ -158,7 +164,14 @@ def parity_with_context() -> dict:
 
 def test_acceptance_by_context_is_a_table_per_bucket_beside_the_trained_length():
     md = render_markdown(
-        REPORT, METRICS, QUALITY, VOCAB, {"requests": 1, "sent": 1, "reused": 0}, PLOTS, parity_with_context()
+        REPORT,
+        METRICS,
+        QUALITY,
+        VOCAB,
+        {"requests": 1, "sent": 1, "reused": 0},
+        PLOTS,
+        parity_with_context(),
+        estimate=ESTIMATE,
     )
     section = md.split("## Acceptance by context length", 1)[1].split("## ", 1)[0]
     assert "trained on samples of up to 200 tokens (dataset.max_seq_len 256)" in section

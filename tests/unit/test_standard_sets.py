@@ -41,7 +41,7 @@ def measured(monkeypatch):
 def draft(root: Path, name: str, weights: bytes) -> Path:
     d = root / name
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({"name": name}))
+    (d / "config.json").write_text(json.dumps({"name": name, "speculators_model_type": "eagle3"}))
     (d / "model.safetensors").write_bytes(weights)
     return d
 

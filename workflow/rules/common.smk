@@ -132,6 +132,25 @@ def variant_section(name):
     return param
 
 
+def draft_serving():
+    """How vLLM serves the job's variant's draft, as a param (rule_params.draft_serving)."""
+
+    def param(wildcards):
+        return rule_params.draft_serving(config, wildcards.variant)
+
+    return param
+
+
+def acceptance_estimate():
+    """How training estimates the job's variant's acceptance, as a param
+    (rule_params.acceptance_estimate)."""
+
+    def param(wildcards):
+        return rule_params.acceptance_estimate(config, wildcards.variant)
+
+    return param
+
+
 def draft_results(path):
     """Path of a draft's output: results/<run>/drafts/{draft}/<path> (shared by the variants
     whose vocab and train sections agree)."""

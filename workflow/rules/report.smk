@@ -63,6 +63,7 @@ rule report:
     conda:
         "../envs/data.yaml"
     params:
+        estimate=acceptance_estimate(),
         code=code("report"),
     script:
         "../eagleflow/entry/report.py"

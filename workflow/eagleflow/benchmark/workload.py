@@ -86,6 +86,25 @@ class Workload:
             chat_template_kwargs,
         )
 
+    def measured(self) -> dict[str, Any]:
+        """What shapes the measurement, as the baseline rule's param: every field but
+        request_timeout_s (operational: changing it reruns nothing). Pure."""
+        return {
+            "max_tokens": self.max_tokens,
+            "concurrency": self.concurrency,
+            "temperatures": list(self.temperatures),
+            "seed": self.seed,
+            "chat_template_kwargs": self.chat_template_kwargs,
+        }
+
+    @classmethod
+    def from_measured(cls, measured: dict[str, Any], request_timeout_s: float) -> Workload:
+        """The workload `measured()` returned, with the timeout of this run's config."""
+        return cls(
+            **{**measured, "temperatures": tuple(float(t) for t in measured["temperatures"])},
+            request_timeout_s=request_timeout_s,
+        )
+
 
 def first_turn_messages(prompt: dict[str, Any]) -> list[dict[str, str]]:
     return conversation_messages(prompt, 0, [])

@@ -1,3 +1,3 @@
-from eagleflow.benchmark.run import main_baseline
+from eagleflow.benchmark.baseline import main_baseline
 
 main_baseline(snakemake)

@@ -229,10 +229,11 @@ def measured_rates(root: Path, run: str, rates: Rates) -> tuple[MeasuredRates, l
 def trained_method(train_dir: Path) -> str | None:
     """The method of the draft a training exported (its config.json, as speculators names
     it), None before the export."""
-    from eagleflow.benchmark.speculative import draft_method_name, read_draft_config
+    from eagleflow.benchmark.speculative import read_draft_config
+    from eagleflow.train.methods import method_of
 
     exported = train_dir.parent / "draft"
-    return draft_method_name(read_draft_config(str(exported))) if (exported / "config.json").exists() else None
+    return method_of(read_draft_config(str(exported))).name if (exported / "config.json").exists() else None
 
 
 def render_hours(work: Work, rates: Rates, config: dict[str, Any], samples: list[int] | None = None) -> str:

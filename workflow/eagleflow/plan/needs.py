@@ -24,7 +24,7 @@ import argparse
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 
@@ -100,7 +100,6 @@ def make_plan(
     plan.tokens = tokens = planned_tokens(config, root, assume_prompt_tokens)
     hs, server = config["hidden_states"], config["server"]
     num_aux = len(hs["aux_layer_ids"] or default_aux_layer_ids(g.num_layers))
-    draft_vocab = config["vocab"]["draft_vocab_size"]
     online = hs["mode"] == "online"
     served = hs["mode"] == "served"
 
@@ -147,10 +146,10 @@ def make_plan(
             }
         )
     drafts = distinct_drafts(config)
-    for label, draft_train in drafts.items():
+    for label, (draft_train, draft_vocab) in drafts.items():
         trainable, _ = draft_params(g, draft_train, draft_vocab, num_aux)
         # the weights, the best weights so far, the optimizer's state
-        floats = 2 * trainable + optimizer_state_floats(g, draft_train, trainable, num_aux)
+        floats = 2 * trainable + optimizer_state_floats(g, draft_train, draft_vocab, num_aux)
         kept, optimizer = draft_train["keep_checkpoints"], draft_train["optimizer"]
         plan.disk.append(
             {
@@ -164,7 +163,7 @@ def make_plan(
             {
                 "stage": "train",
                 "what": f"{label}the exported draft (bf16, what vLLM loads)",
-                "bytes": draft_export_bytes(g, trainable, draft_vocab, draft_train["method"]),
+                "bytes": draft_export_bytes(g, draft_train, draft_vocab, num_aux),
                 "where": root / f"results/{run}/drafts",
             }
         )
@@ -197,7 +196,7 @@ def make_plan(
             + (", estimated from config.json)" if estimated else ")"),
         }
     )
-    for label, draft_train in drafts.items():
+    for label, (draft_train, draft_vocab) in drafts.items():
         mem_of = draft_train_bytes(g, draft_train, draft_vocab, num_aux)
         plan.gpu.append(
             {
@@ -209,7 +208,7 @@ def make_plan(
             }
         )
     # The most any draft of the run needs: what the suggestions below size against.
-    mem = max((draft_train_bytes(g, t, draft_vocab, num_aux) for t in drafts.values()), key=lambda m: m["total"])
+    mem = max((draft_train_bytes(g, *d, num_aux) for d in drafts.values()), key=lambda m: m["total"])
     if online:
         plan.gpu.append(
             {
@@ -228,25 +227,33 @@ def make_plan(
         config,
         rates,
         tokens.stored_tokens,
-        list(drafts.values()),
+        [d.train for d in drafts.values()],
     )
     plan.hours = render_hours(work, rates, config, samples)
     plan.notes += measured
     return plan
 
 
-def distinct_drafts(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """{label: train section} of every distinct draft the run trains (variants that agree on
+class PlannedDraft(NamedTuple):
+    """A draft the run trains: its `train` section and the size of its draft vocabulary."""
+
+    train: dict[str, Any]
+    vocab: int
+
+
+def distinct_drafts(config: dict[str, Any]) -> dict[str, PlannedDraft]:
+    """{label: PlannedDraft} of every distinct draft the run trains (variants that agree on
     their vocab and train sections share one); the label is empty for a run of one draft, else
     `<draft id> (<method>): `. Pure."""
     from eagleflow.variants import draft_id, variant_config, variant_overrides
 
-    drafts: dict[str, dict[str, Any]] = {}
+    drafts: dict[str, PlannedDraft] = {}
     for name in variant_overrides(config):
-        drafts.setdefault(draft_id(config, name), variant_config(config, name)["train"])
+        v = variant_config(config, name)
+        drafts.setdefault(draft_id(config, name), PlannedDraft(v["train"], v["vocab"]["draft_vocab_size"]))
     if len(drafts) == 1:
         return {"": next(iter(drafts.values()))}
-    return {f"{d} ({t['method']}): ": t for d, t in drafts.items()}
+    return {f"{d} ({p.train['method']}): ": p for d, p in drafts.items()}
 
 
 def render(plan: Plan) -> str:

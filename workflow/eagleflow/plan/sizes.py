@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ class Geometry:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    text: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # its text config
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Geometry:
@@ -37,6 +39,7 @@ class Geometry:
             heads,
             kv_heads,
             head_dim,
+            dict(v),
         )
 
 
@@ -95,105 +98,82 @@ def quantization(config: dict[str, Any]) -> tuple[int, int]:
     return 16, 0
 
 
-# speculators' defaults the plan sizes a method with (eagleflow leaves them as they are).
-DSPARK_MARKOV_RANK = 256
-MAX_ANCHORS = {"dflash": 512, "dflash2": 512, "dspark": 3072}
-# DFlash2: each layer's two grouped dynamic convolutions (kernel taps, channels sharing a kernel)
-# and the candidate selector's rank.
-DFLASH2_CONV_KERNEL, DFLASH2_CONV_GROUP, DFLASH2_SELECTOR_RANK = 2, 16, 256
-BLOCK_DRAFTERS = ("dflash", "dflash2", "dspark")
-PEAGLE_DOWN_SAMPLE = (0.7, 0.2)  # COD sampling: depth d keeps max(0.7^d, 0.2) of the positions
+@dataclass(frozen=True)
+class DraftSizes:
+    """What the plan reads of the draft eagleflow trains: its parameters, trainable and frozen;
+    the trainable ones AdamW updates when Muon takes the matrices (train.optimizer.takes_muon:
+    the norms, embeddings and other vectors, the vocabulary's matrices); the bytes of its
+    exported model.safetensors."""
+
+    trainable: int
+    frozen: int
+    adamw: int
+    export_bytes: int
+
+
+def draft_sizes(g: Geometry, train: dict[str, Any], draft_vocab: int, num_aux: int) -> DraftSizes:
+    """DraftSizes of the draft `train` (its method and layers) trains, counted on the draft its
+    method builds, on the meta device (shapes only, no memory, no verifier weights)."""
+    return _counted(json.dumps(g.text, sort_keys=True), json.dumps(train, sort_keys=True), draft_vocab, num_aux)
+
+
+@cache
+def _counted(verifier: str, train: str, draft_vocab: int, num_aux: int) -> DraftSizes:
+    from eagleflow.common.config import typed
+    from eagleflow.train.config import TrainConfig
+    from eagleflow.train.methods import draft_method
+    from eagleflow.train.optimizer import takes_muon
+
+    cfg = typed(TrainConfig, json.loads(train), "train")
+    method = draft_method(cfg.method)
+    draft = method.meta_draft(json.loads(verifier), cfg, draft_vocab, num_aux)
+    params = dict(draft.named_parameters())
+    trainable = {n: p for n, p in params.items() if p.requires_grad}
+    exported = method.exported(draft, draft.state_dict())
+    # Floating-point tensors are stored in bfloat16 (train.draft.export_draft), the rest as they are.
+    stored = sum(t.numel() * (2 if t.is_floating_point() else t.element_size()) for t in exported.values())
+    return DraftSizes(
+        trainable=sum(p.numel() for p in trainable.values()),
+        frozen=sum(p.numel() for p in params.values() if not p.requires_grad),
+        adamw=sum(p.numel() for n, p in trainable.items() if not takes_muon(n, p)),
+        export_bytes=stored,
+    )
 
 
 def draft_params(g: Geometry, train: dict[str, Any], draft_vocab: int, num_aux: int) -> tuple[int, int]:
-    """(trainable, frozen) parameters of the draft eagleflow trains for `train` (its method and
-    layers; train/methods.py). Pure.
-
-    EAGLE-3: the fc over the aux states, `num_layers` Llama layers (the first takes [embedding;
-    state], 2 x hidden, and normalises the state with its own norm) and the final norm; frozen:
-    the verifier's embeddings, the draft lm_head and the verifier's lm_head rows of the draft
-    vocabulary (both initialised from the verifier's), the verifier's final norm. P-EAGLE: the
-    same with the embeddings trained and a learned mask state. DFlash: the fc and its norm,
-    Qwen3 layers of hidden-size input (q and k norms of head_dim), the final norm; DSpark adds
-    its Markov bias (vocabulary x rank x draft vocabulary) and confidence head; DFlash2 two
-    convolutions a layer (base kernels and their projection from the state) and the candidate
-    selector (two vocabulary x rank codebooks and a hidden x rank projection)."""
-    h, q, kv, num_layers = g.hidden_size, g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim, train["num_layers"]
-    method = train["method"]
-    mlp = 3 * h * g.intermediate_size
-    frozen = g.vocab_size * h + 2 * draft_vocab * h + h
-    if method in BLOCK_DRAFTERS:
-        layers = num_layers * (h * (q + 2 * kv) + q * h + 2 * g.head_dim + mlp + 2 * h)
-        trainable = num_aux * h * h + h + layers + h  # fc, its norm, the layers, the final norm
-        if method == "dspark":
-            trainable += DSPARK_MARKOV_RANK * (g.vocab_size + draft_vocab) + h + DSPARK_MARKOV_RANK + 1
-        if method == "dflash2":
-            taps = 2 * DFLASH2_CONV_KERNEL
-            trainable += num_layers * 2 * (taps * h + h * taps * (h // DFLASH2_CONV_GROUP))
-            trainable += DFLASH2_SELECTOR_RANK * (2 * draft_vocab + h)
-        return trainable, frozen
-    layer_in = [2 * h] + [h] * (num_layers - 1)
-    layers = sum(i * (q + 2 * kv) + q * h + mlp + 2 * h for i in layer_in)
-    trainable = num_aux * h * h + layers + h + h  # + the first layer's state norm, the final norm
-    if method == "peagle":
-        return trainable + g.vocab_size * h + num_aux * h, frozen - g.vocab_size * h
-    return trainable, frozen
+    """(trainable, frozen) parameters of the draft eagleflow trains for `train` (draft_sizes)."""
+    sizes = draft_sizes(g, train, draft_vocab, num_aux)
+    return sizes.trainable, sizes.frozen
 
 
-def adamw_params(g: Geometry, train: dict[str, Any], num_aux: int) -> int:
-    """The draft's trainable parameters Muon does not take (train.optimizer.takes_muon), which
-    AdamW updates: the norms (two a layer, the first layer's state norm or DFlash's fc norm, the
-    final norm), DFlash's q and k norms, P-EAGLE's embeddings and mask state, DSpark's confidence
-    head, DFlash2's base kernels and the selector's codebooks. Pure."""
-    h, num_layers, method = g.hidden_size, train["num_layers"], train["method"]
-    vectors = (2 * num_layers + 2) * h
-    if method == "peagle":
-        return vectors + g.vocab_size * h + num_aux * h
-    if method in BLOCK_DRAFTERS:
-        vectors += num_layers * 2 * g.head_dim
-        if method == "dflash2":  # its draft vocabulary is the whole one
-            vectors += num_layers * 2 * 2 * DFLASH2_CONV_KERNEL * h + 2 * DFLASH2_SELECTOR_RANK * g.vocab_size
-        return vectors + (h + DSPARK_MARKOV_RANK + 1 if method == "dspark" else 0)
-    return vectors
-
-
-def optimizer_state_floats(g: Geometry, train: dict[str, Any], trainable: int, num_aux: int) -> int:
-    """float32 values of the optimizer's state (train.optimizer) for `trainable` parameters:
-    AdamW keeps two moments of every tensor, Muon one momentum buffer of each matrix and
-    AdamW's two moments of the rest (adamw_params). Pure."""
+def optimizer_state_floats(g: Geometry, train: dict[str, Any], draft_vocab: int, num_aux: int) -> int:
+    """float32 values of the optimizer's state (train.optimizer) for the draft's trainable
+    parameters: AdamW keeps two moments of every tensor, Muon one momentum buffer of each
+    matrix and AdamW's two moments of the rest (DraftSizes.adamw)."""
+    sizes = draft_sizes(g, train, draft_vocab, num_aux)
     if train["optimizer"] == "adamw":
-        return 2 * trainable
-    rest = adamw_params(g, train, num_aux)
-    return (trainable - rest) + 2 * rest
+        return 2 * sizes.trainable
+    return (sizes.trainable - sizes.adamw) + 2 * sizes.adamw
 
 
 def draft_positions(train: dict[str, Any]) -> float:
-    """Positions a training batch of `batch_tokens` runs the draft's layers on: EAGLE-3's chain
-    of ttt_steps over every token; P-EAGLE's COD samples (every token at depth 0, then a
-    decaying share); a block drafter's anchors (up to speculators' max_anchors) times the block.
-    Pure."""
-    tokens, method = train["batch_tokens"], train["method"]
-    if method == "peagle":
-        ratio, floor = PEAGLE_DOWN_SAMPLE
-        return tokens * (1 + sum(max(ratio**d, floor) for d in range(1, train["num_depths"])))
-    if method in MAX_ANCHORS:
-        return min(tokens, MAX_ANCHORS[method]) * train["block_size"]
-    return tokens * train["ttt_steps"]
+    """Positions a training batch of `batch_tokens` runs the draft's layers on, as its method
+    samples them (DraftMethod.positions_per_batch)."""
+    from eagleflow.common.config import typed
+    from eagleflow.train.config import TrainConfig
+    from eagleflow.train.methods import draft_method
+
+    cfg = typed(TrainConfig, train, "train")
+    return draft_method(cfg.method).positions_per_batch(cfg)
 
 
-def draft_export_bytes(g: Geometry, trainable: int, draft_vocab: int, method: str = "eagle3") -> int:
-    """The exported draft's model.safetensors: the trainable weights, the embeddings (EAGLE-3's
-    frozen ones; P-EAGLE's are trained, DFlash and DSpark save none) and the draft lm_head in
-    bf16, and the vocabulary maps (d2t int64, t2d bool). DFlash2 drafts over the whole
-    vocabulary: no lm_head and no maps, vLLM takes the verifier's head. Pure."""
-    if method == "dflash2":
-        return trainable * 2
-    embeddings = g.vocab_size * g.hidden_size if method == "eagle3" else 0
-    return (trainable + embeddings + draft_vocab * g.hidden_size) * 2 + draft_vocab * 8 + g.vocab_size
+def draft_export_bytes(g: Geometry, train: dict[str, Any], draft_vocab: int, num_aux: int) -> int:
+    """The exported draft's model.safetensors (draft_sizes), less its header."""
+    return draft_sizes(g, train, draft_vocab, num_aux).export_bytes
 
 
 def draft_train_bytes(g: Geometry, train: dict[str, Any], draft_vocab: int, num_aux: int) -> dict[str, int]:
-    """GPU memory of one training process, estimated. Pure.
+    """GPU memory of one training process, estimated.
 
     fp32 master weights, gradients and the optimizer's state (train.optimizer: AdamW's two
     moments, or Muon's one momentum buffer of each matrix), fp32 frozen weights, and per
@@ -201,7 +181,7 @@ def draft_train_bytes(g: Geometry, train: dict[str, Any], draft_vocab: int, num_
     draft-vocabulary logits with their softmax and gradient."""
     trainable, frozen = draft_params(g, train, draft_vocab, num_aux)
     # weights, gradients, the optimizer's state
-    per_trainable = 4 * (2 * trainable + optimizer_state_floats(g, train, trainable, num_aux))
+    per_trainable = 4 * (2 * trainable + optimizer_state_floats(g, train, draft_vocab, num_aux))
     h, i = g.hidden_size, g.intermediate_size
     per_token = (num_aux * h + train["num_layers"] * (12 * h + 3 * g.num_heads * g.head_dim + 3 * i)) * 4
     per_token += 3 * draft_vocab * 4

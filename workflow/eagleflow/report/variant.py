@@ -69,16 +69,6 @@ def describe_requests(generate: dict) -> str:
     return f"{generate['sent']} sent / {generate['reused']} reused from the store ({share:.0%} reused)"
 
 
-# How training estimates acceptance for each method (train/methods.py, DraftMethod.summarise).
-ESTIMATES = {
-    "eagle3": "1 + sum(full_acc_k)",
-    "peagle": "1 + sum over depths of the product of accuracies so far",
-    "dflash": "speculators' expected accepted length per block",
-    "dflash2": "speculators' expected accepted length per block, through the candidate selector",
-    "dspark": "speculators' expected accepted length per block",
-}
-
-
 def parity_rows(parity: dict | None) -> list[tuple[str, str]]:
     """The parity job's figures (none without one). Pure."""
     if parity is None:
@@ -241,7 +231,11 @@ def render_markdown(
     plots: dict[str, str],
     parity: dict | None = None,
     prompts: dict | None = None,
+    *,
+    estimate: str,
 ) -> str:
+    """The report in Markdown. `estimate`: how training estimates the acceptance length (the
+    method's, rule_params.acceptance_estimate)."""
     last_eval = [m for m in metrics if m["split"] == "eval"][-1]
     best_eval = exported_eval(metrics)
     headline = {"mean acceptance length", "speedup"}
@@ -266,7 +260,7 @@ def render_markdown(
         "## Training",
         "",
         f"Best eval loss {best_eval['loss']:.4f} at step {best_eval['step']} (exported); "
-        f"training-time estimate of acceptance length ({ESTIMATES[report['method']]}) = "
+        f"training-time estimate of acceptance length ({estimate}) = "
         f"{best_eval['estimated_acceptance_length']:.3f} (last eval: {last_eval['estimated_acceptance_length']:.3f}).",
         "",
         f"![training curves]({plots['training']})",
@@ -327,7 +321,17 @@ def main(smk) -> None:
         i = smk.input
         outputs = {name: smk.output[name] for name in REPORT_OUTPUTS}
         parity = i.get("parity") or None
-        run_report(i.report, i.metrics, i.quality, i.vocab_stats, i.generate, outputs, parity, i.prompts)
+        run_report(
+            i.report,
+            i.metrics,
+            i.quality,
+            i.vocab_stats,
+            i.generate,
+            outputs,
+            parity,
+            i.prompts,
+            estimate=smk.params.estimate,
+        )
 
 
 def run_report(
@@ -339,11 +343,13 @@ def run_report(
     out: dict[str, str],
     parity_json: str | None = None,
     prompts_json: str | None = None,
+    *,
+    estimate: str,
 ) -> None:
     """Write out['md'], out['html'] and the plots out['acceptance_png'], ['context_png'],
     ['training_png'], ['quality_png'], ['vocab_png']; with `parity_json`, the replay next to
     vLLM's figures and acceptance by context length; with `prompts_json` (prompts/stats.json),
-    the prompt set and out['prompts_png']."""
+    the prompt set and out['prompts_png']. `estimate`: as render_markdown's."""
     report = json.loads(Path(report_json).read_text())
     parity = json.loads(Path(parity_json).read_text()) if parity_json else None
     rows = read_jsonl(metrics)
@@ -364,6 +370,9 @@ def run_report(
         for k in ("acceptance", "context", "training", "quality", "vocab", "prompts")
         if k != "prompts" or prompts is not None
     }
-    write_text(out["md"], render_markdown(report, rows, quality_report, vocab, generate, plots, parity, prompts))
+    write_text(
+        out["md"],
+        render_markdown(report, rows, quality_report, vocab, generate, plots, parity, prompts, estimate=estimate),
+    )
     write_text(out["html"], render_html(report, rows, quality_report, vocab, generate, parity))
     log.info("wrote %s and %s", out["md"], out["html"])

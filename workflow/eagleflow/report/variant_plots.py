@@ -90,7 +90,7 @@ def plot_training(metrics: list[dict[str, Any]], out: str) -> None:
     ax1.set_ylabel("loss")
     ax1.legend()
     # EAGLE-3's chain reports full_acc_k (all of the first k+1 right); the other methods each
-    # draft position's accuracy (train/methods.py).
+    # draft position's accuracy (train/methods/base.py, DraftMethod.summarise).
     curves = sorted(key for key in metrics[0] if key.startswith(("full_acc_", "position_acc_")))
     for key in curves:
         ax2.plot([m["step"] for m in evals], [m[key] for m in evals], "o-", label=key)

@@ -4,7 +4,6 @@ run reads and writes (TrainJob)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,11 +12,11 @@ from typing import Any
 class TrainConfig:
     """The `train` config section."""
 
-    method: str  # eagle3 | peagle | dflash | dflash2 | dspark (train/methods.py)
+    method: str  # the draft method: a name train.methods.METHODS registers
     num_layers: int
-    ttt_steps: int  # eagle3: the chain's draft tokens
-    num_depths: int  # peagle: tokens drafted in one forward
-    block_size: int  # dflash, dflash2, dspark: the block drafted in one forward
+    ttt_steps: int  # EAGLE-3: the chain's draft tokens
+    num_depths: int  # P-EAGLE: tokens drafted in one forward
+    block_size: int  # the DFlash family: the block drafted in one forward
     ttt_step_loss_decay: float
     loss: str
     loss_implementation: str
@@ -45,24 +44,6 @@ class TrainConfig:
     # after its final norm instead of before it. vLLM reads both from the draft's config.
     norm_before_fc: bool
     norm_output: bool
-
-
-def unservable_settings(train: Mapping[str, Any]) -> list[str]:
-    """What in a `train` section vLLM cannot serve as an EAGLE-3 draft, one message per setting
-    (empty: nothing). vLLM's MLA draft layer (`draft_attention: mla`) has no sliding window and
-    no norm before fc. Checked before any job (the config check) and when a draft is built. Pure."""
-    if train["draft_attention"] != "mla":
-        return []
-    if train["method"] != "eagle3":
-        return [
-            f"train.draft_attention: mla is an EAGLE-3 draft layer; a {train['method']} draft is served with its own"
-        ]
-    problems = []
-    if train["sliding_window"] is not None:
-        problems.append("train.sliding_window: vLLM's MLA draft layer has no sliding window; set it to null")
-    if train["norm_before_fc"]:
-        problems.append("train.norm_before_fc: vLLM's MLA draft layer has no norm before fc; set it to false")
-    return problems
 
 
 @dataclass(frozen=True)
