@@ -34,6 +34,7 @@ def test_sections_are_blind_to_key_order_at_every_level():
         ({"generate": {"temperature": 0.6}}, True),
         ({"generate": {"max_tokens": 77}}, True),
         ({"generate": {"extra_body": {"top_k": 20}}}, True),
+        ({"generate": {"seed": None}}, True),  # unset: the request carries no seed
         ({"generate": {"chat_template_kwargs": {"enable_thinking": False}}}, True),
         ({"server": {"served_model_name": "other"}}, True),
         # How generate runs, not what it asks: concurrency, shards, the store's place.
@@ -45,6 +46,20 @@ def test_sections_are_blind_to_key_order_at_every_level():
 )
 def test_generates_requests_hold_what_changes_a_request(override, expected):
     assert moves(rp.generate_requests, override) is expected
+
+
+def test_the_generate_section_is_read_typed():
+    """Every key of the schema's `generate` section is a field of GenerateConfig (the params
+    read it through it), and a key it does not know is an error naming it."""
+    import yaml
+
+    from eagleflow.common.config import ConfigError
+
+    schema = yaml.safe_load((REPO / "workflow/schemas/config.schema.yaml").read_text())
+    assert set(schema["properties"]["generate"]["properties"]) == set(CONFIG["generate"])
+    assert "seed" not in rp.generate_requests(merged(CONFIG, {"generate": {"seed": None}}))["sampling"]
+    with pytest.raises(ConfigError, match="generate.retries: unknown key"):
+        rp.generate_requests(merged(CONFIG, {"generate": {"retries": 2}}))
 
 
 @pytest.mark.parametrize(

@@ -132,13 +132,14 @@ def verifier_source(config: dict[str, Any]) -> dict[str, Any]:
 
 def generate_requests(config: dict[str, Any]) -> dict[str, Any]:
     """What generate asks the verifier: the settings that change a request."""
-    generate = config["generate"]
-    sampling = {k: generate[k] for k in ("max_tokens", "temperature", "top_p", "seed") if generate[k] is not None}
+    from eagleflow.runtime.generate_config import GenerateConfig
+
+    generate = typed(GenerateConfig, config["generate"], "generate")
     return sorted_keys(
         {
             "model": config["server"]["served_model_name"],
-            "sampling": sampling | generate["extra_body"],
-            "chat_template_kwargs": generate["chat_template_kwargs"],
+            "sampling": generate.sampling(),
+            "chat_template_kwargs": generate.chat_template_kwargs,
         }
     )
 
@@ -166,7 +167,9 @@ def overlap_sets(config: dict[str, Any]) -> list[dict[str, Any]]:
 
 def generate_shards(config: dict[str, Any]) -> list[str]:
     """The generate jobs' names (runtime/store.py, generate/run.py: Shard): `<i>-of-<n>`."""
-    n = config["generate"]["shards"]
+    from eagleflow.runtime.generate_config import GenerateConfig
+
+    n = typed(GenerateConfig, config["generate"], "generate").shards
     return [f"{i}-of-{n}" for i in range(n)]
 
 

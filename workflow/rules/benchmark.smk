@@ -9,11 +9,11 @@ rule benchmark_sets:
     conda:
         "../envs/serve.yaml"
     params:
-        sets=benchmark_sets_param(),
+        sets=rule_params.benchmark_sets(config),
         eval_size=config["benchmark"]["num_prompts"],
         max_tokens=config["benchmark"]["max_tokens"],
         max_model_len=config["server"]["max_model_len"],
-        chat_template_kwargs=chat_template_kwargs(),
+        chat_template_kwargs=rule_params.chat_template_kwargs(config),
         code=code("benchmark_sets"),
     script:
         "../eagleflow/entry/benchmark_sets.py"
@@ -33,10 +33,10 @@ rule baseline:
         "../envs/serve.yaml"
     threads: all_cores()
     resources:
-        gpu=gpus("benchmark"),
+        gpu=rule_params.gpus(config, "benchmark"),
     params:
-        server=measured_server(),
-        workload=baseline_workload(),
+        server=rule_params.measured_server(config, VERIFIER_ARGV),
+        workload=rule_params.baseline_workload(config),
         code=code("baseline"),
     script:
         "../eagleflow/entry/baseline.py"
@@ -62,12 +62,12 @@ rule benchmark:
         "../envs/serve.yaml"
     threads: all_cores()
     resources:
-        gpu=gpus("benchmark"),
+        gpu=rule_params.gpus(config, "benchmark"),
     params:
-        server=measured_server(),
+        server=rule_params.measured_server(config, VERIFIER_ARGV),
         benchmark=variant_section("benchmark"),
-        serving=draft_serving(),
-        chat_template_kwargs=chat_template_kwargs(),
+        serving=per_variant(rule_params.draft_serving),
+        chat_template_kwargs=rule_params.chat_template_kwargs(config),
         code=code("benchmark"),
     script:
         "../eagleflow/entry/benchmark.py"
@@ -91,13 +91,13 @@ rule parity:
         EXTRACTION_ENVS[config["hidden_states"]["backend"]]
     threads: all_cores()
     resources:
-        gpu=gpus("hidden_states"),
+        gpu=rule_params.gpus(config, "hidden_states"),
     params:
         # The verifier's states as the hidden_states stage computes them, with its backend.
         hidden_states=section_without("hidden_states", "served"),
-        server=hidden_states_server(),
+        server=rule_params.hidden_states_server(config, VERIFIER_ARGV),
         trust_remote_code=config["verifier"]["trust_remote_code"],
-        chat_template_kwargs=chat_template_kwargs(),
+        chat_template_kwargs=rule_params.chat_template_kwargs(config),
         synth_temperature=config["generate"]["temperature"],
         parity=section("parity"),
         max_model_len=config["server"]["max_model_len"],

@@ -132,25 +132,6 @@ def variant_section(name):
     return param
 
 
-def draft_serving():
-    """How vLLM serves the job's variant's draft, as a param (rule_params.draft_serving)."""
-
-    def param(wildcards):
-        return rule_params.draft_serving(config, wildcards.variant)
-
-    return param
-
-
-def acceptance_estimate():
-    """How training estimates the job's variant's acceptance, as a param
-    (rule_params.acceptance_estimate)."""
-
-    def param(wildcards):
-        return rule_params.acceptance_estimate(config, wildcards.variant)
-
-    return param
-
-
 def draft_results(path):
     """Path of a draft's output: results/<run>/drafts/{draft}/<path> (shared by the variants
     whose vocab and train sections agree)."""
@@ -226,26 +207,6 @@ def baseline_report(wildcards):
     )
 
 
-def baseline_workload():
-    return rule_params.baseline_workload(config)
-
-
-def benchmark_sets_param():
-    return rule_params.benchmark_sets(config)
-
-
-def chat_template_kwargs():
-    return rule_params.chat_template_kwargs(config)
-
-
-def learning_curve_variants():
-    return rule_params.learning_curve_variants(config)
-
-
-def k_variants():
-    return rule_params.k_variants(config)
-
-
 def all_cores():
     """Threads for the stages that use the whole machine (vLLM, training): the --cores
     count, which Snakemake also caps per job. Commands that run no job (--report, --lint)
@@ -254,14 +215,6 @@ def all_cores():
         return workflow.cores
     except WorkflowError:
         return 1
-
-
-def gpus(stage):
-    return rule_params.gpus(config, stage)
-
-
-def train_nodes():
-    return rule_params.train_nodes(config)
 
 
 def part_paths():
@@ -276,27 +229,11 @@ def part_paths():
 EXTRACTION_ENVS = {"hf": "../envs/train.yaml", "vllm": "../envs/extract.yaml"}
 
 
-def hidden_states_server():
-    return rule_params.hidden_states_server(config, VERIFIER_ARGV)
-
-
-def measured_server():
-    return rule_params.measured_server(config, VERIFIER_ARGV)
-
-
 def serve_verifier_path(wildcards, input):
     """The verifier path the exported draft names: `verifier.serve_path`, else the prepared
     verifier (the job's input, relative to the workdir; the job makes it absolute), so that
     the same results in another directory restale nothing."""
     return config["verifier"]["serve_path"] or input.verifier
-
-
-def verifier_source():
-    return rule_params.verifier_source(config)
-
-
-def generate_requests():
-    return rule_params.generate_requests(config)
 
 
 def server_result_args():
@@ -315,30 +252,10 @@ def prompt_sources(wildcards):
     return sources
 
 
-def written_section():
-    return rule_params.written_section(config)
-
-
-def written_replies():
-    return rule_params.written_replies(config)
-
-
-def overlap_sets():
-    return rule_params.overlap_sets(config)
-
-
-def generate_shards():
-    return rule_params.generate_shards(config)
-
-
 def response_store():
     """The response store generate and write_prompts read and fill: generate.store, else
     one per run."""
     return config["generate"]["store"] or results("generate/store.sqlite")
-
-
-def synth_parsing():
-    return rule_params.synth_parsing(config)
 
 
 def train_states(wildcards):
@@ -355,16 +272,13 @@ def train_states(wildcards):
     return {"index": results("hidden_states/index.json")}
 
 
-def online_states():
-    return rule_params.online_states(config)
-
-
-def served_states():
-    return rule_params.served_states(config, VERIFIER_ARGV)
-
-
 def parity_report(wildcards):
     """The variant's parity report, unless parity.enabled is false."""
     if not config["parity"]["enabled"]:
         return []
     return results(f"variants/{wildcards.variant}/parity/report.json")
+
+
+def per_variant(param):
+    """A rule_params function of (config, variant) as the param of a job's {variant}."""
+    return lambda wildcards: param(config, wildcards.variant)

@@ -14,9 +14,9 @@ rule generate:
         "../envs/serve.yaml"
     threads: all_cores()
     resources:
-        gpu=gpus("generate"),
+        gpu=rule_params.gpus(config, "generate"),
     params:
-        requests=generate_requests(),
+        requests=rule_params.generate_requests(config),
         server=server_result_args(),
         # Not an output: the store outlives every job, and a rerun sends only what it lacks.
         # Each shard writes its own file beside it (runtime/store.py).
@@ -30,10 +30,10 @@ rule generate_join:
     input:
         prompts=results("prompts/train.jsonl"),
         replies=expand(
-            results("generate/shards/{part}/replies.parquet"), part=generate_shards()
+            results("generate/shards/{part}/replies.parquet"), part=rule_params.generate_shards(config)
         ),
         stats=expand(
-            results("generate/shards/{part}/stats.json"), part=generate_shards()
+            results("generate/shards/{part}/stats.json"), part=rule_params.generate_shards(config)
         ),
     output:
         replies=results("generate/replies.parquet"),

@@ -22,10 +22,10 @@ rule hidden_states:
         EXTRACTION_ENVS[config["hidden_states"]["backend"]]
     threads: all_cores()
     resources:
-        gpu=gpus("hidden_states"),
+        gpu=rule_params.gpus(config, "hidden_states"),
     params:
         hidden_states=section_without("hidden_states", "served"),
-        server=hidden_states_server(),
+        server=rule_params.hidden_states_server(config, VERIFIER_ARGV),
         trust_remote_code=config["verifier"]["trust_remote_code"],
         code=code("hidden_states"),
     script:
@@ -48,7 +48,7 @@ rule hidden_states_index:
     # not rebuild a missing input of an output it holds for current).
     params:
         hidden_states=section_without("hidden_states", "served"),
-        server=hidden_states_server(),
+        server=rule_params.hidden_states_server(config, VERIFIER_ARGV),
         code=code("hidden_states_index"),
     script:
         "../eagleflow/entry/hidden_states_index.py"

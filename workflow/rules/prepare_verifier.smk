@@ -9,7 +9,7 @@ rule prepare_verifier:
         "../envs/train.yaml"
     params:
         # Only where the weights come from: serve_path and trust_remote_code do not change them.
-        verifier_source=verifier_source(),
+        verifier_source=rule_params.verifier_source(config),
         code=code("prepare_verifier"),
     script:
         "../eagleflow/entry/prepare_verifier.py"

@@ -13,13 +13,13 @@ rule write_prompts:
         "../envs/serve.yaml"
     threads: all_cores()
     resources:
-        gpu=gpus("generate"),
+        gpu=rule_params.gpus(config, "generate"),
     params:
-        written=written_section(),
+        written=rule_params.written_section(config),
         model=config["server"]["served_model_name"],
         # generate's requests, for the replies between written turns (none for one turn)
-        replies=written_replies(),
-        chat_template_kwargs=chat_template_kwargs(),
+        replies=rule_params.written_replies(config),
+        chat_template_kwargs=rule_params.chat_template_kwargs(config),
         trust_remote_code=config["verifier"]["trust_remote_code"],
         server=server_result_args(),
         # Not an output: the store outlives every job, and a rerun sends only what it lacks.
@@ -42,7 +42,7 @@ rule prompts:
         "../envs/data.yaml"
     params:
         prompts=section("prompts"),
-        benchmark_sets=overlap_sets(),
+        benchmark_sets=rule_params.overlap_sets(config),
         code=code("prompts"),
     script:
         "../eagleflow/entry/prompts.py"

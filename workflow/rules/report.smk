@@ -63,7 +63,7 @@ rule report:
     conda:
         "../envs/data.yaml"
     params:
-        estimate=acceptance_estimate(),
+        estimate=per_variant(rule_params.acceptance_estimate),
         code=code("report"),
     script:
         "../eagleflow/entry/report.py"
@@ -115,8 +115,8 @@ rule compare:
         "../envs/data.yaml"
     params:
         variants=VARIANTS,
-        learning_curve=learning_curve_variants(),
-        k_variants=k_variants(),
+        learning_curve=rule_params.learning_curve_variants(config),
+        k_variants=rule_params.k_variants(config),
         code=code("compare"),
     script:
         "../eagleflow/entry/compare.py"

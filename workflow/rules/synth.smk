@@ -13,7 +13,7 @@ rule synth:
     conda:
         "../envs/train.yaml"
     params:
-        parsing=synth_parsing(),
+        parsing=rule_params.synth_parsing(config),
         code=code("synth"),
     script:
         "../eagleflow/entry/synth.py"

@@ -17,17 +17,17 @@ rule train:
         "../envs/train.yaml"
     threads: all_cores()
     resources:
-        gpu=gpus("train"),
+        gpu=rule_params.gpus(config, "train"),
         # Served mode with placement: nodes: one node more per extraction server (SLURM --nodes),
         # a task on each (SLURM fits --ntasks=1 on one node, whatever --nodes says).
-        nodes=train_nodes(),
-        tasks=train_nodes(),
+        nodes=rule_params.train_nodes(config),
+        tasks=rule_params.train_nodes(config),
     params:
         train=draft_section("train"),
         serve_verifier_path=serve_verifier_path,
         checkpoint_dir=checkpoint_dir,
-        online=online_states(),
-        served=served_states(),
+        online=rule_params.online_states(config),
+        served=rule_params.served_states(config, VERIFIER_ARGV),
         code=code("train"),
     script:
         "../eagleflow/entry/train.py"

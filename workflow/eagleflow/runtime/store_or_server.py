@@ -17,9 +17,11 @@ from typing import Any, Generic, TypeVar
 
 from tqdm import tqdm
 
+from eagleflow.common.config import typed
 from eagleflow.common.requests import request_key
 from eagleflow.runtime.client import ChatClient, RetryPolicy
 from eagleflow.runtime.concurrency import Concurrency, parse_ceiling
+from eagleflow.runtime.generate_config import GenerateConfig
 from eagleflow.runtime.serving import serve
 from eagleflow.runtime.spec import ServerConfig, ServerSpec
 from eagleflow.runtime.store import ResponseStore
@@ -54,16 +56,16 @@ class Client:
     store_locking: str
 
     @classmethod
-    def of(cls, generate: dict[str, Any], server: ServerConfig) -> Client:
+    def of(cls, generate: GenerateConfig, server: ServerConfig) -> Client:
         """From the `generate` section (and the server's API key variable). Read from the
         config, never params: changing how requests are sent must not rerun a rule."""
         return cls(
-            generate["concurrency"],
-            generate["adaptive_concurrency"],
-            generate["request_timeout_s"],
-            generate["max_attempts"],
+            generate.concurrency,
+            generate.adaptive_concurrency,
+            generate.request_timeout_s,
+            generate.max_attempts,
             server.api_key_env,
-            generate["store_locking"],
+            generate.store_locking,
         )
 
 
@@ -71,7 +73,7 @@ def verifier_access(config: dict[str, Any]) -> tuple[ServerConfig, Client]:
     """How a job that asks the verifier (generate, write_prompts) reaches it and sends its
     requests: the `server` section, and the client settings of the `generate` section."""
     server = ServerConfig.from_section(config["server"])
-    return server, Client.of(config["generate"], server)
+    return server, Client.of(typed(GenerateConfig, config["generate"], "generate"), server)
 
 
 class StoreFront:
