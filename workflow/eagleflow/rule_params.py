@@ -1,6 +1,6 @@
 """What the rules' params hold: which config keys (and which of the server's flags) each rule
 depends on, so that a change to a key reruns the rules that read it and no other. Pure
-functions of the validated config; workflow/rules/common.smk wires them into the rules.
+functions of the validated config; the rules call them with `config` (workflow/rules/*.smk).
 
 Snakemake compares params as text: `sorted_keys` makes every section blind to key order, so
 reordering a config file restales nothing while any changed value still does. A param that

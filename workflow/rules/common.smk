@@ -1,5 +1,5 @@
 # Helpers shared by every rule: config validation, paths, code fingerprints, variants. What the
-# rules' params hold is eagleflow/rule_params.py's (tested there); these wire it to `config`.
+# rules' params hold is eagleflow/rule_params.py's (tested there); the rules call it with `config`.
 import re
 import sys
 from pathlib import Path
