@@ -30,10 +30,12 @@ rule generate_join:
     input:
         prompts=results("prompts/train.jsonl"),
         replies=expand(
-            results("generate/shards/{part}/replies.parquet"), part=rule_params.generate_shards(config)
+            results("generate/shards/{part}/replies.parquet"),
+            part=rule_params.generate_shards(config),
         ),
         stats=expand(
-            results("generate/shards/{part}/stats.json"), part=rule_params.generate_shards(config)
+            results("generate/shards/{part}/stats.json"),
+            part=rule_params.generate_shards(config),
         ),
     output:
         replies=results("generate/replies.parquet"),
