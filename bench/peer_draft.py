@@ -72,7 +72,7 @@ from devkit.runs import FinishedRun
 from eagleflow.common.atomic import atomic_path, write_jsonl, write_safetensors
 from eagleflow.hidden_states.shard_reader import ShardReader
 from eagleflow.runtime.logs import configure_logging
-from eagleflow.variants import draft_id, variant_config, vocab_id
+from eagleflow.dag.variants import draft_id, variant_config, vocab_id
 
 log = logging.getLogger("peer_draft")
 

@@ -8,7 +8,7 @@ import tempfile
 import yaml
 
 from eagleflow.common.fingerprint import ROOT, _module_file, module_digests
-from eagleflow.plan.loads import planned_loads
+from eagleflow.dag.plan.loads import planned_loads
 from tests.helpers import REPO
 
 DOC = REPO / "docs/invalidation.md"

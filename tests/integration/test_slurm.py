@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagleflow.variants import draft_id
+from eagleflow.dag.variants import draft_id
 from tests.helpers import REPO, SNAKEMAKE, vllm_processes
 from tests.slurm_cluster import (
     SMALL,

@@ -19,7 +19,7 @@ from eagleflow.benchmark.workload import BenchmarkConfig
 from eagleflow.common.config import typed, validate_config
 from eagleflow.dataset import DatasetConfig
 from eagleflow.hidden_states.backend import HiddenStatesConfig, VllmExtractionConfig
-from eagleflow.plan.hours import Rates
+from eagleflow.dag.plan.hours import Rates
 from eagleflow.prompts.config import FilterConfig, PromptsConfig, WrittenConfig
 from eagleflow.runtime.spec import ServerConfig
 from eagleflow.train.config import TrainConfig

@@ -19,7 +19,7 @@ from eagleflow.train.draft import export_draft, load_draft
 from eagleflow.train.methods import METHODS, DraftSpec, method_attn_impl
 from eagleflow.train.optimizer import build_optimizer
 from eagleflow.train.steps import packed_batch, train_step
-from eagleflow.variants import check_drafts_servable
+from eagleflow.dag.variants import check_drafts_servable
 from tests.helpers import REPO, TINY_AUX, TINY_VOCAB, random_samples
 
 DEFAULT = yaml.safe_load((REPO / "config/config.yaml").read_text())

@@ -1,4 +1,4 @@
-"""The plan's hours per stage and to a served draft (plan/hours.py): the arithmetic, the
+"""The plan's hours per stage and to a served draft (dag/plan/hours.py): the arithmetic, the
 replicas, the rates a finished run measured."""
 
 import json
@@ -6,9 +6,9 @@ import json
 import pytest
 
 from eagleflow.common.atomic import write_json
-from eagleflow.plan.hours import MeasuredRates, Rates, measured_rates, planned_work, render_hours, scaled, stage_hours
-from eagleflow.plan.needs import load_merged_config
-from eagleflow.variants import merged
+from eagleflow.dag.plan.hours import MeasuredRates, Rates, measured_rates, planned_work, render_hours, scaled, stage_hours
+from eagleflow.dag.plan.needs import load_merged_config
+from eagleflow.dag.variants import merged
 from tests.helpers import REPO
 
 CONFIG = load_merged_config([], REPO)

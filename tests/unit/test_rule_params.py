@@ -1,13 +1,13 @@
-"""What the rules' params hold (eagleflow/rule_params.py): a key a rule's outputs depend on
+"""What the rules' params hold (eagleflow/dag/rule_params.py): a key a rule's outputs depend on
 moves its param, and a key they do not depend on leaves it as it is (a changed param reruns
 the rule: a missing key is a stale result, an extra one a spurious rerun)."""
 
 import pytest
 
-from eagleflow import rule_params as rp
-from eagleflow.plan.needs import load_merged_config
+from eagleflow.dag import rule_params as rp
+from eagleflow.dag.plan.needs import load_merged_config
 from eagleflow.runtime.spec import ServerConfig, ServerSpec
-from eagleflow.variants import merged
+from eagleflow.dag.variants import merged
 from tests.helpers import REPO
 
 CONFIG = load_merged_config([], REPO)

@@ -1,5 +1,5 @@
 # Helpers shared by every rule: config validation, paths, code fingerprints, variants. What the
-# rules' params hold is eagleflow/rule_params.py's (tested there); these wire it to `config`.
+# rules' params hold is eagleflow/dag/rule_params.py's (tested there); these wire it to `config`.
 import re
 import sys
 from pathlib import Path
@@ -10,15 +10,15 @@ import eagleflow
 
 from eagleflow.common.config import validate_config
 from eagleflow.common.fingerprint import code_fingerprint
-from eagleflow import rule_params
+from eagleflow.dag import rule_params
 from eagleflow.runtime.server_args import result_args
-from eagleflow.rule_params import sorted_keys
+from eagleflow.dag.rule_params import sorted_keys
 from eagleflow.runtime.cache_plan import plan_cache
 from eagleflow.runtime.process import first_on_pythonpath
 from eagleflow.runtime.spec import ServerConfig, ServerSpec
-from eagleflow.plan.loads import RunInfoLine, describe_planned
-from eagleflow.plan.needs import planned_disk_line
-from eagleflow.variants import (
+from eagleflow.dag.plan.loads import RunInfoLine, describe_planned
+from eagleflow.dag.plan.needs import planned_disk_line
+from eagleflow.dag.variants import (
     check_drafts_servable,
     draft_id,
     draft_variant,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from eagleflow.hidden_states.storage import FP8, num_stored_states, shard_bytes, target_topk, token_bytes
 
 if TYPE_CHECKING:
-    from eagleflow.plan.needs import Plan
+    from eagleflow.dag.plan.needs import Plan
 
 GB = 10**9
 VLLM_DEFAULT_UTILIZATION = 0.9

@@ -15,7 +15,7 @@ from typing import Any
 
 from eagleflow.common.config import ConfigError, typed
 from eagleflow.runtime.server_args import result_args, server_args
-from eagleflow.variants import variant_config, variant_overrides
+from eagleflow.dag.variants import variant_config, variant_overrides
 
 
 def sorted_keys(value: Any) -> Any:

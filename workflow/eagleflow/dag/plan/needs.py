@@ -31,9 +31,9 @@ import yaml
 from eagleflow.common.config import typed, validate_config
 from eagleflow.hidden_states.layers import default_aux_layer_ids
 from eagleflow.hidden_states.storage import num_stored_states, shard_bytes, target_topk, token_bytes
-from eagleflow.plan.fit import served_fit, suggest
-from eagleflow.plan.hours import Rates, measured_rates, planned_work, render_hours
-from eagleflow.plan.sizes import (
+from eagleflow.dag.plan.fit import served_fit, suggest
+from eagleflow.dag.plan.hours import Rates, measured_rates, planned_work, render_hours
+from eagleflow.dag.plan.sizes import (
     Geometry,
     draft_export_bytes,
     draft_params,
@@ -45,9 +45,9 @@ from eagleflow.plan.sizes import (
     optimizer_state_floats,
     weight_bytes_on_disk,
 )
-from eagleflow.plan.tokens import Tokens, planned_tokens
+from eagleflow.dag.plan.tokens import Tokens, planned_tokens
 from eagleflow.runtime.output_cache import cache_bytes
-from eagleflow.variants import merged
+from eagleflow.dag.variants import merged
 
 DEFAULT_CONFIG = "config/config.yaml"
 GB = 1e9
@@ -245,7 +245,7 @@ def distinct_drafts(config: dict[str, Any]) -> dict[str, PlannedDraft]:
     """{label: PlannedDraft} of every distinct draft the run trains (variants that agree on
     their vocab and train sections share one); the label is empty for a run of one draft, else
     `<draft id> (<method>): `. Pure."""
-    from eagleflow.variants import draft_id, variant_config, variant_overrides
+    from eagleflow.dag.variants import draft_id, variant_config, variant_overrides
 
     drafts: dict[str, PlannedDraft] = {}
     for name in variant_overrides(config):
