@@ -47,6 +47,7 @@ from eagleflow.dag.plan.sizes import (
 )
 from eagleflow.dag.plan.tokens import Tokens, planned_tokens
 from eagleflow.runtime.output_cache import cache_bytes
+from eagleflow.dag.rule_params import check_renamed_keys
 from eagleflow.dag.variants import merged
 
 DEFAULT_CONFIG = "config/config.yaml"
@@ -122,7 +123,7 @@ def make_plan(
             "served": served,
             "what": f"no stored states (hidden_states.mode: {hs['mode']})"
             if online or served
-            else f"{tokens.new_samples} samples in {hs['num_shards']} extraction job{'s' * (hs['num_shards'] > 1)}: "
+            else f"{tokens.new_samples} samples in {hs['num_parts']} extraction job{'s' * (hs['num_parts'] > 1)}: "
             f"{num_states} states x "
             f"{g.hidden_size} in {hs['dtype']}"
             + (f" + top-{topk} logits" if topk else "")
@@ -334,6 +335,7 @@ def load_merged_config(configfiles: list[str], root: Path) -> dict[str, Any]:
     config = yaml.safe_load((root / DEFAULT_CONFIG).read_text())
     for path in configfiles:
         config = merged(config, yaml.safe_load(Path(path).read_text()) or {})
+    check_renamed_keys(config)
     validate_config(config)
     return config
 
