@@ -17,9 +17,9 @@ from devkit import config_reference as ref
 from eagleflow.benchmark.parity_checks import ParityConfig
 from eagleflow.benchmark.workload import BenchmarkConfig
 from eagleflow.common.config import typed, validate_config
+from eagleflow.dag.plan.hours import Rates
 from eagleflow.dataset import DatasetConfig
 from eagleflow.hidden_states.backend import HiddenStatesConfig, VllmExtractionConfig
-from eagleflow.dag.plan.hours import Rates
 from eagleflow.prompts.config import FilterConfig, PromptsConfig, WrittenConfig
 from eagleflow.runtime.spec import ServerConfig
 from eagleflow.train.config import TrainConfig

@@ -200,7 +200,7 @@ def run_hf_part(tmp_path, verifier, part: int, out: str, num_parts: int, force: 
         threads=1,
         gpus=0,
         trust_remote_code=False,
-        log_path=str(tmp_path / f"logs/hidden_states.part-{shard:05d}.log"),
+        log_path=str(tmp_path / f"logs/hidden_states.part-{part:05d}.log"),
         force=force,
     )
 

@@ -6,8 +6,8 @@ from pathlib import Path
 import yaml
 
 from eagleflow.dag.plan.loads import describe_planned, planned_loads
-from eagleflow.runtime.ledger import count_loads, read_loads, record_load
 from eagleflow.dag.variants import merged
+from eagleflow.runtime.ledger import count_loads, read_loads, record_load
 from tests.helpers import REPO
 
 CONFIG = yaml.safe_load((REPO / "config/config.yaml").read_text())

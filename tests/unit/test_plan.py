@@ -31,11 +31,11 @@ from eagleflow.dag.plan.sizes import (
     optimizer_state_floats,
 )
 from eagleflow.dag.plan.tokens import planned_tokens, tokens_from_prompts
+from eagleflow.dag.variants import merged
 from eagleflow.train.config import TrainConfig
 from eagleflow.train.draft import export_draft
 from eagleflow.train.methods import METHODS, DraftSpec
 from eagleflow.train.optimizer import build_optimizer
-from eagleflow.dag.variants import merged
 from tests.helpers import REPO
 
 REPO_CONFIG = load_merged_config([], REPO)

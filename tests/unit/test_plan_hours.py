@@ -6,7 +6,15 @@ import json
 import pytest
 
 from eagleflow.common.atomic import write_json
-from eagleflow.dag.plan.hours import MeasuredRates, Rates, measured_rates, planned_work, render_hours, scaled, stage_hours
+from eagleflow.dag.plan.hours import (
+    MeasuredRates,
+    Rates,
+    measured_rates,
+    planned_work,
+    render_hours,
+    scaled,
+    stage_hours,
+)
 from eagleflow.dag.plan.needs import load_merged_config
 from eagleflow.dag.variants import merged
 from tests.helpers import REPO

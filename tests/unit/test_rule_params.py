@@ -6,8 +6,8 @@ import pytest
 
 from eagleflow.dag import rule_params as rp
 from eagleflow.dag.plan.needs import load_merged_config
-from eagleflow.runtime.spec import ServerConfig, ServerSpec
 from eagleflow.dag.variants import merged
+from eagleflow.runtime.spec import ServerConfig, ServerSpec
 from tests.helpers import REPO
 
 CONFIG = load_merged_config([], REPO)

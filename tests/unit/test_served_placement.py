@@ -8,10 +8,10 @@ import pytest
 
 from eagleflow.dag.plan.fit import memory_utilization, side_by_side
 from eagleflow.dag.plan.needs import load_merged_config
+from eagleflow.dag.variants import merged
 from eagleflow.runtime.recovery import ByUrl, Recovery
 from eagleflow.runtime.slurm_nodes import Node, PlacementError, allocation, node_addresses, srun_prefix
 from eagleflow.train.served_servers import split_gpus
-from eagleflow.dag.variants import merged
 from tests.helpers import REPO
 
 CONFIG = load_merged_config([], REPO)

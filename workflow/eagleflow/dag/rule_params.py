@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from eagleflow.common.config import ConfigError, typed
-from eagleflow.runtime.server_args import result_args, server_args
 from eagleflow.dag.variants import variant_config, variant_overrides
+from eagleflow.runtime.server_args import result_args, server_args
 
 
 def sorted_keys(value: Any) -> Any:

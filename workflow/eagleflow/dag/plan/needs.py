@@ -29,8 +29,6 @@ from typing import Any, NamedTuple
 import yaml
 
 from eagleflow.common.config import typed, validate_config
-from eagleflow.hidden_states.layers import default_aux_layer_ids
-from eagleflow.hidden_states.storage import num_stored_states, shard_bytes, target_topk, token_bytes
 from eagleflow.dag.plan.fit import served_fit, suggest
 from eagleflow.dag.plan.hours import Rates, measured_rates, planned_work, render_hours
 from eagleflow.dag.plan.sizes import (
@@ -46,9 +44,11 @@ from eagleflow.dag.plan.sizes import (
     weight_bytes_on_disk,
 )
 from eagleflow.dag.plan.tokens import Tokens, planned_tokens
-from eagleflow.runtime.output_cache import cache_bytes
 from eagleflow.dag.rule_params import check_renamed_keys
 from eagleflow.dag.variants import merged
+from eagleflow.hidden_states.layers import default_aux_layer_ids
+from eagleflow.hidden_states.storage import num_stored_states, shard_bytes, target_topk, token_bytes
+from eagleflow.runtime.output_cache import cache_bytes
 
 DEFAULT_CONFIG = "config/config.yaml"
 GB = 1e9
