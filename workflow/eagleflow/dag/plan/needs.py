@@ -5,7 +5,7 @@
 prints the tokens the hidden-state stage will see, the bytes each stage writes and the free
 space where they land, the GPU memory of the verifier and of the draft training, which
 settings would make a run fit that does not, and the hours each stage and the whole run to a
-served draft take for 1..N verifier replicas (`throughput`, plan.hours; `--samples 10000
+served draft take for 1..N verifier replicas (`throughput`, dag.plan.hours; `--samples 10000
 100000` gives them at other sizes). `snakemake -n` prints its one-line summary
 (planned_disk_line).
 
