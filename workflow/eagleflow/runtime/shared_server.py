@@ -33,10 +33,10 @@ import httpx2 as httpx
 
 from eagleflow.common.atomic import write_json
 from eagleflow.runtime.gpus import assign_job_gpus
-from eagleflow.runtime.launch import VllmServer, describe_exit, tail
 from eagleflow.runtime.leases import LEASE_NAME
 from eagleflow.runtime.process import group_alive, is_zombie, kill_group, start_time
 from eagleflow.runtime.spec import Launchable, ServerError, spec_key
+from eagleflow.runtime.vllm_server import VllmServer, describe_exit, tail
 
 log = logging.getLogger(__name__)
 
@@ -278,7 +278,7 @@ class SharedDir:
             self.state.unlink(missing_ok=True)
 
     def write_exit(self, pgid: int, status: int) -> None:
-        """Record how the server of group `pgid` ended, and drop its lease (runtime.launch):
+        """Record how the server of group `pgid` ended, and drop its lease (runtime.vllm_server):
         its supervisor, the lease's owner, is about to exit having stopped the group."""
         write_json(self.path / f"exit-{pgid}.json", {"status": status})
         (self.path.parent / LEASE_NAME.format(pgid=pgid)).unlink(missing_ok=True)
