@@ -38,8 +38,8 @@ from eagleflow.common.atomic import read_jsonl, write_jsonl  # noqa: E402
 from eagleflow.common.replies import read_replies  # noqa: E402
 from eagleflow.generate.run import Client, Requests, run_generate  # noqa: E402
 from eagleflow.runtime.concurrency import parse_metrics  # noqa: E402
-from eagleflow.runtime.launch import VllmServer  # noqa: E402
 from eagleflow.runtime.spec import ServerSpec  # noqa: E402
+from eagleflow.runtime.vllm_server import VllmServer  # noqa: E402
 
 VERIFIER = REPO / "resources/verifier/smollm2-135m-instruct"
 

@@ -48,7 +48,7 @@ def prepare(workdir: Path, samples: int, shard_counts: list[int], generate_shard
     config["generate"]["shards"] = generate_shards
     paths = {}
     for shards in shard_counts:
-        config["hidden_states"]["num_shards"] = shards
+        config["hidden_states"]["num_parts"] = shards
         paths[shards] = workdir / f"production-{shards}.yaml"
         paths[shards].write_text(yaml.safe_dump(config))
     return paths

@@ -123,7 +123,7 @@ def tiny(family: str, tmp: Path, num_samples: int = 12) -> dict:
     for name, (backend, compute) in runs.items():
         parts[name] = tmp / name / "part-00000.json"  # its store beside it, one per run
         settings = hidden_states_config(
-            backend=backend, num_shards=1, dtype="float32", compute_dtype=compute, linger_s=0
+            backend=backend, num_parts=1, dtype="float32", compute_dtype=compute, linger_s=0
         )
         run_part(
             str(tmp / "train.parquet"),

@@ -369,7 +369,7 @@ def check_backends(geometry: dict, num_samples: int, max_len: int, tmp: Path, de
     for backend in ("hf", "vllm"):
         settings = hidden_states_config(
             backend=backend,
-            num_shards=1,
+            num_parts=1,
             dtype="float32",
             device="cuda" if cuda else "cpu",
             compute_dtype=dtype,

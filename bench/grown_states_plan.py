@@ -27,9 +27,9 @@ import pyarrow.parquet as pq
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "workflow"))
 
+from eagleflow.dag.plan.hours import measured_rates, planned_work, stage_hours  # noqa: E402
+from eagleflow.dag.plan.needs import load_merged_config, make_plan  # noqa: E402
 from eagleflow.hidden_states.sample_keys import sample_key  # noqa: E402
-from eagleflow.plan.hours import measured_rates, planned_work, stage_hours  # noqa: E402
-from eagleflow.plan.needs import load_merged_config, make_plan  # noqa: E402
 from eagleflow.runtime.state_store import SampleStore  # noqa: E402
 
 SETTINGS_KEY = "kimi-example-extraction"  # any fixed key: the plan reads it from the manifest
@@ -71,7 +71,7 @@ def main() -> None:
         took = time.monotonic() - started
         t, disk = plan.tokens, plan.disk[0]
         from eagleflow.common.config import typed
-        from eagleflow.plan.hours import Rates
+        from eagleflow.dag.plan.hours import Rates
 
         rates, _ = measured_rates(root, config["run"], typed(Rates, config["throughput"], "throughput"))
         hours = {}

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))  # the eagleflow package
 
 from eagleflow.common.atomic import read_jsonl
-from eagleflow.plan.needs import load_merged_config
+from eagleflow.dag.plan.needs import load_merged_config
 from eagleflow.train.loop import run_from_json
 
 

@@ -70,9 +70,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))  # the
 
 from devkit.runs import FinishedRun
 from eagleflow.common.atomic import atomic_path, write_jsonl, write_safetensors
+from eagleflow.dag.variants import draft_id, variant_config, vocab_id
 from eagleflow.hidden_states.shard_reader import ShardReader
 from eagleflow.runtime.logs import configure_logging
-from eagleflow.variants import draft_id, variant_config, vocab_id
 
 log = logging.getLogger("peer_draft")
 

@@ -40,7 +40,7 @@ from eagleflow.benchmark.sized_sets import conversation_tokens  # noqa: E402
 from eagleflow.benchmark.workload import BenchmarkConfig  # noqa: E402
 from eagleflow.common.atomic import read_jsonl, write_json  # noqa: E402
 from eagleflow.common.config import typed  # noqa: E402
-from eagleflow.plan.needs import load_merged_config  # noqa: E402
+from eagleflow.dag.plan.needs import load_merged_config  # noqa: E402
 from eagleflow.runtime.logs import configure_logging  # noqa: E402
 from eagleflow.runtime.spec import ServerConfig, ServerSpec  # noqa: E402
 

@@ -38,8 +38,10 @@ def lean_server_config(**overrides):
 def extraction_section(hidden_states: dict) -> dict:
     """The hidden_states section as the extraction and parity jobs receive it (workflow/rules:
     section_without): without `served`, served mode's transfer, which the train job reads
-    (train.served_servers.ServedSettings)."""
-    return {k: v for k, v in hidden_states.items() if k != "served"}
+    (train.served_servers.ServedSettings), and each key under the stage's name for it."""
+    from eagleflow.dag.rule_params import section_param
+
+    return section_param({"hidden_states": hidden_states}, "hidden_states", ("served",))
 
 
 def hidden_states_config(**overrides):

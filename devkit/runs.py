@@ -36,7 +36,7 @@ class FinishedRun:
 
     @classmethod
     def of(cls, workdir: Path, configfiles: list[str]) -> FinishedRun:
-        from eagleflow.plan.needs import load_merged_config
+        from eagleflow.dag.plan.needs import load_merged_config
 
         workdir = workdir.resolve()
         config = load_merged_config(configfiles, workdir)

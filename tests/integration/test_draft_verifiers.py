@@ -89,7 +89,7 @@ def train_tiny_draft(verifier, trust: bool, tmp_path, hidden_states=None, **trai
     pq.write_table(pa.Table.from_pylist(rows[:8]), tmp_path / "train.parquet")
     pq.write_table(pa.Table.from_pylist(rows[8:]), tmp_path / "eval.parquet")
     settings = hidden_states_config(
-        **{"backend": "hf", "batch_tokens": 256, "dtype": "bfloat16", "device": "cpu", "num_shards": 1}
+        **{"backend": "hf", "batch_tokens": 256, "dtype": "bfloat16", "device": "cpu", "num_parts": 1}
         | (hidden_states or {})
     )
     part = str(tmp_path / "part-00000.json")

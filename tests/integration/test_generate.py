@@ -22,9 +22,9 @@ from eagleflow.common.replies import read_replies
 from eagleflow.generate.join import join_shards
 from eagleflow.generate.run import Client, Requests, run_generate
 from eagleflow.runtime.client import RetryPolicy
-from eagleflow.runtime.launch import free_port
 from eagleflow.runtime.spec import ServerError
 from eagleflow.runtime.store import ResponseStore, StoreError
+from eagleflow.runtime.vllm_server import free_port
 from tests.helpers import REPO, stored_replies
 
 REQUESTS = Requests(model="verifier", sampling={"max_tokens": 12, "temperature": 0.0}, chat_template_kwargs={})

@@ -51,7 +51,7 @@ def test_each_part_loads_its_own_server_and_stores_unpadded_the_in_process_forwa
             str(tiny_llama_dir),
             k,
             out,
-            settings=hidden_states_config(**SETTINGS, num_shards=NUM_PARTS),
+            settings=hidden_states_config(**SETTINGS, num_parts=NUM_PARTS),
             server=None,
             threads=1,
             gpus=0,

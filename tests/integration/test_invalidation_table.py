@@ -8,7 +8,7 @@ import tempfile
 import yaml
 
 from eagleflow.common.fingerprint import ROOT, _module_file, module_digests
-from eagleflow.plan.loads import planned_loads
+from eagleflow.dag.plan.loads import planned_loads
 from tests.helpers import REPO
 
 DOC = REPO / "docs/invalidation.md"
@@ -66,7 +66,7 @@ def edit_cost(rerun: set[str], runs: set[str]) -> tuple[str, str, str, str]:
     every sample when the extraction's own code changes, which keys every sample), training
     steps run again."""
     config = yaml.safe_load((REPO / "config/config.yaml").read_text())
-    jobs = {rule: config["hidden_states"]["num_shards"] if rule == "hidden_states" else 1 for rule in rerun}
+    jobs = {rule: config["hidden_states"]["num_parts"] if rule == "hidden_states" else 1 for rule in rerun}
     loads = sum(planned_loads(jobs, config).values())
     requests = "changed ones" if "generate" in runs else "0"
     extracted = "all" if "hidden_states" in runs else "changed ones" if "hidden_states" in rerun else "0"

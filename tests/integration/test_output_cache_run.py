@@ -136,7 +136,7 @@ def test_a_grown_dataset_extracts_exactly_its_new_samples(finished_run, tmp_path
         r["length"] = len(r["input_ids"])
     pq.write_table(pa.Table.from_pylist(rows + grown, schema=train.schema), run / "dataset/train.parquet")
     # The plan counts what the grown dataset adds, not the whole dataset again.
-    from eagleflow.plan.needs import load_merged_config, make_plan
+    from eagleflow.dag.plan.needs import load_merged_config, make_plan
 
     plan = make_plan(load_merged_config([str(REPO / "tests/config/small.yaml")], wf), wf)
     assert (plan.tokens.new_samples, plan.tokens.stored_samples) == (len(grown), before["num_samples"])

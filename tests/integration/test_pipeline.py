@@ -583,8 +583,8 @@ def test_the_run_report_has_the_comparison_of_its_one_variant(finished_run):
 
 
 def test_the_plan_counts_the_bytes_the_stored_states_take(finished_run):
+    from eagleflow.dag.plan.needs import load_merged_config, make_plan
     from eagleflow.hidden_states.storage import shard_bytes
-    from eagleflow.plan.needs import load_merged_config, make_plan
 
     config = load_merged_config([str(REPO / "tests/config/small.yaml")], finished_run)
     plan = make_plan(config, finished_run)

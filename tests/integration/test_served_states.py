@@ -219,7 +219,7 @@ def test_the_served_draft_equals_the_offline_draft(runs):
 def through_mooncake(runs, module_tmp):
     """Every sample of the run through Mooncake's store, in this process: then the master is
     killed and one more sample is asked for."""
-    from eagleflow.rule_params import served_states
+    from eagleflow.dag.rule_params import served_states
     from eagleflow.runtime.spec import ServerConfig, ServerSpec
     from eagleflow.train.online import load_token_samples
     from eagleflow.train.served import ServedStates

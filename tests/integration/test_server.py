@@ -15,11 +15,11 @@ import httpx2
 import pytest
 
 from devkit.configs import server_config
-from eagleflow.runtime.launch import VllmServer, free_port
 from eagleflow.runtime.leases import Lease
 from eagleflow.runtime.process import group_alive, group_members, parent_pid, start_time
 from eagleflow.runtime.recovery import RestartDeadServer
 from eagleflow.runtime.spec import ServerError, ServerSpec
+from eagleflow.runtime.vllm_server import VllmServer, free_port
 
 # A stand-in for vLLM's process tree: a parent serving /health, plus a forked worker that
 # ignores SIGTERM (as a wedged engine worker does), so the SIGKILL path is exercised too.
@@ -154,7 +154,7 @@ FAKE_JOB = textwrap.dedent(
     """
     import sys, time
     from tests.integration.test_server import fake_spec
-    from eagleflow.runtime.launch import VllmServer
+    from eagleflow.runtime.vllm_server import VllmServer
     with VllmServer(fake_spec(startup_timeout_s=30, stop_grace_s=2), sys.argv[1]) as srv:
         print("READY", srv.proc.pid, flush=True)
         time.sleep(3600)

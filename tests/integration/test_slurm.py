@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagleflow.variants import draft_id
+from eagleflow.dag.variants import draft_id
 from tests.helpers import REPO, SNAKEMAKE, vllm_processes
 from tests.slurm_cluster import (
     SMALL,
@@ -82,7 +82,7 @@ def test_production_profile_asks_for_nodes_gpus_and_cluster_settings(repo):
             assert resources["gpu"] == str(kimi["server"]["gpus"]) == "8"
             assert resources["slurm_extra"] == "--exclusive"
     parts = by_rule["hidden_states"]
-    assert len(parts) == kimi["hidden_states"]["num_shards"]
+    assert len(parts) == kimi["hidden_states"]["num_parts"]
     # vllm backend: each extraction job (one per node) launches its server on server.gpus
     assert kimi["hidden_states"]["backend"] == "vllm"
     assert all(r["gpu"] == str(kimi["server"]["gpus"]) and r["slurm_extra"] == "--exclusive" for r in parts)

@@ -22,7 +22,7 @@ from tests.slurm_cluster import (
 
 # The example's shard settings (config/kimi-k2.5-8xgpu.yaml): vLLM's extraction, fp8 states,
 # the compact top-k target.
-PRODUCTION_SHARDS = {"backend": "vllm", "dtype": "float8_e4m3fn", "target": "topk", "num_shards": 2}
+PRODUCTION_SHARDS = {"backend": "vllm", "dtype": "float8_e4m3fn", "target": "topk", "num_parts": 2}
 # The stored top-k logits (less the largest, float16) against the same head on transformers'
 # final state rounded to bfloat16 as the shard job rounds vLLM's: float16 rounds logits down to
 # -30 by up to 0.008, and the two float32 forwards (~2e-6 apart) put some of the final state's
@@ -60,7 +60,7 @@ def test_each_extraction_job_is_its_own_submission_with_its_own_server(slurm_sha
     wf, out, loads = slurm_shards
     submissions = re.findall(r"submitted with SLURM jobid (\d+) \(log: (\S+)\)", out)
     part_logs = [log for _, log in submissions if "hidden_states" in log and "index" not in log]
-    num_parts = PRODUCTION_SHARDS["num_shards"]
+    num_parts = PRODUCTION_SHARDS["num_parts"]
     assert len(part_logs) == num_parts, submissions  # one sbatch per node's job
     assert [(r["stage"], r["kind"], r["shared"]) for r in loads] == [("hidden_states", "start", False)] * num_parts
     parts = [json.loads((wf / f"results/small/hidden_states/part-{k:05d}.json").read_text()) for k in range(num_parts)]

@@ -18,8 +18,8 @@ from devkit.configs import lean_server_config
 from devkit.runs import copy_workflow, planned_jobs
 from eagleflow.common.atomic import write_jsonl
 from eagleflow.generate.run import Client, Requests, run_generate
-from eagleflow.runtime.launch import VllmServer
 from eagleflow.runtime.spec import ServerSpec
+from eagleflow.runtime.vllm_server import VllmServer
 from eagleflow.synth.run import Parsing, run_synth
 from tests.helpers import SNAKEMAKE, vllm_available
 

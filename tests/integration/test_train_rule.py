@@ -18,7 +18,7 @@ from tests.helpers import REPO
 OVERRIDES = """\
 run: t
 verifier: {name: tiny, source: path, path: resources/verifier/tiny}
-hidden_states: {num_shards: 2}
+hidden_states: {num_parts: 2}
 train: {nproc_per_node: 2, epochs: 2, batch_tokens: 64, log_every: 1, eval_every: 1, checkpoint_every: 2}
 """
 

@@ -11,10 +11,10 @@ import pytest
 from devkit.configs import lean_server_config, server_config
 from eagleflow.common.requests import samples_with_seed
 from eagleflow.runtime import spec as spec_module
-from eagleflow.runtime.launch import VllmServer
 from eagleflow.runtime.server_args import result_args
 from eagleflow.runtime.spec import ServerSpec
 from eagleflow.runtime.vllm_cpu import seeded_sampling_args
+from eagleflow.runtime.vllm_server import VllmServer
 from tests.helpers import vllm_available
 
 OFF = "--no-enable-chunked-prefill"

@@ -45,7 +45,7 @@ def vllm_backend_config(serve_path: str, storage: Path) -> dict:
         "verifier": {"serve_path": serve_path},
         "hidden_states": {
             "backend": "vllm",
-            "num_shards": 1,
+            "num_parts": 1,
             "store_every_tokens": STORE_EVERY_TOKENS,
             "dtype": "float32",  # compared with transformers' float32 states below
             # One request in flight: a killed job leaves at most one unread file.

@@ -4,7 +4,7 @@ import pytest
 import yaml
 
 from eagleflow.common.config import ConfigError, load_config, validate_config
-from eagleflow.variants import validate_variants
+from eagleflow.dag.variants import validate_variants
 from tests.helpers import REPO
 
 

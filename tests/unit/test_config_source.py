@@ -17,9 +17,10 @@ from devkit import config_reference as ref
 from eagleflow.benchmark.parity_checks import ParityConfig
 from eagleflow.benchmark.workload import BenchmarkConfig
 from eagleflow.common.config import typed, validate_config
+from eagleflow.dag.plan.hours import Rates
+from eagleflow.dag.rule_params import STAGE_NAMES
 from eagleflow.dataset import DatasetConfig
 from eagleflow.hidden_states.backend import HiddenStatesConfig, VllmExtractionConfig
-from eagleflow.plan.hours import Rates
 from eagleflow.prompts.config import FilterConfig, PromptsConfig, WrittenConfig
 from eagleflow.runtime.spec import ServerConfig
 from eagleflow.train.config import TrainConfig
@@ -108,15 +109,19 @@ def test_each_typed_section_has_the_schemas_keys_and_types(key):
     cls, section = TYPED[key], section_schema(schema, key)
     hints = typing.get_type_hints(cls)
     fields = set(cls.__dataclass_fields__)
-    keys = set(section["properties"]) - TYPED_APART.get(key, set())
+    # A key the stage reads by its old name is that field (dag.rule_params.STAGE_NAMES).
+    stage_names = STAGE_NAMES.get(key, {})
+    config_key = {stage_names.get(k, k): k for k in section["properties"]}
+    keys = set(config_key) - TYPED_APART.get(key, set())
     assert fields == keys, f"{key}: {cls.__name__}'s fields against the schema's keys"
     for name in fields:
-        admitted = schema_types(section["properties"][name], schema["$defs"])
+        admitted = schema_types(section["properties"][config_key[name]], schema["$defs"])
         held = hint_types(hints[name])
         assert held == {"any"} or held == admitted, (
             f"{key}.{name}: the schema admits {sorted(admitted)}, {cls.__name__} holds {sorted(held)}"
         )
-    defaults = {k: v for k, v in ref.default_of(config, key).items() if k in keys}
+    defaults = {stage_names.get(k, k): v for k, v in ref.default_of(config, key).items()}
+    defaults = {k: v for k, v in defaults.items() if k in keys}
     typed(cls, defaults, key)  # the defaults read into it
 
 
@@ -194,8 +199,9 @@ def test_the_hidden_state_keys_that_change_no_result_are_not_in_a_samples_key():
     from eagleflow.hidden_states.run import OPERATIONAL
 
     _, schema, _ = ref.load()
+    stage_names = STAGE_NAMES["hidden_states"]
     marked = {
-        key.split(".")[1]
+        stage_names.get(key.split(".")[1], key.split(".")[1])
         for key, prop in ref.documented_keys(schema).items()
         if key.startswith("hidden_states.") and prop.get("x-changes-results") is False
     } - TYPED_APART["hidden_states"]

@@ -1,4 +1,4 @@
-"""Which processes hold the GPUs a job was given, from nvidia-smi's CSV (runtime.launch)."""
+"""Which processes hold the GPUs a job was given, from nvidia-smi's CSV (runtime.vllm_server)."""
 
 from eagleflow.runtime.gpus import describe_gpu_holders
 

@@ -187,20 +187,20 @@ def write_dataset(tmp_path, n=7):
 HF_SETTINGS = {"backend": "hf", "batch_tokens": 32, "dtype": "bfloat16", "device": "cpu", "compute_dtype": "auto"}
 
 
-def run_hf_part(tmp_path, verifier, shard: int, out: str, num_shards: int, force: bool = False, **settings) -> dict:
-    """Part `shard` of `num_shards` of write_dataset's data, by the hf backend on CPU."""
+def run_hf_part(tmp_path, verifier, part: int, out: str, num_parts: int, force: bool = False, **settings) -> dict:
+    """Part `part` of `num_parts` of write_dataset's data, by the hf backend on CPU."""
     return run_part(
         str(tmp_path / "train.parquet"),
         str(tmp_path / "eval.parquet"),
         str(verifier),
-        shard,
+        part,
         out,
-        settings=hidden_states_config(**HF_SETTINGS, num_shards=num_shards, **settings),
+        settings=hidden_states_config(**HF_SETTINGS, num_parts=num_parts, **settings),
         server=None,
         threads=1,
         gpus=0,
         trust_remote_code=False,
-        log_path=str(tmp_path / f"logs/hidden_states.part-{shard:05d}.log"),
+        log_path=str(tmp_path / f"logs/hidden_states.part-{part:05d}.log"),
         force=force,
     )
 
@@ -230,7 +230,7 @@ def test_a_part_refuses_before_loading_the_verifier(tiny_llama_dir, tmp_path, mo
     monkeypatch.setattr(hf, "launched", lambda *a, **k: pytest.fail("started the verifier before the disk check"))
     out = tmp_path / "hs/part-00000.json"
     with pytest.raises(OSError, match="only 10 bytes"):
-        run_hf_part(tmp_path, tiny_llama_dir, 0, str(out), num_shards=1)
+        run_hf_part(tmp_path, tiny_llama_dir, 0, str(out), num_parts=1)
     assert not out.exists()
 
 
@@ -276,13 +276,13 @@ def test_a_failed_extraction_keeps_each_finished_chunk_and_nothing_half_written(
 
     monkeypatch.setattr(run, "open_backend", dies_on_the_second_chunk)
     with pytest.raises(Killed):  # the 7 samples of 3..9 tokens, stored every 12 tokens
-        run_hf_part(tmp_path, tiny_llama_dir, 0, str(out), num_shards=1, store_every_tokens=12)
+        run_hf_part(tmp_path, tiny_llama_dir, 0, str(out), num_parts=1, store_every_tokens=12)
     assert not out.exists()
     first_chunk = calls[0]
     assert len(stored(out)) == len(first_chunk) and [p for p in (tmp_path / "hs").rglob("*") if "tmp" in p.name] == []
     calls.clear()
     dying.clear()
-    manifest = run_hf_part(tmp_path, tiny_llama_dir, 0, str(out), num_shards=1, store_every_tokens=12)
+    manifest = run_hf_part(tmp_path, tiny_llama_dir, 0, str(out), num_parts=1, store_every_tokens=12)
     again = [i for chunk in calls for i in chunk]
     assert set(again).isdisjoint(first_chunk) and len(again) == 7 - len(first_chunk)
     assert manifest["stats"]["stored_samples"] == len(first_chunk) and manifest["stats"]["extracted_samples"] == len(
@@ -296,7 +296,7 @@ def test_a_grown_dataset_extracts_only_its_new_samples_and_a_changed_one_only_it
     not its id or split, so unchanged samples never reach the verifier again."""
     rows = write_dataset(tmp_path, n=7)
     parts = [tmp_path / f"hs/part-{k:05d}.json" for k in range(2)]
-    first = [run_hf_part(tmp_path, tiny_llama_dir, k, str(p), num_shards=2) for k, p in enumerate(parts)]
+    first = [run_hf_part(tmp_path, tiny_llama_dir, k, str(p), num_parts=2) for k, p in enumerate(parts)]
     assert sum(m["stats"]["extracted_samples"] for m in first) == 7
     before = {s["id"]: s["digest"] for m in first for s in m["samples"]}
     # Three new conversations, and one changed (its reply ends otherwise).
@@ -307,7 +307,7 @@ def test_a_grown_dataset_extracts_only_its_new_samples_and_a_changed_one_only_it
     changed = {**rows[1], "input_ids": rows[1]["input_ids"][:-1] + [11], "loss_mask": rows[1]["loss_mask"]}
     grown = [rows[0], changed, *rows[2:5], *new]
     pq.write_table(pa.Table.from_pylist(grown), tmp_path / "train.parquet")
-    second = [run_hf_part(tmp_path, tiny_llama_dir, k, str(p), num_shards=2) for k, p in enumerate(parts)]
+    second = [run_hf_part(tmp_path, tiny_llama_dir, k, str(p), num_parts=2) for k, p in enumerate(parts)]
     assert sum(m["stats"]["extracted_samples"] for m in second) == 4  # the 3 new and the changed one
     assert sum(m["stats"]["stored_samples"] for m in second) == 6
     assert sum(m["stats"]["verifier_loads"] for m in second) == sum(
@@ -328,7 +328,7 @@ def test_a_grown_dataset_extracts_only_its_new_samples_and_a_changed_one_only_it
         assert sample.input_ids.tolist() == list(want[sample.id]["input_ids"])
         assert sample.is_eval == (sample.id in {"s5", "s6"})
     # A forced rerun (-R) extracts every sample of the part again, to the same states.
-    forced = run_hf_part(tmp_path, tiny_llama_dir, 0, str(parts[0]), num_shards=2, force=True)
+    forced = run_hf_part(tmp_path, tiny_llama_dir, 0, str(parts[0]), num_parts=2, force=True)
     assert forced["stats"]["extracted_samples"] == len(forced["samples"])
     assert [s["digest"] for s in forced["samples"]] == [s["digest"] for s in second[0]["samples"]]
 
@@ -655,7 +655,7 @@ def test_vllm_backend_matches_hf_backend_on_gpu(tiny_llama_dir, tmp_path):
             str(tiny_llama_dir),
             0,
             outs[backend],
-            settings=hidden_states_config(**settings, num_shards=1),
+            settings=hidden_states_config(**settings, num_parts=1),
             server=server_config(**server),
             threads=1,
             gpus=1,
@@ -674,14 +674,14 @@ def test_vllm_backend_matches_hf_backend_on_gpu(tiny_llama_dir, tmp_path):
 def test_the_shard_key_ignores_operational_settings_and_follows_content():
     from eagleflow.hidden_states.run import content_settings
 
-    base = hidden_states_config(backend="hf", num_shards=2)
+    base = hidden_states_config(backend="hf", num_parts=2)
 
     def settings(**kw):
         return content_settings(
-            hidden_states_config(**{"backend": "hf", "num_shards": 2, **kw}), None, [2, 4, 5], False, "c"
+            hidden_states_config(**{"backend": "hf", "num_parts": 2, **kw}), None, [2, 4, 5], False, "c"
         )
 
-    assert settings(linger_s=1, num_shards=4, vllm={"concurrency": 3}) == content_settings(
+    assert settings(linger_s=1, num_parts=4, vllm={"concurrency": 3}) == content_settings(
         base, None, [2, 4, 5], False, "c"
     )
     assert settings(dtype="float32") != settings()

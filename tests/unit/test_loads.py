@@ -5,9 +5,9 @@ from pathlib import Path
 
 import yaml
 
-from eagleflow.plan.loads import describe_planned, planned_loads
+from eagleflow.dag.plan.loads import describe_planned, planned_loads
+from eagleflow.dag.variants import merged
 from eagleflow.runtime.ledger import count_loads, read_loads, record_load
-from eagleflow.variants import merged
 from tests.helpers import REPO
 
 CONFIG = yaml.safe_load((REPO / "config/config.yaml").read_text())
@@ -66,7 +66,7 @@ def test_launches_are_counted_by_stage_and_kind(tmp_path):
 
 
 def test_rules_imported_under_a_prefix_count_as_eagleflows():
-    from eagleflow.plan.loads import by_eagleflow_rule
+    from eagleflow.dag.plan.loads import by_eagleflow_rule
 
     config = yaml.safe_load((REPO / "config/config.yaml").read_text())
     assert by_eagleflow_rule({"eagleflow_hidden_states": 2, "eagleflow_hidden_states_index": 1}) == {

@@ -11,11 +11,11 @@ import pytest
 import torch
 import yaml
 
-from eagleflow import rule_params
 from eagleflow.benchmark.speculative import read_draft_config, speculative_config
 from eagleflow.common.config import typed
 from eagleflow.common.fingerprint import ROOT
-from eagleflow.plan.sizes import Geometry, draft_export_bytes, draft_params, draft_positions, optimizer_state_floats
+from eagleflow.dag import rule_params
+from eagleflow.dag.plan.sizes import Geometry, draft_export_bytes, draft_params, draft_positions, optimizer_state_floats
 from eagleflow.train.config import TrainConfig
 from eagleflow.train.device import Runtime
 from eagleflow.train.draft import export_draft, load_draft

@@ -241,7 +241,7 @@ def test_prune_drops_entries_of_gone_slots_then_the_oldest_over_the_bound(workdi
         kept[i] = (cache, out)
     # Links of live outputs: the cache holds no bytes of its own.
     assert cache_bytes(results) == (3, 0)
-    kept[0][1].unlink()  # shard 0's slot is gone (num_shards lowered): only the cache holds it
+    kept[0][1].unlink()  # shard 0's slot is gone (num_parts lowered): only the cache holds it
     kept[2][1].unlink()
     kept[2][1].write_bytes(b"y")  # re-extracted and not kept (yet): the entry is the only copy
     assert cache_bytes(results) == (3, 5000)

@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM
 
 from eagleflow.common.atomic import write_jsonl
 from eagleflow.common.config import typed
-from eagleflow.plan.loads import RunInfoLine
-from eagleflow.plan.needs import (
+from eagleflow.dag.plan.loads import RunInfoLine
+from eagleflow.dag.plan.needs import (
     distinct_drafts,
     load_merged_config,
     make_plan,
@@ -22,7 +22,7 @@ from eagleflow.plan.needs import (
     render,
     summary_line,
 )
-from eagleflow.plan.sizes import (
+from eagleflow.dag.plan.sizes import (
     Geometry,
     draft_export_bytes,
     draft_params,
@@ -30,12 +30,12 @@ from eagleflow.plan.sizes import (
     estimated_weight_bytes,
     optimizer_state_floats,
 )
-from eagleflow.plan.tokens import planned_tokens, tokens_from_prompts
+from eagleflow.dag.plan.tokens import planned_tokens, tokens_from_prompts
+from eagleflow.dag.variants import merged
 from eagleflow.train.config import TrainConfig
 from eagleflow.train.draft import export_draft
 from eagleflow.train.methods import METHODS, DraftSpec
 from eagleflow.train.optimizer import build_optimizer
-from eagleflow.variants import merged
 from tests.helpers import REPO
 
 REPO_CONFIG = load_merged_config([], REPO)
@@ -177,7 +177,7 @@ def test_the_plan_counts_the_bytes_only_the_output_cache_holds(tmp_path, tiny_ll
 
 
 def test_a_run_that_does_not_fit_names_settings_that_would(tmp_path, tiny_llama_dir, monkeypatch):
-    import eagleflow.plan.needs as plan_module
+    import eagleflow.dag.plan.needs as plan_module
 
     config = plan_config(tmp_path, tiny_llama_dir)
     write_dataset(tmp_path, "t", [1000] * 10)

@@ -1,4 +1,4 @@
-"""The plan's hours per stage and to a served draft (plan/hours.py): the arithmetic, the
+"""The plan's hours per stage and to a served draft (dag/plan/hours.py): the arithmetic, the
 replicas, the rates a finished run measured."""
 
 import json
@@ -6,9 +6,17 @@ import json
 import pytest
 
 from eagleflow.common.atomic import write_json
-from eagleflow.plan.hours import MeasuredRates, Rates, measured_rates, planned_work, render_hours, scaled, stage_hours
-from eagleflow.plan.needs import load_merged_config
-from eagleflow.variants import merged
+from eagleflow.dag.plan.hours import (
+    MeasuredRates,
+    Rates,
+    measured_rates,
+    planned_work,
+    render_hours,
+    scaled,
+    stage_hours,
+)
+from eagleflow.dag.plan.needs import load_merged_config
+from eagleflow.dag.variants import merged
 from tests.helpers import REPO
 
 CONFIG = load_merged_config([], REPO)
@@ -32,7 +40,7 @@ def test_each_stage_is_a_load_and_its_tokens_at_its_rate():
     assert four["generate"] == pytest.approx((60 + 16_000 / 400) / 3600)
     # One extraction server per node, whatever the replicas; training is one job.
     assert one["hidden_states"] == four["hidden_states"] == pytest.approx((60 + 36_000 / 1000) / 3600)
-    two_nodes = merged(config, {"hidden_states": {"num_shards": 2}})
+    two_nodes = merged(config, {"hidden_states": {"num_parts": 2}})
     assert stage_hours(work, RATES, 1, two_nodes)["hidden_states"] == pytest.approx((60 + 36_000 / 2000) / 3600)
     # A grown run extracts what the store lacks; a run the store answers in full loads nothing.
     grown = planned_work(samples=100, tokens=36_000, exact=True, config=config, rates=RATES, stored_tokens=30_000)

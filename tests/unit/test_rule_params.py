@@ -1,13 +1,13 @@
-"""What the rules' params hold (eagleflow/rule_params.py): a key a rule's outputs depend on
+"""What the rules' params hold (eagleflow/dag/rule_params.py): a key a rule's outputs depend on
 moves its param, and a key they do not depend on leaves it as it is (a changed param reruns
 the rule: a missing key is a stale result, an extra one a spurious rerun)."""
 
 import pytest
 
-from eagleflow import rule_params as rp
-from eagleflow.plan.needs import load_merged_config
+from eagleflow.dag import rule_params as rp
+from eagleflow.dag.plan.needs import load_merged_config
+from eagleflow.dag.variants import merged
 from eagleflow.runtime.spec import ServerConfig, ServerSpec
-from eagleflow.variants import merged
 from tests.helpers import REPO
 
 CONFIG = load_merged_config([], REPO)
@@ -90,7 +90,7 @@ def test_online_states_reach_training_only_online():
     online = merged(CONFIG, {"hidden_states": {"mode": "online"}})
     assert rp.online_states(online)["batch_tokens"] == online["hidden_states"]["batch_tokens"]
     assert rp.online_states(merged(online, {"hidden_states": {"batch_tokens": 1024}})) != rp.online_states(online)
-    assert rp.online_states(merged(online, {"hidden_states": {"num_shards": 3}})) == rp.online_states(online)
+    assert rp.online_states(merged(online, {"hidden_states": {"num_parts": 3}})) == rp.online_states(online)
 
 
 def test_served_states_reach_training_only_served_and_only_what_shapes_the_states():
@@ -197,3 +197,27 @@ def test_variant_groups_learning_curves_and_k_checks():
     assert rp.k_variants(config) == ["k5"]
     assert rp.learning_curve_variants(config) == ["half"]
     assert rp.generate_shards(merged(CONFIG, {"generate": {"shards": 3}})) == ["0-of-3", "1-of-3", "2-of-3"]
+
+
+def test_the_extraction_jobs_see_the_section_as_before_the_rename_of_num_shards():
+    """hidden_states.num_parts reaches the extraction and parity jobs as num_shards, the name
+    the stage's settings have (HiddenStatesConfig, in the code that keys every stored sample):
+    their params are what they were, so the rename reruns no job and extracts nothing."""
+    param = rp.section_param(merged(CONFIG, {"hidden_states": {"num_parts": 3}}), "hidden_states", ("served",))
+    assert param["num_shards"] == 3 and "num_parts" not in param and "served" not in param
+    assert list(param) == sorted(param)
+    assert moves(lambda c: rp.section_param(c, "hidden_states"), {"hidden_states": {"num_parts": 2}})
+
+
+def test_a_config_that_still_says_num_shards_is_told_its_new_name():
+    rp.check_renamed_keys(CONFIG)
+    old = merged(CONFIG, {"hidden_states": {"num_shards": 4}})
+    with pytest.raises(rp.ConfigError, match=r"hidden_states\.num_shards: renamed hidden_states\.num_parts"):
+        rp.check_renamed_keys(old)
+
+
+def test_the_plan_refuses_the_old_name_before_the_schema_does(tmp_path):
+    old = tmp_path / "old.yaml"
+    old.write_text("hidden_states:\n  num_shards: 2\n")
+    with pytest.raises(rp.ConfigError, match="set num_parts instead"):
+        load_merged_config([str(old)], REPO)

@@ -1,17 +1,17 @@
 """Where served mode's servers go (train/served_servers.py, runtime/slurm_nodes.py) and whether
-they fit beside the trainer on one host (plan/fit.py). The two-node run itself:
+they fit beside the trainer on one host (dag/plan/fit.py). The two-node run itself:
 tests/integration/test_served_slurm.py."""
 
 import asyncio
 
 import pytest
 
-from eagleflow.plan.fit import memory_utilization, side_by_side
-from eagleflow.plan.needs import load_merged_config
+from eagleflow.dag.plan.fit import memory_utilization, side_by_side
+from eagleflow.dag.plan.needs import load_merged_config
+from eagleflow.dag.variants import merged
 from eagleflow.runtime.recovery import ByUrl, Recovery
 from eagleflow.runtime.slurm_nodes import Node, PlacementError, allocation, node_addresses, srun_prefix
 from eagleflow.train.served_servers import split_gpus
-from eagleflow.variants import merged
 from tests.helpers import REPO
 
 CONFIG = load_merged_config([], REPO)

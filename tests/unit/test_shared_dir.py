@@ -1,4 +1,4 @@
-"""The files through which jobs share a server (runtime.shared): who counts as a consumer,
+"""The files through which jobs share a server (runtime.shared_server.SharedDir): who counts as a consumer,
 and which server counts as running."""
 
 import os
@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from eagleflow.runtime.process import start_time
-from eagleflow.runtime.shared import SharedDir
+from eagleflow.runtime.shared_server import SharedDir
 
 
 def test_only_live_jobs_count_as_consumers_and_dead_ones_are_forgotten(tmp_path):

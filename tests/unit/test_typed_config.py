@@ -9,6 +9,7 @@ import yaml
 from devkit.configs import config_section, extraction_section
 from eagleflow.benchmark.workload import BenchmarkConfig
 from eagleflow.common.config import ConfigError, typed
+from eagleflow.dag.rule_params import STAGE_NAMES, section_param
 from eagleflow.dataset import DatasetConfig
 from eagleflow.hidden_states.backend import HiddenStatesConfig, VllmExtractionConfig
 from eagleflow.prompts.config import PromptsConfig
@@ -36,9 +37,12 @@ TYPED_APART = {"hidden_states": {"served"}}
 @pytest.mark.parametrize("name", sorted(SECTIONS))
 def test_section_dataclass_has_exactly_the_schema_keys_and_builds_from_config_yaml(name):
     cls = SECTIONS[name]
-    keys = set(SCHEMA["properties"][name]["properties"]) - TYPED_APART.get(name, set())
+    apart = TYPED_APART.get(name, set())
+    # A key the stage reads by its old name is that field (dag.rule_params.STAGE_NAMES).
+    names = STAGE_NAMES.get(name, {})
+    keys = {names.get(k, k) for k in SCHEMA["properties"][name]["properties"]} - apart
     assert sorted(f.name for f in dataclasses.fields(cls)) == sorted(keys)
-    section = {k: v for k, v in config_section(name).items() if k in keys}
+    section = section_param({name: config_section(name)}, name, tuple(apart))
     built = typed(cls, section, name)
     assert dataclasses.is_dataclass(built) and cls.__dataclass_params__.frozen
 

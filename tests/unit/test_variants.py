@@ -4,7 +4,7 @@ import pytest
 import yaml
 
 from eagleflow.common.config import ConfigError
-from eagleflow.variants import (
+from eagleflow.dag.variants import (
     check_drafts_servable,
     draft_id,
     merged,

@@ -1,5 +1,5 @@
 # Helpers shared by every rule: config validation, paths, code fingerprints, variants. What the
-# rules' params hold is eagleflow/rule_params.py's (tested there); the rules call it with `config`.
+# rules' params hold is eagleflow/dag/rule_params.py's (tested there); the rules call it with `config`.
 import re
 import sys
 from pathlib import Path
@@ -10,15 +10,15 @@ import eagleflow
 
 from eagleflow.common.config import validate_config
 from eagleflow.common.fingerprint import code_fingerprint
-from eagleflow import rule_params
+from eagleflow.dag import rule_params
+from eagleflow.dag.rule_params import check_renamed_keys, sorted_keys
 from eagleflow.runtime.server_args import result_args
-from eagleflow.rule_params import sorted_keys
 from eagleflow.runtime.cache_plan import plan_cache
 from eagleflow.runtime.process import first_on_pythonpath
 from eagleflow.runtime.spec import ServerConfig, ServerSpec
-from eagleflow.plan.loads import RunInfoLine, describe_planned
-from eagleflow.plan.needs import planned_disk_line
-from eagleflow.variants import (
+from eagleflow.dag.plan.loads import RunInfoLine, describe_planned
+from eagleflow.dag.plan.needs import planned_disk_line
+from eagleflow.dag.variants import (
     check_drafts_servable,
     draft_id,
     draft_variant,
@@ -29,6 +29,7 @@ from eagleflow.variants import (
     vocab_section,
 )
 
+check_renamed_keys(config)
 validate_config(config)
 validate_variants(config)
 # `snakemake -n` (and every run) says how many times the jobs it plans load the verifier,
@@ -109,8 +110,9 @@ def section(name):
 def section_without(name, *keys):
     """A config section as a param, less the subsections `keys` whose settings the rule's jobs
     never read (hidden_states.served: only the train job reads it), so that a change to them
-    restales none of the rule's jobs."""
-    return sorted_keys({k: v for k, v in config[name].items() if k not in keys})
+    restales none of the rule's jobs; each key under the name the stage's code reads it by
+    (rule_params.section_param)."""
+    return rule_params.section_param(config, name, keys)
 
 
 def variant_results(path):
@@ -220,7 +222,7 @@ def all_cores():
 def part_paths():
     """The extraction parts' manifests (hidden_states.run: one job per part, its samples by a
     stable hash of their ids)."""
-    n = config["hidden_states"]["num_shards"]
+    n = config["hidden_states"]["num_parts"]
     return [results(f"hidden_states/part-{i:05d}.json") for i in range(n)]
 
 

@@ -1,7 +1,7 @@
 # The hidden states are kept per sample (runtime/state_store.py, keyed by
 # hidden_states/sample_keys.py): each job extracts the samples of its part (a stable hash of
 # their ids) that the store lacks and writes the part's manifest, so a grown or corrected
-# dataset extracts only what it adds or changes. One job per node (hidden_states.num_shards),
+# dataset extracts only what it adds or changes. One job per node (hidden_states.num_parts),
 # each with its own extraction server (vLLM, or transformers for the hf backend); a job with
 # nothing to extract starts none. Under SLURM each job is a whole node's submission.
 rule hidden_states:

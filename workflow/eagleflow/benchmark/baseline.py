@@ -17,10 +17,10 @@ from eagleflow.benchmark.workload import BenchmarkConfig, Workload, run_workload
 from eagleflow.common.atomic import write_json
 from eagleflow.common.cache_keys import server_stack
 from eagleflow.common.config import typed
-from eagleflow.runtime.launch import VllmServer
 from eagleflow.runtime.output_cache import reuse_or_make
 from eagleflow.runtime.smk import stage
 from eagleflow.runtime.spec import ServerConfig, ServerSpec
+from eagleflow.runtime.vllm_server import VllmServer
 
 log = logging.getLogger(__name__)
 

@@ -46,6 +46,8 @@ class HiddenStatesConfig:
 
     mode: str
     backend: str
+    # The config's hidden_states.num_parts, by the name this field had (dag.rule_params.STAGE_NAMES):
+    # renaming it would change the code that keys every stored sample.
     num_shards: int
     store_every_tokens: int
     aux_layer_ids: tuple[int, ...] | None

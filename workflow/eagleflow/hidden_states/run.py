@@ -121,8 +121,9 @@ def run_part(
     code: str = "",
     force: bool = False,
 ) -> dict[str, Any]:
-    """Extract the samples of part `part` of `settings.num_shards` that the store lacks (all of
-    them with `force`) and write the part's manifest to `out`. Returns the manifest."""
+    """Extract the samples of part `part` of `settings.num_shards` (the config's
+    hidden_states.num_parts) that the store lacks (all of them with `force`) and write the
+    part's manifest to `out`. Returns the manifest."""
     num_parts = settings.num_shards
     samples = samples_for_part(train, eval_, part, num_parts)
     geometry = verifier_geometry(verifier_dir)

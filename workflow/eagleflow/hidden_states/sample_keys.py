@@ -36,7 +36,7 @@ def settings_key(settings: dict[str, Any], verifier_fingerprint: str) -> str:
 def sample_key(settings: str, input_ids: Iterable[int], loss_mask: Iterable[int]) -> str:
     """A sample's key: the extraction's `settings` (settings_key) and the sample's tokens and
     loss mask, as int64 bytes (the plan keys 30,000 samples from numpy slices in seconds:
-    plan.tokens.stored_samples). Pure."""
+    dag.plan.tokens.Tokens.stored_samples). Pure."""
     import numpy as np
 
     digest = hashlib.sha256(settings.encode())

@@ -76,7 +76,7 @@ MAX_TRACE = 4000  # trace points kept (older ones are thinned, every other one d
 # Outcomes a request reports when it gives its slot back.
 OK, OVERLOAD, TIMEOUT, DISCONNECT, FAILED = "ok", "overload", "timeout", "disconnect", "failed"
 # A dropped or refused connection is not counted: a server that died is the Recovery's business
-# (runtime.launch), and every instant retry against it would otherwise cut the limit again.
+# (runtime.vllm_server), and every instant retry against it would otherwise cut the limit again.
 CONGESTION = frozenset({OVERLOAD, TIMEOUT})
 
 

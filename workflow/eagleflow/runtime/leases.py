@@ -9,9 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagleflow.runtime.process import group_members, kill_group, start_time
-from eagleflow.runtime.shared import LEASE_NAME
 
 log = logging.getLogger(__name__)
+
+LEASE_NAME = "vllm-{pgid}.json"  # a launched server's lease, next to the shared servers' directories
 
 
 @dataclass(frozen=True)

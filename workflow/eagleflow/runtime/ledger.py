@@ -1,6 +1,6 @@
 """The verifier loads a run took: one line of `<run logs>/servers/loads.jsonl` per server
-launch (runtime.launch), read by the run's report (compare). On the target host one load of
-Kimi-K2.5 INT4 takes about 22 minutes; eagleflow.plan.loads plans them before a run.
+launch (runtime.vllm_server), read by the run's report (compare). On the target host one load of
+Kimi-K2.5 INT4 takes about 22 minutes; eagleflow.dag.plan.loads plans them before a run.
 """
 
 from __future__ import annotations

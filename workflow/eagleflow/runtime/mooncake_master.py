@@ -24,9 +24,9 @@ from pathlib import Path
 
 import httpx2 as httpx
 
-from eagleflow.runtime.launch import free_port, tail
 from eagleflow.runtime.process import kill_group
 from eagleflow.runtime.spec import ServerError
+from eagleflow.runtime.vllm_server import free_port, tail
 
 log = logging.getLogger(__name__)
 

@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING
 
 import httpx2 as httpx
 
-from eagleflow.runtime.launch import describe_exit, tail
 from eagleflow.runtime.spec import ServerError
+from eagleflow.runtime.vllm_server import describe_exit, tail
 
 if TYPE_CHECKING:
-    from eagleflow.runtime.launch import VllmServer
     from eagleflow.runtime.shared_server import SharedServer
+    from eagleflow.runtime.vllm_server import VllmServer
 
 log = logging.getLogger(__name__)
 

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagleflow.runtime.endpoint_identity import Expected, check_endpoint, local_vllm_version
-from eagleflow.runtime.launch import VllmServer
 from eagleflow.runtime.recovery import Recovery, RestartDeadServer, RestartSharedServer, WaitForEndpoint
 from eagleflow.runtime.shared_server import SharedServer, Sharing
 from eagleflow.runtime.spec import Launchable, ServerConfig
+from eagleflow.runtime.vllm_server import VllmServer
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ own (a crash leaves no engine process behind). CMD gets the same parent-death si
 supervisor as its parent, so even a supervisor killed outright takes CMD down (CMD's own
 children are then left to the lease check of the next job, see runtime.leases).
 
-A server that several jobs share (`--shared DIR`, see runtime.shared) outlives the job that
+A server that several jobs share (`--shared DIR`, see runtime.shared_server) outlives the job that
 launched it. Its supervisor does not follow a parent but the consumers registered in DIR:
 once none has been alive for `--linger` seconds it takes DIR's lock (so that no job attaches
 meanwhile), forgets the server and stops the group. Jobs that die without unregistering count
@@ -41,7 +41,7 @@ import sys
 import time
 
 from eagleflow.runtime.process import group_members
-from eagleflow.runtime.shared import SharedDir
+from eagleflow.runtime.shared_server import SharedDir
 
 PR_SET_PDEATHSIG = 1
 
@@ -83,7 +83,7 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     owner = ap.add_mutually_exclusive_group(required=True)
     owner.add_argument("--parent", type=int, help="pid of the launching process")
-    owner.add_argument("--shared", help="the shared server's directory (runtime.shared)")
+    owner.add_argument("--shared", help="the shared server's directory (runtime.shared_server.SharedDir)")
     ap.add_argument("--linger", type=float, default=60.0, help="with --shared: seconds without consumers")
     ap.add_argument("--grace", type=float, required=True, help="seconds between SIGTERM and SIGKILL")
     ap.add_argument("--scratch", action="append", default=[], help="a directory to remove once CMD is stopped")

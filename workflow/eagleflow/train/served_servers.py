@@ -32,13 +32,13 @@ from typing import Any
 from eagleflow.common.config import typed
 from eagleflow.common.fingerprint import runs_module
 from eagleflow.hidden_states.vllm import extraction_server_args
-from eagleflow.runtime.launch import free_port
 from eagleflow.runtime.mooncake_master import MooncakeMaster, mooncake_master
 from eagleflow.runtime.recovery import ByUrl, Recovery
 from eagleflow.runtime.serving import launched, serve
 from eagleflow.runtime.shared_server import Sharing, stop_idle_shared_servers
 from eagleflow.runtime.slurm_nodes import Node, PlacementError, allocation, srun_prefix
 from eagleflow.runtime.spec import ServerConfig, ServerSpec
+from eagleflow.runtime.vllm_server import free_port
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from eagleflow.common.config import ConfigError, typed
+from eagleflow.dag.variants import variant_config, variant_overrides
 from eagleflow.runtime.server_args import result_args, server_args
-from eagleflow.variants import variant_config, variant_overrides
 
 
 def sorted_keys(value: Any) -> Any:
@@ -25,6 +25,36 @@ def sorted_keys(value: Any) -> Any:
     if isinstance(value, list):
         return [sorted_keys(v) for v in value]
     return value
+
+
+# Config keys that the stage code reads by an older name, and which the rules' params carry
+# under it: {section: {config key: the stage's name}}. hidden_states.num_parts was num_shards,
+# and that name is a field of the stage's settings (hidden_states.backend.HiddenStatesConfig),
+# code in the fingerprint that keys every stored sample (hidden_states.run.content_settings):
+# renamed there, every sample would be extracted again. Carried under it, the params are what
+# they were, and the rename reruns no job.
+STAGE_NAMES = {"hidden_states": {"num_parts": "num_shards"}}
+
+
+def section_param(config: dict[str, Any], name: str, without: Sequence[str] = ()) -> dict[str, Any]:
+    """Config section `name` as a rule's param: less the subsections `without` that its jobs
+    never read, each key under the name the stage's code reads it by (STAGE_NAMES), keys
+    sorted at every level."""
+    names = STAGE_NAMES.get(name, {})
+    return sorted_keys({names.get(k, k): v for k, v in config[name].items() if k not in without})
+
+
+def check_renamed_keys(config: dict[str, Any]) -> None:
+    """Refuse a config that sets a key by the name it had before (STAGE_NAMES), naming the
+    new one: the schema alone would call it an unknown key. Run before validate_config."""
+    found = [
+        f"{section}.{old}: renamed {section}.{new}; set {new} instead (the same value extracts nothing again)"
+        for section, names in STAGE_NAMES.items()
+        for new, old in names.items()
+        if isinstance(config.get(section), dict) and old in config[section]
+    ]
+    if found:
+        raise ConfigError("this config sets a renamed key:\n  " + "\n  ".join(found))
 
 
 def chat_template_kwargs(config: dict[str, Any]) -> dict[str, Any]:

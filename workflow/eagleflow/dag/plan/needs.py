@@ -5,7 +5,7 @@
 prints the tokens the hidden-state stage will see, the bytes each stage writes and the free
 space where they land, the GPU memory of the verifier and of the draft training, which
 settings would make a run fit that does not, and the hours each stage and the whole run to a
-served draft take for 1..N verifier replicas (`throughput`, plan.hours; `--samples 10000
+served draft take for 1..N verifier replicas (`throughput`, dag.plan.hours; `--samples 10000
 100000` gives them at other sizes). `snakemake -n` prints its one-line summary
 (planned_disk_line).
 
@@ -29,11 +29,9 @@ from typing import Any, NamedTuple
 import yaml
 
 from eagleflow.common.config import typed, validate_config
-from eagleflow.hidden_states.layers import default_aux_layer_ids
-from eagleflow.hidden_states.storage import num_stored_states, shard_bytes, target_topk, token_bytes
-from eagleflow.plan.fit import served_fit, suggest
-from eagleflow.plan.hours import Rates, measured_rates, planned_work, render_hours
-from eagleflow.plan.sizes import (
+from eagleflow.dag.plan.fit import served_fit, suggest
+from eagleflow.dag.plan.hours import Rates, measured_rates, planned_work, render_hours
+from eagleflow.dag.plan.sizes import (
     Geometry,
     draft_export_bytes,
     draft_params,
@@ -45,9 +43,12 @@ from eagleflow.plan.sizes import (
     optimizer_state_floats,
     weight_bytes_on_disk,
 )
-from eagleflow.plan.tokens import Tokens, planned_tokens
+from eagleflow.dag.plan.tokens import Tokens, planned_tokens
+from eagleflow.dag.rule_params import check_renamed_keys
+from eagleflow.dag.variants import merged
+from eagleflow.hidden_states.layers import default_aux_layer_ids
+from eagleflow.hidden_states.storage import num_stored_states, shard_bytes, target_topk, token_bytes
 from eagleflow.runtime.output_cache import cache_bytes
-from eagleflow.variants import merged
 
 DEFAULT_CONFIG = "config/config.yaml"
 GB = 1e9
@@ -122,7 +123,7 @@ def make_plan(
             "served": served,
             "what": f"no stored states (hidden_states.mode: {hs['mode']})"
             if online or served
-            else f"{tokens.new_samples} samples in {hs['num_shards']} extraction job{'s' * (hs['num_shards'] > 1)}: "
+            else f"{tokens.new_samples} samples in {hs['num_parts']} extraction job{'s' * (hs['num_parts'] > 1)}: "
             f"{num_states} states x "
             f"{g.hidden_size} in {hs['dtype']}"
             + (f" + top-{topk} logits" if topk else "")
@@ -245,7 +246,7 @@ def distinct_drafts(config: dict[str, Any]) -> dict[str, PlannedDraft]:
     """{label: PlannedDraft} of every distinct draft the run trains (variants that agree on
     their vocab and train sections share one); the label is empty for a run of one draft, else
     `<draft id> (<method>): `. Pure."""
-    from eagleflow.variants import draft_id, variant_config, variant_overrides
+    from eagleflow.dag.variants import draft_id, variant_config, variant_overrides
 
     drafts: dict[str, PlannedDraft] = {}
     for name in variant_overrides(config):
@@ -334,6 +335,7 @@ def load_merged_config(configfiles: list[str], root: Path) -> dict[str, Any]:
     config = yaml.safe_load((root / DEFAULT_CONFIG).read_text())
     for path in configfiles:
         config = merged(config, yaml.safe_load(Path(path).read_text()) or {})
+    check_renamed_keys(config)
     validate_config(config)
     return config
 

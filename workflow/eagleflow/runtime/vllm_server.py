@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx2 as httpx
 
@@ -24,8 +25,10 @@ from eagleflow.runtime.gpus import gpu_holders
 from eagleflow.runtime.leases import Lease, stop_leftover_servers
 from eagleflow.runtime.ledger import record_load
 from eagleflow.runtime.process import kill_group, package_env, start_time
-from eagleflow.runtime.shared import SharedDir
 from eagleflow.runtime.spec import Launchable, ServerError
+
+if TYPE_CHECKING:  # the shared server imports this module to launch its server
+    from eagleflow.runtime.shared_server import SharedDir
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """What would make a run fit that does not (`suggest`, the plan's "Settings that would"), and
 whether served mode's extraction servers and the trainer fit side by side on one host's GPUs
-(`hidden_states.served.placement: host`; `side_by_side`, `served_fit`), for plan.needs.
+(`hidden_states.served.placement: host`; `side_by_side`, `served_fit`), for dag.plan.needs.
 
 On GPUs of their own they fit when the host has enough of them (servers x server.gpus, and
 one per training process). Sharing GPUs, a training process gets what vLLM leaves of one: vLLM
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from eagleflow.hidden_states.storage import FP8, num_stored_states, shard_bytes, target_topk, token_bytes
 
 if TYPE_CHECKING:
-    from eagleflow.plan.needs import Plan
+    from eagleflow.dag.plan.needs import Plan
 
 GB = 10**9
 VLLM_DEFAULT_UTILIZATION = 0.9
@@ -137,7 +137,7 @@ def suggest(
 
 
 def served_fit(plan: Plan, config: dict[str, Any], weights: int, train_bytes: int, host_gpus: int | None) -> None:
-    """Whether served mode's servers and the trainer fit side by side on one host (plan.fit):
+    """Whether served mode's servers and the trainer fit side by side on one host (dag.plan.fit):
     a GPU row, and a setting that would fit when a served run does not (another mode's run is
     told whether served mode would fit its host)."""
     hs = config["hidden_states"]

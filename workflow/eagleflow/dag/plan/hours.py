@@ -171,10 +171,10 @@ def stage_hours(work: Work, rates: Rates, replicas: int, config: dict[str, Any])
     return {
         "write_prompts": served(work.written_tokens, rates.generate_tokens_per_s, replicas),
         "generate": served(work.reply_tokens, rates.generate_tokens_per_s, replicas),
-        # One job and one server per node (hidden_states.num_shards), side by side.
+        # One job and one server per node (hidden_states.num_parts), side by side.
         "hidden_states": 0.0
         if mode in ("online", "served")
-        else served(work.extract_tokens, rates.extract_tokens_per_s, config["hidden_states"]["num_shards"]),
+        else served(work.extract_tokens, rates.extract_tokens_per_s, config["hidden_states"]["num_parts"]),
         "train": train,
         # The baseline and each draft's run, one server each, one after the other.
         "benchmark": None

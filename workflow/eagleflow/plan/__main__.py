@@ -1,5 +1,0 @@
-import sys
-
-from eagleflow.plan.needs import main
-
-sys.exit(main())
