@@ -25,12 +25,12 @@ from eagleflow.train.checkpoint import (
     restore,
     save_checkpoint,
     trainable_state,
-    training_fingerprint,
 )
 from eagleflow.train.config import TrainConfig
 from eagleflow.train.data import collate, load_shards, pack
 from eagleflow.train.device import Runtime, resolve_impls, untie_fused_loss_autotuners
 from eagleflow.train.evaluation import Walk, evaluate
+from eagleflow.train.fingerprint import training_fingerprint
 from eagleflow.train.launch import run_stage
 from eagleflow.train.loop import run_from_json
 from eagleflow.train.methods import draft_method

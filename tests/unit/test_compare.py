@@ -4,7 +4,9 @@ import math
 
 import pytest
 
-from eagleflow.report.compare import fit_learning_curve, predict_k, recommend_k, run_compare, variant_row
+from eagleflow.report.compare import run_compare
+from eagleflow.report.compare_analysis import fit_learning_curve, predict_k, variant_row
+from eagleflow.report.compare_render import recommend_k
 
 
 def test_a_clean_log_curve_is_recovered_with_a_tight_interval():

@@ -8,6 +8,7 @@ from eagleflow.common.config import typed
 from eagleflow.train.config import TrainConfig
 from eagleflow.train.data import Sample, collate, pack, shift
 from eagleflow.train.methods import draft_method
+from eagleflow.train.schedule import Schedule
 from eagleflow.train.steps import lr_at
 from tests.helpers import REPO
 
@@ -36,6 +37,17 @@ def test_pack_respects_budget_and_keeps_every_sample():
     assert sorted(i for b in batches for i in b) == list(range(6))
     assert all(sum(len(samples[i]) for i in b) <= 10 for b in batches)
     assert pack(samples, 10, shuffle_seed=3) == batches
+
+
+def test_a_step_takes_one_batch_a_rank_and_a_rank_without_one_stands_in_with_the_first():
+    epochs = [[[0], [1], [2]], [[2], [0], [1]]]  # 3 batches an epoch: 2 steps on 2 ranks
+    rank0, rank1 = Schedule(epochs, 2, 0), Schedule(epochs, 2, 1)
+    assert rank0.total_steps == 4
+    assert list(rank1.steps_from(0, 1)) == [(0, 1, 2), (1, 0, 2), (1, 1, 2)]  # resumed mid-epoch
+    assert rank0.rank_batch((0, 0, 2)) == ([[0], [1]], True, [0])
+    assert rank1.rank_batch((0, 0, 2)) == ([[0], [1]], True, [1])
+    assert rank1.rank_batch((1, 1, 2)) == ([[1]], False, [1])  # no batch for rank 1: it stands in
+    assert Schedule.packed([mk(5), mk(5)], 8, 0, 3, 1, 0).total_steps == 6
 
 
 def test_collate_restarts_positions_and_numbers_documents():

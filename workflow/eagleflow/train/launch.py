@@ -25,7 +25,8 @@ from eagleflow.runtime.output_cache import OutputCache
 from eagleflow.runtime.process import kill_group, package_env
 from eagleflow.runtime.smk import stage
 from eagleflow.train.config import TrainConfig, TrainJob
-from eagleflow.train.loop import job_fingerprint, run_from_json
+from eagleflow.train.fingerprint import job_fingerprint
+from eagleflow.train.loop import run_from_json
 from eagleflow.train.served_servers import served_backing
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ def train_or_restore(spec: dict[str, Any], nproc: int) -> None:
             cache.dir,
         )
         return
-    # Rank 0 keeps the outputs before it drops the checkpoints (train.loop: Trainer.export).
+    # Rank 0 keeps the outputs before it drops the checkpoints (train.outputs.write_outputs).
     run_stage({**spec, "keep_as": {"dir": str(cache.dir), "slot": cache.slot, "key": key}}, nproc)
     clear_mark(outputs.values())
 

@@ -1,11 +1,11 @@
 """The training loop, top to bottom: setup (data, model, optimizer), resume, the step loop
-(step, log, validate, checkpoint), export.
+(step, log, validate, checkpoint), export (train/outputs.py).
 
 Validation (train/evaluation.py) runs on the held-out split every `eval_every` steps and at
 the end of every epoch; the draft exported is the one with the lowest validation loss.
 
 Data parallel: under torchrun every rank runs this same loop. A step consumes `world_size`
-consecutive batches of the epoch's packing, one per rank; each rank scales its loss by
+consecutive batches of the epoch's packing, one per rank (train/schedule.py); each rank scales its loss by
 world_size / (batches in this step) and DistributedDataParallel averages the gradients over
 the ranks, which is exactly gradient accumulation over those batches. A rank the epoch's last
 step has no batch for runs the step's first one with its loss scaled to nothing, so that it
@@ -13,7 +13,7 @@ takes part in DDP's all-reduce. Metrics are summed across ranks; only rank 0 wri
 metrics, checkpoints and the draft. With one process it is the plain loop.
 
 Resume: every `checkpoint_every` steps the full training state is checkpointed under
-`checkpoint_dir/<fingerprint>/`; a rerun with the same config, inputs and code continues
+`checkpoint_dir/<fingerprint>/` (train/fingerprint.py); a rerun with the same config, inputs and code continues
 from the newest one and produces the same metrics rows and weights as an uninterrupted run.
 """
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -33,29 +32,21 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from tqdm import tqdm
 
-from eagleflow.common.atomic import atomic_path, write_jsonl
 from eagleflow.common.config import typed
-from eagleflow.common.fingerprint import code_fingerprint
-from eagleflow.common.identity import verifier_fingerprint
-from eagleflow.runtime.output_cache import OutputCache
-from eagleflow.train.checkpoint import (
-    TrainState,
-    latest_checkpoint,
-    restore,
-    save_checkpoint,
-    trainable_state,
-    training_fingerprint,
-)
+from eagleflow.train.checkpoint import TrainState, latest_checkpoint, restore, save_checkpoint, trainable_state
 from eagleflow.train.config import TrainConfig, TrainJob
-from eagleflow.train.data import Sample, ShardRef, ShardSamples, pack, read_ahead
+from eagleflow.train.data import Sample, ShardRef, ShardSamples, read_ahead
 from eagleflow.train.device import Runtime, init_runtime
-from eagleflow.train.draft import export_draft, take_precomputed_targets
+from eagleflow.train.draft import take_precomputed_targets
 from eagleflow.train.evaluation import Walk, evaluate
+from eagleflow.train.fingerprint import job_fingerprint
 from eagleflow.train.methods import DraftMethod, DraftSpec, draft_method, method_attn_impl
 from eagleflow.train.online import TokenSample, VerifierStates, load_token_samples, open_verifier
 from eagleflow.train.optimizer import build_optimizer
+from eagleflow.train.outputs import served_rows, write_outputs
+from eagleflow.train.schedule import Position, Schedule
 from eagleflow.train.served import ServedStates
-from eagleflow.train.steps import Window, lr_at, packed_batch, steps_in, train_step
+from eagleflow.train.steps import Window, lr_at, packed_batch, train_step
 
 log = logging.getLogger(__name__)
 
@@ -65,21 +56,6 @@ StepCallback = Callable[[int], None]
 
 
 # --- the loop --------------------------------------------------------------------------------
-
-
-def job_fingerprint(job: TrainJob, cfg: TrainConfig) -> str:
-    """What a training run is: its config, inputs and the code that trains (the checkpoints'
-    key, and with the named verifier the finished draft's)."""
-    return training_fingerprint(
-        dataclasses.asdict(cfg),
-        job.index,
-        job.vocab_map,
-        job.shards or job.dataset,
-        code_fingerprint("eagleflow.train.loop"),
-        # Served mode's states are keyed as online's: by the settings that shape them.
-        online=job.online if job.served is None else {"served": job.served["states"]},
-        verifier=verifier_fingerprint(job.verifier_dir),
-    )
 
 
 def run_train(job: TrainJob, cfg: TrainConfig, on_step_end: StepCallback | None = None) -> None:
@@ -129,7 +105,7 @@ class Trainer:
     train: list[ShardRef] | list[TokenSample]
     evals: list[ShardRef] | list[Sample]
     source: ShardSamples | VerifierStates | ServedStates  # turns `train` items into samples with their states
-    epochs: list[list[list[int]]]  # the packing of every epoch: batches of sample indices
+    schedule: Schedule  # the batches of every step, on this rank
     total_steps: int
     fwd_kwargs: dict[str, Any]
     keys: list[str]
@@ -170,9 +146,7 @@ class Trainer:
             take_precomputed_targets(model)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = build_optimizer(model, cfg.optimizer, cfg.lr, cfg.weight_decay)
-        # The packing of every epoch is fixed up front (a pure function of the seed), so the
-        # schedule knows the exact number of steps and a resumed run sees the same batches.
-        epochs = [pack(train, cfg.batch_tokens, shuffle_seed=cfg.seed * 1000 + e) for e in range(cfg.epochs)]
+        schedule = Schedule.packed(train, cfg.batch_tokens, cfg.seed, cfg.epochs, rt.world_size, rt.rank)
         trainer = cls(
             job=job,
             cfg=cfg,
@@ -185,8 +159,8 @@ class Trainer:
             train=train,
             evals=evals,
             source=source,
-            epochs=epochs,
-            total_steps=sum(steps_in(len(b), rt.world_size) for b in epochs),
+            schedule=schedule,
+            total_steps=schedule.total_steps,
             fwd_kwargs=method.forward_kwargs(cfg, rt.loss_implementation),
             keys=method.metric_keys(cfg),
             fingerprint=fingerprint,
@@ -262,7 +236,9 @@ class Trainer:
         # served, the feed asks the server for the batches ahead, from the resumed step on.
         if isinstance(self.source, ServedStates):
             self.source.expect(self.my_batches(state.epoch, state.batch_index))
-        todo = read_ahead(self.steps_from(state.epoch, state.batch_index), self.read_step, self.job.online is None)
+        todo = read_ahead(
+            self.schedule.steps_from(state.epoch, state.batch_index), self.read_step, self.job.online is None
+        )
         for (epoch, j, n_steps), (step_batches, batch, counted) in todo:
             lr, grad_norm = self.step(step_batches, batch, counted, window)
             state.step += 1
@@ -289,32 +265,15 @@ class Trainer:
                 on_step_end(state.step)
         bar.close()
 
-    def steps_from(self, epoch: int, batch_index: int) -> Iterator[tuple[int, int, int]]:
-        """(epoch, step in the epoch, steps in the epoch) of every step from a position on."""
-        for e in range(epoch, len(self.epochs)):
-            n_steps = steps_in(len(self.epochs[e]), self.rt.world_size)
-            for j in range(batch_index if e == epoch else 0, n_steps):
-                yield e, j, n_steps
-
     def my_batches(self, epoch: int, batch_index: int) -> Iterator[list[Any]]:
         """This rank's batch of every step from a position on, as its items (read_step's)."""
-        for position in self.steps_from(epoch, batch_index):
-            yield [self.train[i] for i in self.rank_batch(position)[2]]
+        for position in self.schedule.steps_from(epoch, batch_index):
+            yield [self.train[i] for i in self.schedule.rank_batch(position)[2]]
 
-    def rank_batch(self, position: tuple[int, int, int]) -> tuple[list[list[int]], bool, list[int]]:
-        """A step's world_size consecutive batches of the epoch's packing (one per rank),
-        whether this rank's counts (False: the step has no batch for it, and it stands in with
-        the step's first), and this rank's batch."""
-        epoch, j, _ = position
-        ws = self.rt.world_size
-        step_batches = self.epochs[epoch][j * ws : (j + 1) * ws]
-        counted = self.rt.rank < len(step_batches)
-        return step_batches, counted, step_batches[self.rt.rank if counted else 0]
-
-    def read_step(self, position: tuple[int, int, int]) -> tuple[list[list[int]], dict[str, torch.Tensor], bool]:
-        """The step's batches (rank_batch), this rank's read with its states and packed, and
-        whether it counts."""
-        step_batches, counted, mine = self.rank_batch(position)
+    def read_step(self, position: Position) -> tuple[list[list[int]], dict[str, torch.Tensor], bool]:
+        """The step's batches (Schedule.rank_batch), this rank's read with its states and packed,
+        and whether it counts."""
+        step_batches, counted, mine = self.schedule.rank_batch(position)
         return step_batches, packed_batch(self.samples(mine), self.cfg.batch_tokens, self.rt), counted
 
     def step(
@@ -413,33 +372,12 @@ class Trainer:
         log.info("checkpoint at step %d of %d: %s", self.state.step, self.total_steps, path)
 
     def export(self) -> None:
-        """Rank 0 writes the best draft and the metrics rows, then drops this run's checkpoints."""
-        job, state = self.job, self.state
-        # Served mode: what the feeds did in every training process (since the job started or resumed).
-        served = []
-        if isinstance(self.source, ServedStates):
-            parts = [self.source.part()]
-            if self.rt.world_size > 1:
-                parts = [None] * self.rt.world_size
-                dist.all_gather_object(parts, self.source.part())
-            served = [{"split": "served", **self.source.summary(parts)}]
+        """Rank 0 writes the best draft and the metrics rows, then drops this run's checkpoints
+        (train.outputs)."""
+        served = served_rows(self.source, self.rt)
         if self.rt.is_main:
             if self.best is None:
                 raise RuntimeError("no validation ran, so there is no best draft to export")
-            final = {k: v.detach() for k, v in self.model.state_dict().items()} | self.best
-            with atomic_path(job.draft_out) as tmp_draft:
-                export_draft(self.model, final, tmp_draft, job.serve_verifier_path)
-            write_jsonl(job.metrics_out, state.rows + served)
-            log.info(
-                "exported the best draft (step %d, eval loss %.4f) to %s",
-                state.best_step,
-                state.best_loss,
-                job.draft_out,
-            )
-            if job.keep_as:
-                cache = OutputCache(job.keep_as["dir"], job.keep_as["slot"])
-                cache.keep(job.keep_as["key"], {"draft": job.draft_out, "metrics": job.metrics_out})
-            # Training is complete and its outputs are written and kept: the checkpoints are spent.
-            shutil.rmtree(self.checkpoint_dir, ignore_errors=True)
+            write_outputs(self.job, self.model, self.best, self.state, self.state.rows + served, self.checkpoint_dir)
         if self.rt.world_size > 1:
             dist.barrier()
