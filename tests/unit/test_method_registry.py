@@ -113,7 +113,10 @@ def test_a_method_registered_here_is_planned_trained_exported_and_served(toy, ti
     # Planned: the plan's counts are the draft's, its own parameter included.
     g = Geometry.from_config(json.loads((tiny_llama_dir / "config.json").read_text()))
     frozen = sum(p.numel() for p in draft.parameters() if not p.requires_grad)
-    assert draft_params(g, train, TINY_VOCAB // 2, len(TINY_AUX)) == (sum(p.numel() for p in trainable.values()), frozen)
+    assert draft_params(g, train, TINY_VOCAB // 2, len(TINY_AUX)) == (
+        sum(p.numel() for p in trainable.values()),
+        frozen,
+    )
     assert optimizer_state_floats(g, train, TINY_VOCAB // 2, len(TINY_AUX)) > 0
     assert draft_positions(train) == train["batch_tokens"] * 2
 
@@ -126,7 +129,9 @@ def test_a_method_registered_here_is_planned_trained_exported_and_served(toy, ti
     keys, fwd = toy.metric_keys(cfg), toy.forward_kwargs(cfg, "eager")
     optimizer = build_optimizer(draft, "adamw", 1e-3, 0.0)
     step = dict(lr=1e-3, loss_scale=1.0, grad_clip=1.0, keys=keys)
-    _, totals = train_step(draft, list(trainable.values()), optimizer, packed_batch(samples, 128, CPU), CPU, fwd, **step)
+    _, totals = train_step(
+        draft, list(trainable.values()), optimizer, packed_batch(samples, 128, CPU), CPU, fwd, **step
+    )
     assert any(not torch.equal(p, before[n]) for n, p in trainable.items())
     summary = toy.summarise(dict(zip(keys, totals.tolist(), strict=True)), cfg)
     assert summary["estimated_acceptance_length"] == 1.0 + summary["full_acc_0"] + summary["full_acc_1"]
