@@ -2,6 +2,7 @@
 batch, and each optimizer's step, on the demo's draft geometry.
 
     .venv/bin/python bench/optimizer_step.py [--batch-tokens 512 1024] [--repeats 10] [--threads 2]
+        [--optimizers adamw muon torch-muon]
     python -m devkit.cpu_features avx2 -- .venv/bin/python bench/optimizer_step.py   # as on AVX2 only
 
 Muon orthogonalises every update of the draft's hidden matrices with Newton-Schulz iterations,
@@ -38,6 +39,8 @@ from eagleflow.train.optimizer import build_optimizer
 
 # (label, train.optimizer, the Muon class that steps it): eagleflow's on a CPU, then torch's own.
 KINDS = (("AdamW", "adamw", None), ("Muon f32", "muon", None), ("Muon bf16 (torch)", "muon", torch.optim.Muon))
+# --optimizers' names for them (torch's bf16 Muon takes minutes a step where the CPU has no bf16 units).
+KIND_NAMES = dict(zip(("adamw", "muon", "torch-muon"), KINDS, strict=True))
 
 
 def optimizer(model, kind: str, muon_class):
@@ -69,7 +72,9 @@ def main() -> None:
     ap.add_argument("--batch-tokens", type=int, nargs="+", default=[512, 1024])
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--optimizers", nargs="+", choices=list(KIND_NAMES), default=list(KIND_NAMES))
     args = ap.parse_args()
+    kinds = tuple(KIND_NAMES[name] for name in dict.fromkeys(["adamw", *args.optimizers]))  # AdamW: the ratios' base
 
     torch.set_num_threads(args.threads)
     cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "config" / "config.yaml").read_text())["train"]
@@ -88,7 +93,7 @@ def main() -> None:
             f"CPU capability {torch.backends.cpu.get_cpu_capability()}, "
             f"576x1536 @ 1536x576: float32 {f32:.2f} ms, bfloat16 {bf16:.2f} ms ({bf16 / f32:.1f}x)\n"
         )
-        labels = [label for label, _, _ in KINDS]
+        labels = [label for label, _, _ in kinds]
         print(
             f"| batch tokens | forward+backward ms | {' | '.join(f'{x} step ms' for x in labels)} | "
             f"{' | '.join(f'step with {x} / with AdamW' for x in labels[1:])} |"
@@ -105,7 +110,7 @@ def main() -> None:
             fb = timed_ms(forward_backward, args.repeats)
             # A B C C B A: every optimizer's step sees the same drift of the machine.
             times: dict[str, list[float]] = {label: [] for label in labels}
-            for label, kind, muon_class in (*KINDS, *reversed(KINDS)):
+            for label, kind, muon_class in (*kinds, *reversed(kinds)):
                 times[label].append(timed_ms(optimizer(model, kind, muon_class).step, args.repeats))
             step = {label: statistics.median(t) for label, t in times.items()}
             ratios = [(fb + step[x]) / (fb + step["AdamW"]) for x in labels[1:]]

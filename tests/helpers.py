@@ -71,6 +71,43 @@ def vllm_processes(marker: str) -> list[str]:
     return found
 
 
+# The train section and sample lengths of the tests that train a draft on the tiny verifier's
+# synthetic shards (devkit.train_inputs).
+TINY_TRAIN_LENGTHS = [30, 25, 40, 20, 35, 28, 33, 22, 38, 26, 31, 24]
+TINY_EVAL_LENGTHS = [30, 35, 25]
+TINY_TRAIN_CFG = dict(
+    method="eagle3",
+    num_layers=1,
+    ttt_steps=3,
+    num_depths=3,
+    block_size=4,
+    ttt_step_loss_decay=1.0,
+    loss="kl_div",
+    loss_implementation="auto",
+    attn_impl="auto",
+    sliding_window=None,
+    draft_attention="llama",
+    optimizer="muon",  # the default; its two inner optimizers' states go through every checkpoint
+    lr=0.002,
+    lr_schedule="linear",
+    weight_decay=0.0,
+    warmup_steps=2,
+    grad_clip=1.0,
+    epochs=2,
+    batch_tokens=64,
+    log_every=2,
+    eval_every=3,
+    checkpoint_every=4,
+    keep_checkpoints=2,
+    nproc_per_node=1,
+    seed=0,
+    gpus=0,
+    sample_fraction=1.0,
+    norm_before_fc=False,
+    norm_output=False,
+)
+
+
 # The share of stored values the two paths may round to neighbouring values. bfloat16: a float32
 # difference of ~1e-6 relative puts a value on the other side of a bf16 rounding boundary (steps
 # 2**-8 relative) a few times in ten thousand at most. fp8 rounds those bf16 values again, to
@@ -220,3 +257,42 @@ def low_precision_ops():
             return func(*args, **(kwargs or {}))
 
     return LowPrecisionOps()
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """|a - b| / |b| over the whole tensors, in float32."""
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def write_dataset(tmp_path: Path, n: int = 7) -> list[dict]:
+    """A dataset stage's output of `n` short samples (5 train, the rest eval) under `tmp_path`,
+    for the hidden-state phase's tests; the rows."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [
+        {
+            "id": f"s{i}",
+            "input_ids": list(range(1, 4 + i)),
+            "loss_mask": [0] * 2 + [1] * (1 + i),
+            "length": 3 + i,
+            "num_loss_tokens": 1 + i,
+        }
+        for i in range(n)
+    ]
+    pq.write_table(pa.Table.from_pylist(rows[:5]), tmp_path / "train.parquet")
+    pq.write_table(pa.Table.from_pylist(rows[5:]), tmp_path / "eval.parquet")
+    return rows
+
+
+# The hf hidden-state backend on the CPU, as write_dataset's tests run it.
+HF_SETTINGS = {"backend": "hf", "batch_tokens": 32, "dtype": "bfloat16", "device": "cpu", "compute_dtype": "auto"}
+
+
+def run_bench(script: str, *args, cwd: Path = REPO, timeout: float = 600, env: dict | None = None) -> str:
+    """`python bench/<script> ARGS` as its docstring runs it (from the repository unless `cwd`
+    says); its stdout, or a failure that names the script and shows its stderr."""
+    cmd = [sys.executable, str(REPO / "bench" / script), *map(str, args)]
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, f"bench/{script} exited {proc.returncode}:\n{proc.stderr[-4000:]}"
+    return proc.stdout

@@ -28,49 +28,24 @@ from eagleflow.train.checkpoint import (
 )
 from eagleflow.train.config import TrainConfig
 from eagleflow.train.data import collate, load_shards, pack
-from eagleflow.train.device import Runtime, resolve_impls, untie_fused_loss_autotuners
+from eagleflow.train.device import Runtime
 from eagleflow.train.evaluation import Walk, evaluate
 from eagleflow.train.fingerprint import training_fingerprint
 from eagleflow.train.launch import run_stage
 from eagleflow.train.loop import run_from_json
 from eagleflow.train.methods import draft_method
 from eagleflow.train.optimizer import build_optimizer
-from eagleflow.train.steps import lr_at, steps_in
-from tests.helpers import MAX_STEPPED, REPO, storage_steps
-
-TRAIN_LENGTHS = [30, 25, 40, 20, 35, 28, 33, 22, 38, 26, 31, 24]
-EVAL_LENGTHS = [30, 35, 25]
-CFG = dict(
-    method="eagle3",
-    num_layers=1,
-    ttt_steps=3,
-    num_depths=3,
-    block_size=4,
-    ttt_step_loss_decay=1.0,
-    loss="kl_div",
-    loss_implementation="auto",
-    attn_impl="auto",
-    sliding_window=None,
-    draft_attention="llama",
-    optimizer="muon",  # the default; its two inner optimizers' states go through every checkpoint
-    lr=0.002,
-    lr_schedule="linear",
-    weight_decay=0.0,
-    warmup_steps=2,
-    grad_clip=1.0,
-    epochs=2,
-    batch_tokens=64,
-    log_every=2,
-    eval_every=3,
-    checkpoint_every=4,
-    keep_checkpoints=2,
-    nproc_per_node=1,
-    seed=0,
-    gpus=0,
-    sample_fraction=1.0,
-    norm_before_fc=False,
-    norm_output=False,
+from eagleflow.train.steps import lr_at
+from tests.helpers import (
+    MAX_STEPPED,
+    REPO,
+    TINY_EVAL_LENGTHS,
+    TINY_TRAIN_CFG,
+    TINY_TRAIN_LENGTHS,
+    storage_steps,
 )
+
+TRAIN_LENGTHS, EVAL_LENGTHS, CFG = TINY_TRAIN_LENGTHS, TINY_EVAL_LENGTHS, TINY_TRAIN_CFG
 NONDETERMINISTIC = {"tokens_per_s"}
 
 
@@ -159,90 +134,6 @@ def uninterrupted(inputs, tiny_llama_dir, tmp_path_factory):
         run_from_json(s)
         runs[mode] = tmp, read_jsonl(s["metrics_out"])
     return runs
-
-
-# --- pure parts ------------------------------------------------------------------------------
-
-
-def test_resolve_impls_auto_and_refusals():
-    assert resolve_impls("auto", "auto", cuda=False, triton=True) == ("doc_sdpa", "eager")
-    assert resolve_impls("auto", "auto", cuda=True, triton=True) == ("simple_flex_attention", "fused")
-    assert resolve_impls("auto", "auto", cuda=True, triton=False) == ("simple_flex_attention", "eager")
-    assert resolve_impls("eager", "eager", cuda=True, triton=True) == ("eager", "eager")
-    with pytest.raises(ValueError, match="attn_impl"):
-        resolve_impls("simple_flex_attention", "eager", cuda=False, triton=False)
-    with pytest.raises(ValueError, match="loss_implementation"):
-        resolve_impls("sdpa", "fused", cuda=False, triton=True)
-
-
-def test_fused_loss_kernels_get_a_configs_list_each():
-    """speculators' fused loss shares one autotune configs list between its forward and backward
-    kernels; Dynamo refuses that inside the compiled draft forward (seen on an H200)."""
-    from speculators.losses import fused
-
-    untie_fused_loss_autotuners()
-    forward, backward = fused.loss_forward_kernel.configs, fused.loss_backward_kernel.configs
-    assert forward is not backward
-    assert [c.kwargs for c in forward] == [c.kwargs for c in backward] and forward
-
-
-def test_steps_in_rounds_up():
-    assert [steps_in(n, 2) for n in (1, 2, 3, 4)] == [1, 1, 2, 2]
-    assert steps_in(5, 1) == 5
-
-
-def test_fingerprint_tracks_what_determines_training(inputs, tmp_path):
-    fp = training_fingerprint(CFG, inputs["index"], inputs["vocab_map"], inputs["shards"], "code1")
-    assert fp == training_fingerprint(
-        dict(reversed(CFG.items())), inputs["index"], inputs["vocab_map"], inputs["shards"], "code1"
-    )
-    assert fp == training_fingerprint(
-        {**CFG, "checkpoint_every": 7, "keep_checkpoints": 1},
-        inputs["index"],
-        inputs["vocab_map"],
-        inputs["shards"],
-        "code1",
-    )
-    assert fp != training_fingerprint(
-        {**CFG, "lr": 0.001}, inputs["index"], inputs["vocab_map"], inputs["shards"], "code1"
-    )
-    assert fp != training_fingerprint(
-        {**CFG, "nproc_per_node": 2}, inputs["index"], inputs["vocab_map"], inputs["shards"], "code1"
-    )
-    assert fp != training_fingerprint(CFG, inputs["index"], inputs["vocab_map"], inputs["shards"], "code2")
-    index = json.loads(Path(inputs["index"]).read_text())
-    other_index = tmp_path / "index.json"
-
-    def key_with(**changes):
-        other_index.write_text(json.dumps(index | changes))
-        return training_fingerprint(CFG, str(other_index), inputs["vocab_map"], inputs["shards"], "code1")
-
-    assert fp != key_with(aux_layer_ids=[0, 1, 2]) and fp != key_with(num_tokens=index.get("num_tokens", 0) + 1)
-    # Where the files and the verifier were, which backend wrote them and under which store key
-    # do not count: the samples' content digests say whether the data is the same.
-    moved = [{**s, "file": f"elsewhere/{s['file']}", "key": "another"} for s in index["samples"]]
-    assert fp == key_with(verifier="/elsewhere/verifier", backends=["other"], samples=moved)
-    assert fp != key_with(samples=[{**index["samples"][0], "digest": "other states"}, *index["samples"][1:]])
-    assert fp != training_fingerprint(CFG, inputs["index"], inputs["vocab_map"], inputs["shards"][:1], "code1")
-    # A shard is what it holds (the content digest in its header): linked back with a fresh
-    # mtime, or extracted again under another key with the same states, it is the same shard;
-    # with other states it is another. The verifier's content counts too.
-    from eagleflow.hidden_states.shard_file import ShardMeta, write_shard
-
-    shard = tmp_path / "shard-00000.safetensors"
-    sample = {"id": "a", "split": "train", "input_ids": [1, 2], "loss_mask": [1, 1]}
-    states = [(torch.zeros(2, 6), torch.zeros(2, 2))]
-    write_shard(shard, [sample], states, ShardMeta(["a"], [0, 1, 2], 3, 2, made_from="k1"))
-    keyed = training_fingerprint(CFG, inputs["index"], inputs["vocab_map"], [str(shard)], "code1")
-    os.utime(shard, (1, 1))
-    assert keyed == training_fingerprint(CFG, inputs["index"], inputs["vocab_map"], [str(shard)], "code1")
-    write_shard(shard, [sample], states, ShardMeta(["a"], [0, 1, 2], 3, 2, backend="vllm", made_from="k2"))
-    assert keyed == training_fingerprint(CFG, inputs["index"], inputs["vocab_map"], [str(shard)], "code1")
-    write_shard(shard, [sample], [(torch.ones(2, 6), torch.zeros(2, 2))], ShardMeta(["a"], [0, 1, 2], 3, 2))
-    assert keyed != training_fingerprint(CFG, inputs["index"], inputs["vocab_map"], [str(shard)], "code1")
-    assert keyed != training_fingerprint(
-        CFG, inputs["index"], inputs["vocab_map"], [str(shard)], "code1", verifier="another verifier"
-    )
 
 
 # --- checkpoint round trip -------------------------------------------------------------------

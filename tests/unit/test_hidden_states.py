@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from devkit.configs import hidden_states_config, server_config
+from devkit.configs import hidden_states_config
 from eagleflow.hidden_states.backend import BACKENDS, open_backend
 from eagleflow.hidden_states.client import (
     HiddenStatesFileError,
@@ -33,6 +33,7 @@ from eagleflow.hidden_states.layers import (
 from eagleflow.hidden_states.run import run_part
 from eagleflow.hidden_states.shards import check_disk_space
 from eagleflow.hidden_states.vllm import extraction_server_args
+from tests.helpers import HF_SETTINGS, rel_err, write_dataset
 
 
 def known_states(ids: list[int], num_states: int, hidden: int) -> torch.Tensor:
@@ -58,10 +59,6 @@ def manual_residual_stream(model, input_ids):
         h = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=pe)
         h = h[0] if isinstance(h, tuple) else h
     return inputs, h
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 # bf16 keeps 8 mantissa bits: a stored state is within ~0.4% of the float32 one.
@@ -166,25 +163,6 @@ def test_geometry_comes_from_config_json_including_text_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "x"}))
     with pytest.raises(ValueError, match="config.json"):
         verifier_geometry(str(tmp_path))
-
-
-def write_dataset(tmp_path, n=7):
-    rows = [
-        {
-            "id": f"s{i}",
-            "input_ids": list(range(1, 4 + i)),
-            "loss_mask": [0] * 2 + [1] * (1 + i),
-            "length": 3 + i,
-            "num_loss_tokens": 1 + i,
-        }
-        for i in range(n)
-    ]
-    pq.write_table(pa.Table.from_pylist(rows[:5]), tmp_path / "train.parquet")
-    pq.write_table(pa.Table.from_pylist(rows[5:]), tmp_path / "eval.parquet")
-    return rows
-
-
-HF_SETTINGS = {"backend": "hf", "batch_tokens": 32, "dtype": "bfloat16", "device": "cpu", "compute_dtype": "auto"}
 
 
 def run_hf_part(tmp_path, verifier, part: int, out: str, num_parts: int, force: bool = False, **settings) -> dict:
@@ -622,53 +600,6 @@ def test_vllm_backend_reply_without_states_path_is_an_error(tmp_path):
             backend.extract([{"id": "ok", "input_ids": [1, 2]}, {"id": "bad", "input_ids": [7, 8]}])
     finally:
         fake.close()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM's extract_hidden_states needs an accelerator")
-def test_vllm_backend_matches_hf_backend_on_gpu(tiny_llama_dir, tmp_path):
-    """The real thing: vLLM launched through the server module with the extraction method,
-    against the transformers backend on the same tokens (bf16 on both sides)."""
-    pytest.importorskip("vllm")
-    rows = write_dataset(tmp_path)
-    server = {
-        "dtype": "bfloat16",
-        "max_model_len": 512,
-        "tensor_parallel_size": 1,
-        "enforce_eager": True,
-        "startup_timeout_s": 600,
-        "extra_args": ["--gpu-memory-utilization", "0.3"],
-    }
-    outs = {}
-    for backend in ("hf", "vllm"):
-        settings = {
-            **HF_SETTINGS,
-            "backend": backend,
-            "device": "cuda",
-            "compute_dtype": "bfloat16",
-            "vllm": {"storage_dir": str(tmp_path / "hs"), "concurrency": 4},
-        }
-        outs[backend] = str(tmp_path / f"{backend}/part-00000.json")
-        run_part(
-            str(tmp_path / "train.parquet"),
-            str(tmp_path / "eval.parquet"),
-            str(tiny_llama_dir),
-            0,
-            outs[backend],
-            settings=hidden_states_config(**settings, num_parts=1),
-            server=server_config(**server),
-            threads=1,
-            gpus=1,
-            trust_remote_code=False,
-            log_path=str(tmp_path / f"logs/{backend}/hidden_states.shard-00000.log"),
-        )
-    from eagleflow.hidden_states.shard_reader import read_indexed
-
-    hf, vl = read_indexed(outs["hf"]), read_indexed(outs["vllm"])
-    assert [s.id for s in vl] == [s.id for s in hf] == sorted(r["id"] for r in rows)
-    for a, b in zip(hf, vl, strict=True):
-        assert torch.equal(a.input_ids, b.input_ids)
-        assert rel_err(b.aux, a.aux) < 2e-2 and rel_err(b.final, a.final) < 2e-2
 
 
 def test_the_shard_key_ignores_operational_settings_and_follows_content():
