@@ -30,7 +30,6 @@ from eagleflow.train.config import TrainConfig
 from eagleflow.train.data import collate, load_shards, pack
 from eagleflow.train.device import Runtime
 from eagleflow.train.evaluation import Walk, evaluate
-from eagleflow.train.fingerprint import training_fingerprint
 from eagleflow.train.launch import run_stage
 from eagleflow.train.loop import run_from_json
 from eagleflow.train.methods import draft_method

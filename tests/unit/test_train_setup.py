@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from devkit.train_inputs import make_train_inputs
-from eagleflow.train.fingerprint import training_fingerprint
 from eagleflow.train.device import resolve_impls, untie_fused_loss_autotuners
+from eagleflow.train.fingerprint import training_fingerprint
 from eagleflow.train.steps import steps_in
 from tests.helpers import TINY_EVAL_LENGTHS, TINY_TRAIN_CFG, TINY_TRAIN_LENGTHS
 
