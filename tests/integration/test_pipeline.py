@@ -367,7 +367,9 @@ BENCHMARKS = {"baseline", "benchmark", "parity", "report", "compare", "best_draf
         ("vocab.py", PER_DRAFT | {"vocab"}),
         ("hidden_states/hf.py", PER_DRAFT | {"hidden_states", "hidden_states_index"}),
         ("train/loop.py", PER_DRAFT),
-        ("benchmark/run.py", BENCHMARKS),
+        ("benchmark/baseline.py", BENCHMARKS),
+        # The drafts' benchmark only: the verifier alone runs no draft code.
+        ("benchmark/run.py", BENCHMARKS - {"baseline"}),
         ("benchmark/parity.py", {"parity", "report", "compare"}),
         ("report/compare.py", {"compare"}),
     ],
