@@ -22,6 +22,9 @@ SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 START_CLUSTER = REPO / "tests/slurm/start_cluster.sh"
 
 
+START_CLUSTER_STDERR = Path("/run/eagleflow-slurm-start.stderr")
+
+
 def run_start_cluster() -> subprocess.CompletedProcess:
     """tests/slurm/start_cluster.sh, one call at a time across test workers (`make test` runs
     two). The lock is taken here, not in the script: the daemons it starts would inherit the
@@ -30,7 +33,10 @@ def run_start_cluster() -> subprocess.CompletedProcess:
 
     with open("/run/eagleflow-slurm-start.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        return subprocess.run([str(START_CLUSTER)], capture_output=True, text=True, timeout=900)
+        proc = subprocess.run([str(START_CLUSTER)], capture_output=True, text=True, timeout=900)
+    # What the script said, for a test that finds the cluster other than it expects.
+    START_CLUSTER_STDERR.write_text(proc.stderr)
+    return proc
 
 
 def stored_replies(store: Path) -> int:

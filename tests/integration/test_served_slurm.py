@@ -16,7 +16,7 @@ import uuid
 import pytest
 import yaml
 
-from tests.helpers import SNAKEMAKE, vllm_processes
+from tests.helpers import SNAKEMAKE, START_CLUSTER_STDERR, vllm_processes
 from tests.slurm_cluster import SMALL, copy_for_cluster, job_processes
 
 RUN = "results/small"
@@ -35,7 +35,8 @@ def two_node_partition(partition: str) -> str:
     sizes = {p.rstrip("*"): int(n) for p, n in (line.split() for line in out.stdout.splitlines())}
     two = f"{partition}-two"
     if sizes.get(two, 0) < 2:
-        pytest.skip(f"the test cluster has no two-node partition {two} (no network namespaces here?): {sizes}")
+        said = START_CLUSTER_STDERR.read_text()[-1500:] if START_CLUSTER_STDERR.exists() else ""
+        pytest.skip(f"the test cluster has no two-node partition {two}: {sizes}; start_cluster.sh said:\n{said}")
     return two
 
 
