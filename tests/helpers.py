@@ -270,9 +270,9 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def write_dataset(tmp_path: Path, n: int = 7) -> list[dict]:
-    """A dataset stage's output of `n` short samples (5 train, the rest eval) under `tmp_path`,
-    for the hidden-state phase's tests; the rows."""
+def write_dataset(tmp_path: Path, n: int = 7, n_train: int = 5) -> list[dict]:
+    """A dataset stage's output of `n` short samples (`n_train` train, the rest eval) under
+    `tmp_path`, for the hidden-state phase's tests; the rows."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -286,8 +286,8 @@ def write_dataset(tmp_path: Path, n: int = 7) -> list[dict]:
         }
         for i in range(n)
     ]
-    pq.write_table(pa.Table.from_pylist(rows[:5]), tmp_path / "train.parquet")
-    pq.write_table(pa.Table.from_pylist(rows[5:]), tmp_path / "eval.parquet")
+    pq.write_table(pa.Table.from_pylist(rows[:n_train]), tmp_path / "train.parquet")
+    pq.write_table(pa.Table.from_pylist(rows[n_train:]), tmp_path / "eval.parquet")
     return rows
 
 

@@ -6,8 +6,6 @@ import json
 import os
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 from safetensors import safe_open
 
@@ -18,31 +16,13 @@ from eagleflow.hidden_states.run import content_name, run_part
 from eagleflow.hidden_states.shard_reader import read_indexed
 from eagleflow.hidden_states.storage import shard_bytes
 from eagleflow.runtime.ledger import read_loads
-
-SETTINGS = {"backend": "hf", "batch_tokens": 32, "dtype": "bfloat16", "device": "cpu", "compute_dtype": "auto"}
-
-
-def write_dataset(tmp_path, n=20):
-    rows = [
-        {
-            "id": f"s{i}",
-            "input_ids": list(range(1, 4 + i)),
-            "loss_mask": [0] * 2 + [1] * (1 + i),
-            "length": 3 + i,
-            "num_loss_tokens": 1 + i,
-        }
-        for i in range(n)
-    ]
-    pq.write_table(pa.Table.from_pylist(rows[:16]), tmp_path / "train.parquet")
-    pq.write_table(pa.Table.from_pylist(rows[16:]), tmp_path / "eval.parquet")
-    return rows
-
+from tests.helpers import HF_SETTINGS, write_dataset
 
 NUM_PARTS = 2
 
 
 def test_each_part_loads_its_own_server_and_stores_unpadded_the_in_process_forward(tiny_llama_dir, tmp_path):
-    rows = write_dataset(tmp_path)
+    rows = write_dataset(tmp_path, 20, n_train=16)
     parts = [str(tmp_path / f"part-{k:05d}.json") for k in range(NUM_PARTS)]
     manifests = [
         run_part(
@@ -51,7 +31,7 @@ def test_each_part_loads_its_own_server_and_stores_unpadded_the_in_process_forwa
             str(tiny_llama_dir),
             k,
             out,
-            settings=hidden_states_config(**SETTINGS, num_parts=NUM_PARTS),
+            settings=hidden_states_config(**HF_SETTINGS, num_parts=NUM_PARTS),
             server=None,
             threads=1,
             gpus=0,
