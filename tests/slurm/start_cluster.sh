@@ -88,7 +88,19 @@ second_node_network() {
         ip link set eagleflow-n2 up &&
         { ip route show default | grep -q . || ip route add default via $HOST_ADDR; }" || return 1
 }
-if second_node_network; then
+# Idempotent, so tried again: a step can fail while the veth's carrier comes up (a default
+# route via a gateway not yet reachable), and CI's first start on a fresh machine once came up
+# one node where a second start on the same machine came up two.
+two_nodes_made=0
+for attempt in 1 2 3 4 5; do
+    if second_node_network; then
+        two_nodes_made=1
+        break
+    fi
+    echo "start_cluster: the second node's network, attempt $attempt failed" >&2
+    sleep 1
+done
+if [ "$two_nodes_made" = 1 ]; then
     TWO_NODES=1
     # Its hostname resolves (torchrun's rendezvous looks its own host up), as a cluster's do.
     grep -qE "^$NODE2_ADDR[[:space:]]+$NODE2\$" /etc/hosts 2>/dev/null \
