@@ -91,21 +91,24 @@ def k_variants(config: dict[str, Any]) -> list[str]:
     return [v for v, o in variants.items() if v != first and set(o) == {"benchmark"}]
 
 
+def variant_method(config: dict[str, Any], variant: str):
+    """The DraftMethod of a variant's draft (train/methods/)."""
+    from eagleflow.train.methods import draft_method
+
+    return draft_method(variant_config(config, variant)["train"]["method"])
+
+
 def draft_serving(config: dict[str, Any], variant: str) -> dict[str, Any]:
     """How vLLM serves a variant's draft (the benchmark's speculative config): its method's name
     and Serving (train/methods/). Data, not code the benchmark imports: a method's serving
     edited reruns its variants' benchmarks, and nothing of the draft's code does."""
-    from eagleflow.train.methods import draft_method
-
-    return draft_method(variant_config(config, variant)["train"]["method"]).served()
+    return variant_method(config, variant).served()
 
 
 def acceptance_estimate(config: dict[str, Any], variant: str) -> str:
     """How training estimates the acceptance length of a variant's draft (its method's
     `estimate`), in the words the report prints."""
-    from eagleflow.train.methods import draft_method
-
-    return draft_method(variant_config(config, variant)["train"]["method"]).estimate
+    return variant_method(config, variant).estimate
 
 
 def gpus(config: dict[str, Any], stage: str) -> int:
@@ -160,11 +163,16 @@ def verifier_source(config: dict[str, Any]) -> dict[str, Any]:
     return {key: config["verifier"][key] for key in ("source", "path")}
 
 
-def generate_requests(config: dict[str, Any]) -> dict[str, Any]:
-    """What generate asks the verifier: the settings that change a request."""
+def generate_section(config: dict[str, Any]):
+    """The `generate` section, typed (runtime.generate_config.GenerateConfig)."""
     from eagleflow.runtime.generate_config import GenerateConfig
 
-    generate = typed(GenerateConfig, config["generate"], "generate")
+    return typed(GenerateConfig, config["generate"], "generate")
+
+
+def generate_requests(config: dict[str, Any]) -> dict[str, Any]:
+    """What generate asks the verifier: the settings that change a request."""
+    generate = generate_section(config)
     return sorted_keys(
         {
             "model": config["server"]["served_model_name"],
@@ -197,9 +205,7 @@ def overlap_sets(config: dict[str, Any]) -> list[dict[str, Any]]:
 
 def generate_shards(config: dict[str, Any]) -> list[str]:
     """The generate jobs' names (runtime/store.py, generate/run.py: Shard): `<i>-of-<n>`."""
-    from eagleflow.runtime.generate_config import GenerateConfig
-
-    n = typed(GenerateConfig, config["generate"], "generate").shards
+    n = generate_section(config).shards
     return [f"{i}-of-{n}" for i in range(n)]
 
 
