@@ -165,8 +165,11 @@ def test_geometry_comes_from_config_json_including_text_config(tmp_path):
         verifier_geometry(str(tmp_path))
 
 
-def run_hf_part(tmp_path, verifier, part: int, out: str, num_parts: int, force: bool = False, **settings) -> dict:
-    """Part `part` of `num_parts` of write_dataset's data, by the hf backend on CPU."""
+def run_hf_part(
+    tmp_path, verifier, part: int, out: str, num_parts: int, force: bool = False, store_location=None, **settings
+) -> dict:
+    """Part `part` of `num_parts` of write_dataset's data, by the hf backend on CPU, stored
+    beside `out` or in the bucket `store_location`."""
     return run_part(
         str(tmp_path / "train.parquet"),
         str(tmp_path / "eval.parquet"),
@@ -180,6 +183,7 @@ def run_hf_part(tmp_path, verifier, part: int, out: str, num_parts: int, force: 
         trust_remote_code=False,
         log_path=str(tmp_path / f"logs/hidden_states.part-{part:05d}.log"),
         force=force,
+        store_location=store_location,
     )
 
 

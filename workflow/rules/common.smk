@@ -10,6 +10,7 @@ import eagleflow
 
 from eagleflow.common.config import validate_config
 from eagleflow.common.fingerprint import code_fingerprint
+from eagleflow.dag.code_keys import code_key
 from eagleflow.dag import rule_params
 from eagleflow.dag.rule_params import check_renamed_keys, sorted_keys
 from eagleflow.runtime.server_args import result_args
@@ -87,12 +88,15 @@ def benchmarks(name):
 
 def code(script):
     """Fingerprint of the code that runs in a job: its `script:` (workflow/eagleflow/entry/<script>.py)
-    and every eagleflow module it imports, transitively.
+    and every eagleflow module it imports, transitively (or the fingerprint an edit of it is
+    declared byte-equivalent to: dag/code_keys.py).
 
     Passed as a param: Snakemake only tracks the `script:` file itself, so without this an
     edit to the stage module would not restale the rule. Comments and docstrings do not count.
     """
-    fingerprint = code_fingerprint(f"eagleflow.entry.{script}", SCRIPTS_DIR)
+    fingerprint = code_key(
+        script, code_fingerprint(f"eagleflow.entry.{script}", SCRIPTS_DIR)
+    )
     # Worded so that `snakemake -n` says what changed: "Params have changed ... before:
     # 'code <old> of entry/x.py and its imports' now: 'code <new> ...'".
     return f"code {fingerprint} of entry/{script}.py and its imports"

@@ -14,7 +14,7 @@ from eagleflow.common.atomic import write_json
 from eagleflow.hidden_states.layers import CONVENTION, vllm_layer_ids
 from eagleflow.hidden_states.shard_file import read_shard_header, shard_content_digest, shard_samples
 from eagleflow.runtime.smk import stage
-from eagleflow.runtime.state_store import STORE_DIR, relative_path
+from eagleflow.runtime.state_store import STORE_DIR, BucketSampleStore, relative_path
 
 
 def main(smk) -> None:
@@ -69,22 +69,38 @@ def write_index_of_parts(parts: list[str], verifier_dir: str, out: str, stats_ou
     with_samples = [m for m in manifests if m["samples"]]
     if not with_samples:
         raise ValueError(f"{', '.join(parts)}: no samples to index (is the dataset empty?)")
+    stores = {m.get("store") for m in manifests}
+    if len(stores) > 1:
+        raise ValueError(
+            f"{', '.join(parts)}: the parts' samples lie in different stores ({sorted(map(str, stores))}): "
+            "rerun the parts whose store is not storage.states's (snakemake --forcerun hidden_states)"
+        )
+    (store,) = stores
     for m in with_samples:
         # The store keeps the dtype as safetensors names it (read_shard_header's), as shards did.
-        m["dtype"] = read_shard_header(str(Path(out).parent / STORE_DIR / relative_path(m["samples"][0]["key"])))[
-            "dtype"
-        ]
+        key = m["samples"][0]["key"]
+        if store:
+            bucket = BucketSampleStore(store)
+            try:
+                m["dtype"] = read_shard_header(str(bucket.header_file(key)))["dtype"]
+            finally:
+                bucket.close()
+        else:
+            m["dtype"] = read_shard_header(str(Path(out).parent / STORE_DIR / relative_path(key)))["dtype"]
     check_layout(with_samples, "part")
     entries = [
         {
             **{k: s[k] for k in ("id", "split", "num_tokens", "key", "digest")},
-            "file": f"{STORE_DIR}/{relative_path(s['key'])}",
+            # Relative to the index, or the sample's URL in a bucket.
+            "file": f"{store}/{relative_path(s['key'])}" if store else f"{STORE_DIR}/{relative_path(s['key'])}",
             "row": 0,
         }
         for m in manifests
         for s in m["samples"]
     ]
     doc = index_document(verifier_dir, with_samples[0], [m["backend"] for m in with_samples], entries)
+    if store:
+        doc["store"] = store
     write_json(out, doc)
     if stats_out:
         total = {k: sum(m["stats"][k] for m in manifests) for k in manifests[0]["stats"] if k != "wall_s"}

@@ -4,6 +4,7 @@ sample; then the part's manifest, which names every sample of the part by its ke
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -31,7 +32,7 @@ from eagleflow.runtime.cache_plan import clear_mark, recompute_reason, recompute
 from eagleflow.runtime.server_args import result_args
 from eagleflow.runtime.smk import stage
 from eagleflow.runtime.spec import ServerConfig, ServerSpec
-from eagleflow.runtime.state_store import STORE_DIR, SampleStore
+from eagleflow.runtime.state_store import STORE_DIR, BucketSampleStore, SampleStore, sample_store, states_location
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,8 @@ def main(smk) -> None:
             trust_remote_code=smk.params.trust_remote_code,
             log_path=smk.log[0],
             code=smk.params.code,
+            # Run-only (not a param): where the samples lie, beside the manifest or in a bucket.
+            store_location=states_location(smk.config),
             # -R (or EAGLEFLOW_OUTPUT_CACHE=off): extract the part's samples again, stored or not.
             force=recomputes_all(recompute_reason([smk.output[0]])),
         )
@@ -120,10 +123,12 @@ def run_part(
     log_path: str,
     code: str = "",
     force: bool = False,
+    store_location: str | None = None,
 ) -> dict[str, Any]:
     """Extract the samples of part `part` of `settings.num_shards` (the config's
     hidden_states.num_parts) that the store lacks (all of them with `force`) and write the
-    part's manifest to `out`. Returns the manifest."""
+    part's manifest to `out`. The store lies beside `out`, or in the bucket `store_location`
+    (runtime.state_store). Returns the manifest."""
     num_parts = settings.num_shards
     samples = samples_for_part(train, eval_, part, num_parts)
     geometry = verifier_geometry(verifier_dir)
@@ -134,7 +139,32 @@ def run_part(
         content_settings(settings, server_args, layer_ids, trust_remote_code, code, stack),
         verifier_fingerprint(verifier_dir),
     )
-    store = SampleStore(Path(out).parent / STORE_DIR)
+    store = sample_store(Path(out).parent / STORE_DIR, store_location)
+    with contextlib.closing(store):
+        return fill_part(
+            store,
+            samples,
+            made_by,
+            out,
+            part,
+            force,
+            (verifier_dir, layer_ids, geometry, settings, server, trust_remote_code, log_path, threads, gpus),
+        )
+
+
+def fill_part(
+    store: SampleStore | BucketSampleStore,
+    samples: list[dict[str, Any]],
+    made_by: str,
+    out: str,
+    part: int,
+    force: bool,
+    extraction: tuple,
+) -> dict[str, Any]:
+    """run_part's work once its store is open: extract what the store lacks (`extraction`:
+    extract_into's arguments after the samples), write the manifest."""
+    _, layer_ids, geometry, settings, *_ = extraction
+    num_parts = settings.num_shards
     for s in samples:
         s["key"] = sample_key(made_by, s["input_ids"], s["loss_mask"])
     # One extraction per key: the same tokens under two ids are one sample of the store.
@@ -158,20 +188,8 @@ def run_part(
     pending = Path(out).with_suffix(".pending.json")
     if todo:
         write_json(pending, {"samples": [{"key": s["key"]} for s in todo]})
-        extract_s = extract_into(
-            store,
-            todo,
-            verifier_dir,
-            layer_ids,
-            geometry,
-            settings,
-            server,
-            trust_remote_code,
-            log_path,
-            threads,
-            gpus,
-            force,
-        )
+        extract_s = extract_into(store, todo, *extraction, force)
+    digests = store.digests([s["key"] for s in samples], shard_content_digest)
     manifest = {
         "part": part,
         "num_parts": num_parts,
@@ -182,13 +200,15 @@ def run_part(
         "dtype": settings.dtype,
         "target_topk": settings.target_topk,
         "backend": settings.backend,
+        # A bucket's store is named; the default lies beside the manifest.
+        **({"store": store.location} if store.location else {}),
         "samples": [
             {
                 "id": s["id"],
                 "split": s["split"],
                 "key": s["key"],
                 "num_tokens": len(s["input_ids"]),
-                "digest": shard_content_digest(store.path(s["key"])),
+                "digest": digests[s["key"]],
             }
             for s in samples
         ],
@@ -204,6 +224,7 @@ def run_part(
             # From the server's first answer to the last sample stored: the extraction's rate
             # (plan.hours), without the start a planned load already counts.
             "extract_s": round(extract_s, 3),
+            **({"uploaded_samples": store.uploaded, "uploaded_bytes": store.uploaded_bytes} if store.location else {}),
         },
     }
     write_json(out, manifest)
@@ -213,7 +234,7 @@ def run_part(
 
 
 def extract_into(
-    store: SampleStore,
+    store: SampleStore | BucketSampleStore,
     todo: list[dict[str, Any]],
     verifier_dir: str,
     layer_ids: list[int],
@@ -231,10 +252,12 @@ def extract_into(
     readiness to the last sample stored."""
     topk = settings.target_topk
     total = sum(len(s["input_ids"]) for s in todo)
+    # A bucket's samples leave the local disk as each is uploaded: one chunk at most is staged.
+    staged = todo if store.keeps_locally else max(chunks(todo, settings.store_every_tokens), key=len)
     check_disk_space(
         store.root,
-        total,
-        len(todo),
+        sum(len(s["input_ids"]) for s in staged),
+        len(staged),
         num_stored_states(len(layer_ids), topk),
         geometry.hidden_size,
         settings.dtype,
@@ -267,6 +290,6 @@ def extract_into(
                 write_shard(
                     store.path(s["key"]), [{**s, "id": name, "split": "train"}], [st], meta, settings.dtype, targets
                 )
-                store.seal(s["key"])
+                store.seal(s["key"], shard_content_digest(store.path(s["key"])))
             bar.update(sum(len(s["input_ids"]) for s in chunk))
         return time.monotonic() - ready

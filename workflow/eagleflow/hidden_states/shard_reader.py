@@ -114,7 +114,12 @@ def indexed_entries(doc_path: str | os.PathLike) -> tuple[dict, list[tuple[str, 
     base = Path(doc_path).parent
     return doc, [
         (
-            str(base / s["file"]) if "file" in s else str(base / STORE_DIR / relative_path(s["key"])),
+            # A sample in a bucket is named by its URL (runtime.object_store).
+            s["file"]
+            if s.get("file", "").startswith("s3://")
+            else str(base / s["file"])
+            if "file" in s
+            else str(base / STORE_DIR / relative_path(s["key"])),
             int(s.get("row", 0)),
             s,
         )

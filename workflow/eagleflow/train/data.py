@@ -25,13 +25,15 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
 from eagleflow.common.fingerprint import stable_fraction
+from eagleflow.hidden_states.shard_file import shard_content_digest
 from eagleflow.hidden_states.shard_reader import ShardReader, indexed_entries
 from eagleflow.hidden_states.targets import draft_index
+from eagleflow.runtime.object_store import FetchCache
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -97,6 +99,12 @@ class Located:
 OPEN_FILES = 64
 
 
+def bucket_fetch(store: str, storage: dict[str, Any]) -> FetchCache:
+    """The local cache a training process reads a bucket's samples through, each checked
+    against the digest its index recorded (the tensors' own, recomputed)."""
+    return FetchCache.for_bucket(store, storage, lambda path: shard_content_digest(path, verify=True))
+
+
 class ShardSamples:
     """The hidden states of a training run, open for reading: refs (what training packs) and,
     per batch, the shifted samples they stand for, states in `dtype`. From an index
@@ -137,18 +145,27 @@ class ShardSamples:
         t2d: torch.Tensor | None = None,
         dtype: torch.dtype = torch.float32,
         align: Callable[..., Sample] | None = None,
+        storage: dict[str, Any] | None = None,
     ) -> ShardSamples:
-        """The samples index.json names (hidden_states.index.index_document)."""
+        """The samples index.json names (hidden_states.index.index_document). Where they lie in
+        a bucket, each batch's files are fetched, checked against the index's digests, into a
+        local cache bounded by `storage` (the config's section: cache_gb, fetch_threads)."""
         doc, entries = indexed_entries(index)
         files: dict[str, int] = {}
+        digests: list[str] = []
         located = []
         for file, row, s in entries:
             k = files.setdefault(file, len(files))
+            if k == len(digests):
+                digests.append(s.get("digest", ""))
             located.append(Located(k, row, s["id"], int(s["num_tokens"]), s["split"] == "eval"))
         if not located:
             raise ValueError(f"{index}: no samples to train on")
         self = cls.__new__(cls)
         self._setup(list(files), located, list(doc["aux_layer_ids"]), bool(doc["target_topk"]), t2d, dtype, align)
+        if doc.get("store"):
+            self.fetch = bucket_fetch(doc["store"], storage or {})
+            self.digests = digests
         return self
 
     def _setup(self, files, located, aux_layer_ids, compact, t2d, dtype, align) -> None:
@@ -163,6 +180,17 @@ class ShardSamples:
         self.to_draft = draft_index(t2d) if t2d is not None and compact else None
         self._open: OrderedDict[int, ShardReader] = OrderedDict()
         self._lock = threading.Lock()  # read_ahead reads in a thread beside the caller
+        self.fetch: FetchCache | None = None  # a bucket's samples: their local copies
+        self.digests: list[str] = []
+
+    def local_file(self, k: int) -> str:
+        """File `k` on this host: itself, or (in a bucket) its checked local copy."""
+        if self.fetch is None:
+            return self.files[k]
+        return str(self.fetch.get(self.relative(k), self.digests[k]))
+
+    def relative(self, k: int) -> str:
+        return self.files[k][len(self.fetch.bucket.url) + 1 :]
 
     def reader(self, k: int) -> ShardReader:
         """File `k`, opened now or kept open from a recent read."""
@@ -170,7 +198,7 @@ class ShardSamples:
             if k in self._open:
                 self._open.move_to_end(k)
                 return self._open[k]
-            r = ShardReader(self.files[k])
+            r = ShardReader(self.local_file(k))
             if r.meta.aux_layer_ids != self.aux_layer_ids:
                 raise ValueError(
                     f"{r.path}: aux_layer_ids {r.meta.aux_layer_ids} differ from the index's ({self.aux_layer_ids})"
@@ -192,6 +220,8 @@ class ShardSamples:
 
     def samples(self, refs: list[ShardRef]) -> list[Sample]:
         """The samples `refs` stand for, read from their files now, in the method's alignment."""
+        if self.fetch is not None:  # the batch's files, downloaded side by side
+            self.fetch.prefetch([(self.relative(r.shard), self.digests[r.shard]) for r in refs])
         out = []
         for ref in refs:
             s = self.reader(ref.shard).sample(ref.index, self.dtype)

@@ -53,6 +53,8 @@ def main(smk) -> None:
                 "server": smk.config["server"],
             },
             "log_path": smk.log[0],
+            # Run-only: where a bucket's states are cached while training reads them.
+            "storage": smk.config.get("storage"),
             "vocab_map": smk.input.vocab_map,
             "verifier_dir": smk.input.verifier,
             "draft_out": smk.output.draft,

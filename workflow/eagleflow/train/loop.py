@@ -128,7 +128,7 @@ class Trainer:
             source = ServedStates(job.verifier_dir, job.served, job.log_path or "train.log", method.align)
             evals = source.samples(eval_tokens)
         elif job.online is None:
-            source = ShardSamples.from_index(job.index, t2d=vocab["t2d"], align=method.align)
+            source = ShardSamples.from_index(job.index, t2d=vocab["t2d"], align=method.align, storage=job.storage)
             train, evals = source.refs(cfg.sample_fraction)
         else:
             train, eval_tokens = load_token_samples(*job.dataset, train_fraction=cfg.sample_fraction)

@@ -103,12 +103,16 @@ def stored_samples(tokens: Tokens, states_dir: Path, dataset: list[Path]) -> Tok
     import pyarrow.parquet as pq
 
     from eagleflow.hidden_states.sample_keys import sample_key
-    from eagleflow.runtime.state_store import PART_GLOB, STORE_DIR, SampleStore
+    from eagleflow.runtime.state_store import PART_GLOB, STORE_DIR, BucketSampleStore, SampleStore
 
-    made_by = {json.loads(p.read_text()).get("settings_key") for p in sorted(states_dir.glob(PART_GLOB))}
-    if len(made_by) != 1 or None in made_by:
+    manifests = [json.loads(p.read_text()) for p in sorted(states_dir.glob(PART_GLOB))]
+    made_by = {m.get("settings_key") for m in manifests}
+    stores = {m.get("store") for m in manifests}
+    if len(made_by) != 1 or None in made_by or len(stores) != 1:
         return tokens  # nothing extracted yet, or parts of different settings: count every sample
-    key, store = made_by.pop(), SampleStore(states_dir / STORE_DIR)
+    (location,) = stores
+    # A bucket's store is listed once (the credentials of the environment, as the jobs have them).
+    key, store = made_by.pop(), BucketSampleStore(location) if location else SampleStore(states_dir / STORE_DIR)
     n = t = 0
     for path in dataset:
         table = pq.read_table(path, columns=["input_ids", "loss_mask"])
