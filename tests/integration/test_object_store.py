@@ -1,7 +1,8 @@
-"""The per-sample hidden-state store in a bucket (`storage.states`), against a real S3 server:
-SeaweedFS's `weed mini` on loopback (devkit/seaweedfs.py). Extraction by the hf backend on a
-tiny Llama, training's reads through the bounded local cache, prune, credentials, and a server
-killed in the middle of an upload."""
+"""The stores in a bucket, against a real S3 server: SeaweedFS's `weed mini` on loopback
+(devkit/seaweedfs.py). The per-sample hidden-state store (`storage.states`: extraction by the
+hf backend on a tiny Llama, training's reads through the bounded local cache, prune), the
+response store (`storage.responses`), credentials, and a server killed in the middle of an
+upload."""
 
 import json
 import threading
@@ -17,6 +18,7 @@ from eagleflow.hidden_states.index import write_index_of_parts
 from eagleflow.runtime import object_store
 from eagleflow.runtime.object_store import Bucket, ObjectStoreError, check_access
 from eagleflow.runtime.state_store import prune_unreferenced
+from eagleflow.runtime.store import BUCKET_ENV, ResponseStore
 from eagleflow.train.data import ShardSamples
 from tests.helpers import write_dataset
 from tests.unit.test_hidden_states import run_hf_part
@@ -176,3 +178,30 @@ def test_a_server_killed_mid_upload_leaves_no_object_and_a_rerun_uploads_it(monk
     finally:
         server.stop()
         object_store.client.cache_clear()
+
+
+def test_replies_reach_the_bucket_as_they_are_stored_and_a_job_elsewhere_asks_none_again(s3_env, monkeypatch, tmp_path):
+    monkeypatch.setenv(BUCKET_ENV, f"s3://replies/{tmp_path.name}")
+    request = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    with ResponseStore(tmp_path / "node-a/store.sqlite") as a:
+        for i in range(5):
+            a.put(f"k{i:02d}", request, {"text": f"reply {i}"})
+        # Killed between its commit and its upload: the reply is in this copy alone.
+        a._insert("k99", *a._row("k00")[1:])
+    # Another node's job, with no copy of its own: every published reply, no request.
+    with ResponseStore(tmp_path / "node-b/store.sqlite") as b:
+        assert b.fetched == 5 and b.get("k03") == {"text": "reply 3"} and b.get("k99") is None
+    # The killed job's rerun on its own node publishes what it had not.
+    with ResponseStore(tmp_path / "node-a/store.sqlite") as a:
+        assert (a.fetched, a.published) == (0, 1)
+    with ResponseStore(tmp_path / "node-c/store.sqlite") as c:
+        assert c.fetched == 6 and c.get("k99") == {"text": "reply 0"}
+        # Prune drops what no request uses, in the bucket too.
+        assert c.prune({"k00", "k01"}) == 4
+    with ResponseStore(tmp_path / "node-d/store.sqlite") as d:
+        assert sorted(d.keys()) == ["k00", "k01"]
+    # A reply changed behind the workflow's back is refused, never answered from.
+    key = f"{tmp_path.name}/replies/k0/k01"
+    object_store.client().put_object(Bucket="replies", Key=key, Body=b"\0" * 16, Metadata={"digest": "x"})
+    with pytest.raises(ObjectStoreError, match="does not match the digest"):
+        ResponseStore(tmp_path / "node-e/store.sqlite")

@@ -19,6 +19,7 @@ from eagleflow.runtime.process import first_on_pythonpath
 from eagleflow.runtime.spec import ServerConfig, ServerSpec
 from eagleflow.dag.plan.loads import RunInfoLine, describe_planned
 from eagleflow.dag.plan.needs import planned_disk_line
+from eagleflow.dag.object_storage import setup_object_storage
 from eagleflow.dag.variants import (
     check_drafts_servable,
     draft_id,
@@ -33,6 +34,16 @@ from eagleflow.dag.variants import (
 check_renamed_keys(config)
 validate_config(config)
 validate_variants(config)
+# Under `--default-storage-provider s3` the hidden-state store follows the outputs into the
+# bucket, the credentials are checked before any job, and the output cache is off
+# (dag/object_storage.py).
+STORAGE_LINE = setup_object_storage(
+    config,
+    workflow.storage_settings.default_storage_provider,
+    workflow.storage_settings.default_storage_prefix,
+)
+if STORAGE_LINE:
+    print(STORAGE_LINE, file=sys.stderr)
 # `snakemake -n` (and every run) says how many times the jobs it plans load the verifier,
 # what the hidden states will take on disk (`python -m eagleflow.plan`: all of it),
 # and which planned jobs the output cache may restore; a run marks the jobs that must
@@ -252,7 +263,8 @@ def prompt_sources(wildcards):
     """The prompts rule's inputs: the prompt file and the verifier's written conversations,
     whichever the config asks for."""
     prompts = config["prompts"]
-    sources = {"source": prompts["source"]} if prompts["source"] else {}
+    # The prompt file is the user's, beside the config: never a storage object (local()).
+    sources = {"source": local(prompts["source"])} if prompts["source"] else {}
     if prompts["written"]["count"]:
         sources["written"] = results("prompts/written.jsonl")
     return sources

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from eagleflow.runtime.gpus import assign_job_gpus
 from eagleflow.runtime.logs import configure_logging
 from eagleflow.runtime.process import terminate_on_sigterm
+from eagleflow.runtime.store import BUCKET_ENV
 
 
 @contextlib.contextmanager
@@ -28,6 +29,10 @@ def stage(snakemake, claim_gpus: bool = True) -> Iterator[logging.Logger]:
     configure_logging(sys.stderr)
     terminate_on_sigterm()
     log = logging.getLogger(f"eagleflow.{snakemake.rule}")
+    # The response store in a bucket (storage.responses), for every store this job opens.
+    responses = ((getattr(snakemake, "config", None) or {}).get("storage") or {}).get("responses")
+    if responses:
+        os.environ[BUCKET_ENV] = responses
     allowed = len(os.sched_getaffinity(0))
     if snakemake.threads > allowed:
         log.info("threads: %d given, %d CPUs this job may run on; using %d", snakemake.threads, allowed, allowed)

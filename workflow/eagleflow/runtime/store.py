@@ -31,6 +31,15 @@ hold other conversations, and their shards may be writing them.
 
 Entries are never dropped by a run: a key no current request uses (an old prompt, an older
 sampling setting) stays until `python -m eagleflow.generate prune` removes it.
+
+Without a shared filesystem (`storage.responses: s3://bucket/prefix`, set for the job by
+runtime.smk.stage as EAGLEFLOW_RESPONSE_BUCKET) the SQLite file is the job's local copy and the
+bucket holds the store: one object per reply under `<prefix>/replies/<key[:2]>/<key>`, published
+by `put` before it returns, so a job killed on any node loses no reply and its rerun, wherever it
+runs, sends no request twice. Opening the store fetches the replies the local copy lacks and
+publishes the ones the bucket lacks (a job killed between its commit and its upload). No SQLite
+file is ever opened over S3, and there is nothing to merge: the replies of every job are the
+bucket's objects.
 """
 
 from __future__ import annotations
@@ -55,6 +64,9 @@ CREATE TABLE IF NOT EXISTS replies (
     created REAL NOT NULL
 )
 """
+
+
+BUCKET_ENV = "EAGLEFLOW_RESPONSE_BUCKET"  # s3://bucket/prefix: the store in a bucket (storage.responses)
 
 
 class StoreError(RuntimeError):
@@ -226,6 +238,7 @@ class ResponseStore:
         busy_timeout_s: float = 60.0,
         older: Iterable[str | os.PathLike] = (),
         wait_s: float = 0.0,
+        mirrored: bool = True,
     ):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -234,6 +247,8 @@ class ResponseStore:
         self._older_paths = [Path(p) for p in older if Path(p) != self.path]
         self._older: list[ResponseStore] | None = None
         self.adopted = 0  # replies copied in from older stores
+        self._mirror = None
+        self.fetched = self.published = 0  # replies the bucket's store gave and took at opening
         self._owner = Owner(self.path) if self.locking == "exclusive" else None
         if self._owner is not None:
             self._owner.acquire(wait_s)
@@ -259,6 +274,16 @@ class ResponseStore:
                 f"response store {self.path} cannot be opened ({exc}). Move it aside to start an empty one "
                 f"(every reply it held will be requested again), or point generate.store at another file."
             ) from exc
+        bucket = os.environ.get(BUCKET_ENV)
+        if bucket and mirrored:
+            from eagleflow.runtime.reply_bucket import ReplyBucket
+
+            try:
+                self._mirror = ReplyBucket(bucket)
+                self.fetched, self.published = self._mirror.sync(self)
+            except BaseException:
+                self.close()
+                raise
 
     def __enter__(self) -> ResponseStore:
         return self
@@ -297,7 +322,9 @@ class ResponseStore:
                     if path.is_file():
                         # Exclusive: wait while another shard reads it (they all may, at their start).
                         wait = self.busy_timeout_s * 10
-                        self._older.append(ResponseStore(path, self.locking, self.busy_timeout_s, wait_s=wait))
+                        self._older.append(
+                            ResponseStore(path, self.locking, self.busy_timeout_s, wait_s=wait, mirrored=False)
+                        )
             except BaseException:
                 self.close_older()
                 raise
@@ -310,8 +337,24 @@ class ResponseStore:
         self._older, self._older_paths = [], []
 
     def put(self, key: str, request: dict[str, Any], response: dict[str, Any]) -> None:
-        """Store one reply durably (committed and synced when this returns)."""
-        self._insert(key, _pack(request), _pack(response), time.time())
+        """Store one reply durably (committed and synced when this returns; in the bucket too,
+        where the store is one)."""
+        request_blob, response_blob, created = _pack(request), _pack(response), time.time()
+        self._insert(key, request_blob, response_blob, created)
+        if self._mirror is not None:
+            self._mirror.publish(key, request_blob, response_blob, created)
+
+    def _insert_many(self, rows: Iterable[tuple[str, bytes, bytes, float]]) -> None:
+        """Rows in one transaction (one sync, not one per row)."""
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            self._db.executemany(
+                "INSERT OR REPLACE INTO replies (key, request, response, created) VALUES (?, ?, ?, ?)", rows
+            )
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
 
     def _insert(self, key: str, request: bytes, response: bytes, created: float) -> None:
         self._db.execute(
@@ -322,6 +365,12 @@ class ResponseStore:
     def keys(self) -> set[str]:
         return {row[0] for row in self._db.execute("SELECT key FROM replies")}
 
+    def _row(self, key: str) -> tuple[str, bytes, bytes, float]:
+        request, response, created = self._db.execute(
+            "SELECT request, response, created FROM replies WHERE key = ?", (key,)
+        ).fetchone()
+        return key, request, response, created
+
     def prune(self, keep: Iterable[str]) -> int:
         """Delete every entry whose key is not in `keep`; return how many were deleted."""
         keep = set(keep)
@@ -331,4 +380,6 @@ class ResponseStore:
         self._db.execute("COMMIT")
         if stale:
             self._db.execute("VACUUM")
+        if self._mirror is not None:
+            self._mirror.delete(stale)
         return len(stale)
