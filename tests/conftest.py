@@ -29,6 +29,7 @@ COPYING_MODULES = frozenset(
         "test_served_states.py",
         "test_served_slurm.py",
         "test_bench_smoke.py",
+        "test_object_storage_run.py",
     }
 )
 # The one-node test cluster runs one of their runs at a time (both ask for its CPUs): on two

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -245,6 +246,7 @@ class FetchCache:
         self._pinned: set[str] = set()
         self.fetched = self.fetched_bytes = 0
         self.wait_s = 0.0
+        self.owns_root = False  # a directory of its own, removed on close
 
     @classmethod
     def for_bucket(cls, url: str, storage: dict, digest_of: Callable[[Path], str]) -> FetchCache:
@@ -254,7 +256,9 @@ class FetchCache:
         check_access(url, create=False)
         root = storage.get("cache_dir") or tempfile.mkdtemp(prefix="eagleflow-states-")
         cache_gb = float(storage.get("cache_gb", DEFAULT_CACHE_GB))
-        return cls(Bucket(url), Path(root), int(cache_gb * 1e9), int(storage.get("fetch_threads", 16)), digest_of)
+        cache = cls(Bucket(url), Path(root), int(cache_gb * 1e9), int(storage.get("fetch_threads", 16)), digest_of)
+        cache.owns_root = not storage.get("cache_dir")
+        return cache
 
     def local(self, relative: str) -> Path:
         return self.root / relative
@@ -311,3 +315,5 @@ class FetchCache:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        if self.owns_root:
+            shutil.rmtree(self.root, ignore_errors=True)

@@ -71,6 +71,16 @@ def run_train(job: TrainJob, cfg: TrainConfig, on_step_end: StepCallback | None 
     finally:
         if trainer is not None and isinstance(trainer.source, ServedStates):
             trainer.source.close()
+        if trainer is not None and getattr(trainer.source, "fetch", None) is not None:
+            fetch = trainer.source.fetch  # a bucket's samples, read through the local cache
+            log.info(
+                "states from %s: %d files fetched (%.3f GB), %.1f s waited on them",
+                fetch.bucket.url,
+                fetch.fetched,
+                fetch.fetched_bytes / 1e9,
+                fetch.wait_s,
+            )
+            fetch.close()
         if rt.world_size > 1 and dist.is_initialized():
             # DDP's reducer holds the process group. Dropped only when this function returned,
             # after the group was destroyed, gloo's destructor ran once the other rank had

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 import yaml
 
 from eagleflow.common.config import typed, validate_config
+from eagleflow.dag.plan.bucket import bucket_section
 from eagleflow.dag.plan.fit import served_fit, suggest
 from eagleflow.dag.plan.hours import Rates, measured_rates, planned_work, render_hours
 from eagleflow.dag.plan.sizes import (
@@ -64,6 +65,7 @@ class Plan:
     suggestions: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     hours: str = ""  # hours.render_hours' table
+    bucket: str = ""  # bucket.render_bucket's table: a run whose states lie in a bucket
 
 
 def verifier_dir(config: dict[str, Any], root: Path) -> Path:
@@ -81,11 +83,13 @@ def make_plan(
     assume_prompt_tokens: int = 256,
     samples: list[int] | None = None,
     host_gpus: int | None = None,
+    link_gbps: float | None = None,
 ) -> Plan:
     """The plan for `config` run from `root`. `verifier_config`: config.json to use when the
     verifier is not on this machine; `gpu_memory`: bytes per GPU (default: nvidia-smi's);
     `samples`: sample counts to give the hours at (default: the run's own); `host_gpus`: GPUs
-    of one host (default: nvidia-smi's count; without GPUs here, the servers' own)."""
+    of one host (default: nvidia-smi's count; without GPUs here, the servers' own); `link_gbps`:
+    the link to the bucket, for a run whose states lie in one (`storage.states`, or asked for)."""
     run = config["run"]
     plan = Plan(run, None, gpu_memory=gpu_memory if gpu_memory is not None else gpu_memory_bytes())
     vdir = verifier_dir(config, root)
@@ -232,6 +236,14 @@ def make_plan(
     )
     plan.hours = render_hours(work, rates, config, samples)
     plan.notes += measured
+    if link_gbps or config["storage"]["states"]:
+        every = (
+            0
+            if online or served
+            else shard_bytes(tokens.tokens, tokens.samples, num_states, g.hidden_size, hs["dtype"], topk)
+        )
+        exports = {label: draft_export_bytes(g, d.train, d.vocab, num_aux) for label, d in drafts.items()}
+        plan.bucket = bucket_section(config, shard_total, every, drafts, exports, work, rates, link_gbps or 10.0)
     return plan
 
 
@@ -279,6 +291,8 @@ def render(plan: Plan) -> str:
         lines += ["Fits: every stage's bytes are below the free space where they land.", ""]
     if plan.hours:
         lines += ["Hours per stage (`throughput`; replicas: verifier servers answering at once):", "", plan.hours]
+    if plan.bucket:
+        lines += [plan.bucket]
     lines += [f"Note: {n}" for n in plan.notes]
     return "\n".join(lines).rstrip() + "\n"
 
@@ -360,6 +374,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--assume-prompt-tokens", type=int, default=256, help="prompt length when the prompts are absent")
     ap.add_argument("--samples", type=int, nargs="+", help="give the hours at these sample counts")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    ap.add_argument(
+        "--link-gbps",
+        type=float,
+        help="the hours through a bucket at this link speed (default 10 where storage.states is set)",
+    )
     args = ap.parse_args(argv)
     root = Path(".")
     config = load_merged_config(args.configfile, root)
@@ -371,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         assume_prompt_tokens=args.assume_prompt_tokens,
         samples=args.samples,
         host_gpus=args.host_gpus,
+        link_gbps=args.link_gbps,
     )
     if args.json:
         print(json.dumps(plan, default=lambda o: o.__dict__ if hasattr(o, "__dict__") else str(o), indent=1))
