@@ -9,7 +9,9 @@ bucket (its log's "Storing in storage" / "Retrieving from storage" lines, sized 
 listing), and what eagleflow's stores moved (the samples the hidden_states jobs uploaded, the
 replies generate and write_prompts published, the states training fetched: from their logs).
 Requests count one per object moved, a multipart upload's parts each (8 MB, boto3's default),
-plus the listings. Then a second `snakemake -n` on the bucket: the jobs it plans (none is right).
+plus the listings. Then a second `snakemake -n` on the bucket: the jobs it plans (none is right);
+and with `--edit MODULE` (a module of workflow/eagleflow, e.g. synth.py: a corrected generator)
+that module edited in both copies, and what `snakemake -n` plans in each, with its reasons.
 Writes DIR/object_storage.json.
 """
 
@@ -86,17 +88,32 @@ def store_traffic(logs: dict[str, str]) -> dict[str, dict[str, float]]:
     return out
 
 
+def edited_plans(out: Path, module: str, config: list[str], s3_env: dict[str, str], flags: list[str]) -> dict:
+    """`module` edited (a statement appended) in both copies: what `snakemake -n` plans in each,
+    {rule: reason}, and whether the two name the same jobs."""
+    plans = {}
+    for mode, env, extra in (("fs", {**os.environ}, []), ("s3", s3_env, flags)):
+        path = out / mode / "workflow/eagleflow" / module
+        path.write_text(path.read_text() + "\nEDITED_BY_BENCH = True\n")
+        cmd = [SNAKEMAKE, "-n", "--cores", "all", *config, *extra]
+        dry = subprocess.run(cmd, cwd=out / mode, env=env, capture_output=True, text=True)
+        plans[mode] = planned_jobs(dry.stdout)
+    return {"module": module, **plans, "same_jobs": sorted(plans["fs"]) == sorted(plans["s3"])}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--configfile", default=None, help="a config over config/config.yaml (default: the demo)")
     parser.add_argument("--order", nargs="+", default=["fs", "s3"], choices=["fs", "s3"])
+    parser.add_argument("--edit", help="a module under workflow/eagleflow to edit in both copies afterwards")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     config = ["--configfile", str(Path(args.configfile).resolve())] if args.configfile else []
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
     result: dict[str, dict] = {}
     server = None
+    flags = ["--default-storage-provider", "s3", "--default-storage-prefix", "s3://eagleflow/run"]
     try:
         for mode in args.order:
             wf = copy_workflow(args.out / mode)
@@ -105,7 +122,6 @@ def main() -> int:
                 continue
             server = SeaweedFS(args.out / "seaweedfs").start()
             s3_env = {**env, **server.env()}
-            flags = ["--default-storage-provider", "s3", "--default-storage-prefix", "s3://eagleflow/run"]
             wall = run(wf, ["--cores", "all", *config, *flags], s3_env, args.out / "s3.log")
             os.environ.update(server.env())
             from eagleflow.runtime.object_store import Bucket
@@ -144,6 +160,8 @@ def main() -> int:
                 "training": store_traffic(logs),
                 "second_run_plans": sorted(planned_jobs(again.stdout)),
             }
+        if args.edit and "fs" in result and "s3" in result:
+            result["edit"] = edited_plans(args.out, args.edit, config, s3_env, flags)
     finally:
         if server is not None:
             server.stop()

@@ -37,37 +37,39 @@ def weed_binary() -> str:
     return found
 
 
-def _free(port: int) -> bool:
+def _free(port: int, ip: str = "127.0.0.1") -> bool:
     with socket.socket() as s:
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind((ip, port))
         except OSError:
             return False
     return True
 
 
-def free_ports(count: int) -> list[int]:
-    """`count` ports free on loopback, each with its gRPC twin (+10000) free too."""
+def free_ports(count: int, ip: str = "127.0.0.1") -> list[int]:
+    """`count` ports free on `ip`, each with its gRPC twin (+10000) free too."""
     ports: list[int] = []
     while len(ports) < count:
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
+            s.bind((ip, 0))
             port = s.getsockname()[1]
-        if port + GRPC_OFFSET < 65535 and port not in ports and _free(port + GRPC_OFFSET):
+        if port + GRPC_OFFSET < 65535 and port not in ports and _free(port + GRPC_OFFSET, ip):
             ports.append(port)
         elif port + GRPC_OFFSET >= 65535:
             candidate = 20000 + secrets.randbelow(25000)
-            if candidate not in ports and _free(candidate) and _free(candidate + GRPC_OFFSET):
+            if candidate not in ports and _free(candidate, ip) and _free(candidate + GRPC_OFFSET, ip):
                 ports.append(candidate)
     return ports
 
 
 class SeaweedFS:
     """One `weed mini` over `root` (data, identity, log). `start`, `stop`, `kill` (SIGKILL, as a
-    crash), and `start` again on the same data and ports."""
+    crash), and `start` again on the same data and ports. `ip`: the address it binds and
+    advertises (loopback unless another host must reach it)."""
 
-    def __init__(self, root: str | os.PathLike, s3_port: int | None = None):
+    def __init__(self, root: str | os.PathLike, s3_port: int | None = None, ip: str = "127.0.0.1"):
         self.root = Path(root)
+        self.ip = ip
         self.root.mkdir(parents=True, exist_ok=True)
         identity = self.root / "identity.json"
         if identity.exists():
@@ -86,7 +88,7 @@ class SeaweedFS:
             }
             identity.touch(mode=0o600)
             identity.write_text(json.dumps(doc))
-        ports = free_ports(len(SERVICES))
+        ports = free_ports(len(SERVICES), ip)
         if s3_port:
             ports[0] = s3_port
         self.ports = dict(zip(SERVICES, ports, strict=True))
@@ -94,7 +96,7 @@ class SeaweedFS:
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.ports['s3']}"
+        return f"http://{self.ip}:{self.ports['s3']}"
 
     def env(self) -> dict[str, str]:
         """What a client needs, as Snakemake's S3 plugin and eagleflow read it."""
@@ -112,8 +114,8 @@ class SeaweedFS:
             "mini",
             f"-dir={data}",
             f"-s3.config={self.root / 'identity.json'}",
-            "-ip=127.0.0.1",
-            "-ip.bind=127.0.0.1",
+            f"-ip={self.ip}",
+            f"-ip.bind={self.ip}",
             "-master.telemetry=false",
             "-webdav=false",
             *(f"-{name}.port={port}" for name, port in self.ports.items()),

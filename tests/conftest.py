@@ -30,12 +30,20 @@ COPYING_MODULES = frozenset(
         "test_served_slurm.py",
         "test_bench_smoke.py",
         "test_object_storage_run.py",
+        "test_slurm_bucket.py",
     }
 )
 # The one-node test cluster runs one of their runs at a time (both ask for its CPUs): on two
 # workers at once they queue behind each other (CI: 276 s + 225 s against 191 s + 90 s).
 SLURM_MODULES = frozenset(
-    {"test_slurm.py", "test_slurm_shards.py", "test_slurm_generate.py", "test_slurm_cancel.py", "test_served_slurm.py"}
+    {
+        "test_slurm.py",
+        "test_slurm_shards.py",
+        "test_slurm_generate.py",
+        "test_slurm_cancel.py",
+        "test_served_slurm.py",
+        "test_slurm_bucket.py",
+    }
 )
 # Integration modules that run a whole DAG of their own: started first, beside the run.
 LONGEST_FIRST = ("test_mla_verifier.py",)

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from devkit.configs import merged
-from tests.helpers import REPO, START_CLUSTER, run_start_cluster
+from tests.helpers import REPO, START_CLUSTER, START_CLUSTER_STDERR, run_start_cluster
 
 PROFILE = REPO / "profiles/slurm/config.yaml"
 SMALL = REPO / "tests/config/small.yaml"
@@ -134,3 +134,15 @@ def copy_for_cluster(finished_run: Path, module_tmp: Path) -> tuple[Path, Path, 
     profile = profile_for_test_cluster(real_profile(), partition, node_cpus())
     (profile_dir / "config.yaml").write_text(yaml.safe_dump(profile, sort_keys=False))
     return wf, profile_dir, cluster_env()
+
+
+def two_node_partition(partition: str) -> str:
+    """The test cluster's partition of two nodes beside `partition`; the test skips, quoting
+    what start_cluster.sh said, where the cluster came up with one."""
+    out = subprocess.run(["sinfo", "-h", "-o", "%P %D"], capture_output=True, text=True, check=True)
+    sizes = {p.rstrip("*"): int(n) for p, n in (line.split() for line in out.stdout.splitlines())}
+    two = f"{partition}-two"
+    if sizes.get(two, 0) < 2:
+        said = START_CLUSTER_STDERR.read_text()[-1500:] if START_CLUSTER_STDERR.exists() else ""
+        pytest.skip(f"the test cluster has no two-node partition {two}: {sizes}; start_cluster.sh said:\n{said}")
+    return two

@@ -11,32 +11,16 @@ what it restales on the filesystem."""
 import json
 import os
 import subprocess
+import time
 
 import pytest
 
 from devkit.runs import copy_finished_run, planned_jobs
 from devkit.seaweedfs import SeaweedFS
 from tests.helpers import REPO, SNAKEMAKE
+from tests.object_storage import PREFIX, STORAGE, client, objects, put_run
 
 CONFIG = ["--configfile", str(REPO / "tests/config/small.yaml")]
-PREFIX = "s3://eagleflow/run"
-STORAGE = ["--default-storage-provider", "s3", "--default-storage-prefix", PREFIX]
-# What the run in the bucket starts from: the prepared verifier and every output upstream of
-# the extraction and of training (logs and benchmarks are no job's input).
-KEPT = ("resources/verifier/", "results/small/prompts/", "results/small/generate/", "results/small/synth/",
-        "results/small/dataset/", "results/small/vocab/", "results/small/benchmark_sets/")  # fmt: skip
-
-
-def put_run(wf, s3) -> int:
-    """The finished run's files under KEPT as objects under PREFIX, in the order the DAG made
-    them (the storage's write times stand for the files'). Returns how many."""
-    files = sorted(
-        (p for p in wf.rglob("*") if p.is_file() and str(p.relative_to(wf)).startswith(KEPT)),
-        key=lambda p: p.stat().st_mtime_ns,
-    )
-    for path in files:
-        s3.upload_file(str(path), "eagleflow", f"run/{path.relative_to(wf)}")
-    return len(files)
 
 
 def snakemake(wf, env, *args) -> str:
@@ -47,35 +31,32 @@ def snakemake(wf, env, *args) -> str:
 
 @pytest.fixture(scope="module")
 def on_a_bucket(finished_run, module_tmp):
-    import boto3
-
     server = SeaweedFS(module_tmp / "s3").start()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SNAKEMAKE", "AWS_"))} | server.env()
-    s3 = boto3.client(
-        "s3",
-        endpoint_url=server.endpoint,
-        aws_access_key_id=server.access_key,
-        aws_secret_access_key=server.secret_key,
-        region_name="us-east-1",
-    )
-    s3.create_bucket(Bucket="eagleflow")
+    s3 = client(server)
     wf = copy_finished_run(finished_run, module_tmp / "wf")
     put_run(wf, s3)
-    # The same directory, its local results moved aside: only the bucket holds the run.
-    (wf / "results").rename(wf / "results-on-disk")
-    (wf / "resources").rename(wf / "resources-on-disk")
-    out = snakemake(wf, env, "--cores", "2", "--until", "train", *STORAGE)
-    yield wf, env, s3, out
+    out = snakemake(wf, env, "--cores", "2", "--until", "hidden_states_index", *STORAGE)
+    # The S3 server crashes while the train job reads its states: the job fails, naming the
+    # endpoint, and nothing of it is taken as finished; started again, the rerun completes.
+    cmd = [*SNAKEMAKE, *CONFIG, "--cores", "2", "--until", "train", *STORAGE]
+    crashed = subprocess.Popen(cmd, cwd=wf, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    train_log = wf / ".snakemake/storage/s3/eagleflow/run/results/small/logs/train.default.log"
+    deadline = time.monotonic() + 600
+    while not train_log.exists() and crashed.poll() is None:
+        assert time.monotonic() < deadline, "the train job never started"
+        time.sleep(0.2)
+    server.kill()
+    failed = crashed.communicate(timeout=600)[0]
+    failed_log = train_log.read_text() if train_log.exists() else ""
+    server.start()
+    out += snakemake(wf, env, "--cores", "2", "--until", "train", *STORAGE)
+    yield {"wf": wf, "env": env, "s3": s3, "out": out, "crash": (crashed.returncode, failed, failed_log)}
     server.stop()
 
 
-def objects(s3, prefix: str) -> dict[str, int]:
-    pages = s3.get_paginator("list_objects_v2").paginate(Bucket="eagleflow", Prefix=prefix)
-    return {o["Key"]: o["Size"] for page in pages for o in page.get("Contents", [])}
-
-
 def test_extraction_and_training_keep_everything_in_the_bucket(on_a_bucket):
-    wf, _env, s3, out = on_a_bucket
+    wf, s3, out = on_a_bucket["wf"], on_a_bucket["s3"], on_a_bucket["out"]
     assert f"Object storage: outputs under {PREFIX}" in out and "output cache off" in out
     index = s3.get_object(Bucket="eagleflow", Key="run/results/small/hidden_states/index.json")["Body"].read()
     doc = json.loads(index)
@@ -91,8 +72,14 @@ def test_extraction_and_training_keep_everything_in_the_bucket(on_a_bucket):
     assert f"states from {PREFIX}/states/small: {len(states)} files fetched" in log, log[-2000:]
 
 
+def test_a_crashed_s3_server_fails_the_job_that_needs_it_and_the_rerun_completes(on_a_bucket):
+    code, out, log = on_a_bucket["crash"]
+    assert code != 0 and "Error in rule train" in out, out[-3000:]
+    assert "the S3 endpoint cannot be reached" in log, log[-3000:]
+
+
 def test_a_second_run_plans_nothing_and_an_edit_restales_what_it_does_on_a_filesystem(on_a_bucket):
-    wf, env, _s3, _out = on_a_bucket
+    wf, env = on_a_bucket["wf"], on_a_bucket["env"]
     assert set(planned_jobs(snakemake(wf, env, "-n", "--until", "train", *STORAGE))) <= {"all"}
     index_py = wf / "workflow/eagleflow/hidden_states/index.py"
     original = index_py.read_text()

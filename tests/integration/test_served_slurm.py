@@ -16,8 +16,8 @@ import uuid
 import pytest
 import yaml
 
-from tests.helpers import SNAKEMAKE, START_CLUSTER_STDERR, vllm_processes
-from tests.slurm_cluster import SMALL, copy_for_cluster, job_processes
+from tests.helpers import SNAKEMAKE, vllm_processes
+from tests.slurm_cluster import SMALL, copy_for_cluster, job_processes, two_node_partition
 
 RUN = "results/small"
 ON_NODES = {
@@ -28,16 +28,6 @@ ON_NODES = {
     # Its own draft (nothing restored from the output cache), on two processes (gloo).
     "train": {"seed": 7, "nproc_per_node": 2},
 }
-
-
-def two_node_partition(partition: str) -> str:
-    out = subprocess.run(["sinfo", "-h", "-o", "%P %D"], capture_output=True, text=True, check=True)
-    sizes = {p.rstrip("*"): int(n) for p, n in (line.split() for line in out.stdout.splitlines())}
-    two = f"{partition}-two"
-    if sizes.get(two, 0) < 2:
-        said = START_CLUSTER_STDERR.read_text()[-1500:] if START_CLUSTER_STDERR.exists() else ""
-        pytest.skip(f"the test cluster has no two-node partition {two}: {sizes}; start_cluster.sh said:\n{said}")
-    return two
 
 
 @pytest.fixture(scope="module")

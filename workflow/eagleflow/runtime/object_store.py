@@ -115,7 +115,7 @@ def explain(error: BaseException, url: str) -> ObjectStoreError:
             f"{where}: no S3 credentials. Set {ENV_PREFIX}ACCESS_KEY and {ENV_PREFIX}SECRET_KEY (or AWS_ACCESS_KEY_ID "
             "and AWS_SECRET_ACCESS_KEY) in the environment; a config file never holds them"
         )
-    if isinstance(error, bx.EndpointConnectionError | bx.ConnectTimeoutError):
+    if isinstance(error, bx.ConnectionError | bx.HTTPClientError):
         return ObjectStoreError(
             f"{where}: the S3 endpoint cannot be reached ({type(error).__name__}); is the server up, and is "
             f"{ENV_PREFIX}ENDPOINT_URL right?"
