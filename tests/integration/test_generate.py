@@ -22,8 +22,8 @@ from eagleflow.common.replies import read_replies
 from eagleflow.generate.join import join_shards
 from eagleflow.generate.run import Client, Requests, run_generate
 from eagleflow.runtime.client import RetryPolicy
+from eagleflow.runtime.response_store import ResponseStore, StoreError
 from eagleflow.runtime.spec import ServerError
-from eagleflow.runtime.store import ResponseStore, StoreError
 from eagleflow.runtime.vllm_server import free_port
 from tests.helpers import REPO, stored_replies
 

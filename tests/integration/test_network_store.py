@@ -22,7 +22,7 @@ import pytest
 
 from devkit.fake_openai import fake_openai_server as fake_openai
 from eagleflow.common.replies import read_replies
-from eagleflow.runtime.store import ResponseStore, StoreError, filesystem_type, resolve_locking
+from eagleflow.runtime.response_store import ResponseStore, StoreError, filesystem_type, resolve_locking
 from tests.helpers import REPO
 from tests.integration.test_generate import finish, join, shard_job, shards_of, synth_job, write_prompts
 
@@ -100,7 +100,7 @@ WRITER = textwrap.dedent(
     """
     import os, signal, sys
     sys.path.insert(0, {repo!r})
-    from eagleflow.runtime.store import ResponseStore
+    from eagleflow.runtime.response_store import ResponseStore
     store = ResponseStore({path!r})
     for i in range(40):
         store.put(f"k{{i}}", {{"i": i}}, {{"reply": i}})

@@ -17,8 +17,8 @@ from devkit.seaweedfs import SeaweedFS
 from eagleflow.hidden_states.index import write_index_of_parts
 from eagleflow.runtime import object_store
 from eagleflow.runtime.object_store import Bucket, ObjectStoreError, check_access
+from eagleflow.runtime.response_store import BUCKET_ENV, ResponseStore
 from eagleflow.runtime.state_store import prune_unreferenced
-from eagleflow.runtime.store import BUCKET_ENV, ResponseStore
 from eagleflow.train.data import ShardSamples
 from tests.helpers import write_dataset
 from tests.unit.test_hidden_states import run_hf_part

@@ -253,8 +253,8 @@ def test_a_rerun_of_write_prompts_and_a_filter_change_send_no_request(finished_r
     from eagleflow.common.config import typed
     from eagleflow.prompts.config import WrittenConfig
     from eagleflow.prompts.written import run_write_prompts
+    from eagleflow.runtime.answers import Client
     from eagleflow.runtime.spec import ServerConfig
-    from eagleflow.runtime.store_or_server import Client
     from tests.slurm_cluster import load_small
 
     r = finished_run / "results/small"

@@ -1,4 +1,4 @@
-"""The response store where it lives (runtime/store.py): shared WAL on a local filesystem;
+"""The response store where it lives (runtime/response_store.py): shared WAL on a local filesystem;
 on a network filesystem one process at a time, no shared memory, a second opener refused by
 name, a killed holder's replies all kept."""
 
@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from eagleflow.runtime.store import (
+from eagleflow.runtime.response_store import (
     ResponseStore,
     StoreError,
     filesystem_type,
@@ -67,7 +67,7 @@ HOLDER = textwrap.dedent(
     """
     import os, signal, sys
     sys.path.insert(0, {repo!r})
-    from eagleflow.runtime.store import ResponseStore
+    from eagleflow.runtime.response_store import ResponseStore
     store = ResponseStore({path!r}, "exclusive")
     for i in range(50):
         store.put(f"k{{i}}", {{"i": i}}, {{"reply": i}})

@@ -16,8 +16,8 @@ from eagleflow.prompts.load import normalise
 from eagleflow.prompts.run import benchmark_turns, mix, run_prompts
 from eagleflow.prompts.template import TemplateError, UserTurn
 from eagleflow.prompts.written import Replies, completion_payload, write_conversation
-from eagleflow.runtime.store import ResponseStore
-from eagleflow.runtime.store_or_server import Counts, Missing, StoreFront
+from eagleflow.runtime.answers import Counts, Missing, StoreFront
+from eagleflow.runtime.response_store import ResponseStore
 
 # The chat templates of the verifier families eagleflow supports, reduced to their turn markup.
 SMOLLM2 = (

@@ -19,7 +19,7 @@ rule generate:
         requests=rule_params.generate_requests(config),
         server=server_result_args(),
         # Not an output: the store outlives every job, and a rerun sends only what it lacks.
-        # Each shard writes its own file beside it (runtime/store.py).
+        # Each shard writes its own file beside it (runtime/response_store.py).
         store=response_store(),
         code=code("generate"),
     script:

@@ -6,7 +6,7 @@ ours). What eagleflow keeps beside the outputs follows them into the bucket:
 - the per-sample hidden-state store: `storage.states` defaults to `<prefix>/states`, so the
   samples are never left in a job's local copy of `results/` (runtime/state_store.py);
 - the response store: `storage.responses` defaults to `<prefix>/responses/<run>`, each job's
-  SQLite file a local copy of it (runtime/store.py, runtime/reply_bucket.py);
+  SQLite file a local copy of it (runtime/response_store.py, runtime/reply_bucket.py);
 - the output cache is off: its entries are hard links beside the outputs on one filesystem,
   and under storage an output is a bucket's object that a link cannot keep
   (docs/operations.md, "Without a shared filesystem").

@@ -204,7 +204,7 @@ def overlap_sets(config: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def generate_shards(config: dict[str, Any]) -> list[str]:
-    """The generate jobs' names (runtime/store.py, generate/run.py: Shard): `<i>-of-<n>`."""
+    """The generate jobs' names (runtime/response_store.py, generate/run.py: Shard): `<i>-of-<n>`."""
     n = generate_section(config).shards
     return [f"{i}-of-{n}" for i in range(n)]
 

@@ -8,7 +8,7 @@
 replies.parquet, and of write_prompts' written.jsonl when the verifier writes prompts) and
 deletes the rest; run it after a finished `generate`, when old prompts or settings will not
 come back. Nothing else ever deletes a stored reply. Both act on every file of the store: the
-configured one and its shards' (`<store>.<i>-of-<n>.sqlite`, runtime/store.py).
+configured one and its shards' (`<store>.<i>-of-<n>.sqlite`, runtime/response_store.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sys
 
 from eagleflow.common.atomic import read_jsonl
 from eagleflow.common.replies import read_replies
-from eagleflow.runtime.store import LOCKING, ResponseStore, store_files
+from eagleflow.runtime.response_store import LOCKING, ResponseStore, store_files
 
 
 def used_keys(path: str) -> set[str]:

@@ -4,7 +4,7 @@ cost (`stats.json`).
 
 Generation runs as `generate.shards` jobs (shard i of n takes the conversations whose id
 hashes to i: adding prompts moves none), each with its own server and its own store file
-(runtime.store); generate/join.py joins their replies into the one `replies.parquet` synth
+(runtime.response_store); generate/join.py joins their replies into the one `replies.parquet` synth
 reads.
 
 A conversation is walked turn by turn: turn k+1's request carries the user turns and the
@@ -27,11 +27,11 @@ from eagleflow.common.atomic import read_jsonl, write_json
 from eagleflow.common.replies import write_replies
 from eagleflow.common.requests import history_message, request_payload, samples_with_seed, server_identity
 from eagleflow.common.token_estimate import turn_contexts
+from eagleflow.runtime.answers import Client, StoreFront, answer, verifier_access
 from eagleflow.runtime.client import RequestFailed
+from eagleflow.runtime.response_store import ResponseStore, older_stores, shard_store
 from eagleflow.runtime.smk import stage
 from eagleflow.runtime.spec import ServerConfig, ServerSpec
-from eagleflow.runtime.store import ResponseStore, older_stores, shard_store
-from eagleflow.runtime.store_or_server import Client, StoreFront, answer, verifier_access
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ def run_generate(
     """The flags of the server as launched that can change a reply go into every store key
     (a `server.endpoint` is taken to run with the flags a launch would give it); when a request
     is missing, `server.endpoint` answers it, or a vLLM launched as `server` says. `shard`:
-    only its conversations, its own store file beside `store_path` (runtime.store)."""
+    only its conversations, its own store file beside `store_path` (runtime.response_store)."""
     prompts = [p for p in read_jsonl(prompts_path) if shard.takes(p["id"])]
     server = dataclasses.replace(server, endpoint=shard.endpoints(server.endpoint))
     spec = ServerSpec.from_config(server, verifier_dir, seeded_sampling=samples_with_seed(requests.sampling))

@@ -33,11 +33,11 @@ from eagleflow.common.requests import (
 )
 from eagleflow.prompts.config import WrittenConfig
 from eagleflow.prompts.template import UserTurn, user_turn_of
+from eagleflow.runtime.answers import Client, StoreFront, answer, verifier_access
 from eagleflow.runtime.client import RequestFailed
+from eagleflow.runtime.response_store import ResponseStore
 from eagleflow.runtime.smk import stage
 from eagleflow.runtime.spec import ServerConfig, ServerSpec
-from eagleflow.runtime.store import ResponseStore
-from eagleflow.runtime.store_or_server import Client, StoreFront, answer, verifier_access
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The `generate` config section, typed: what is asked of the verifier (the requests, which
 shape every reply) and how (the client, which never does). The DAG reads the first into the
 generate rule's param (rule_params.generate_requests); the jobs read the second from the
-config (runtime.store_or_server.Client), so changing how requests are sent reruns no rule."""
+config (runtime.answers.Client), so changing how requests are sent reruns no rule."""
 
 from __future__ import annotations
 

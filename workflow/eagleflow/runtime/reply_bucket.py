@@ -1,4 +1,4 @@
-"""The response store's replies in a bucket, one object each, as runtime.store's docstring
+"""The response store's replies in a bucket, one object each, as runtime.response_store's docstring
 says: published as each is stored, fetched into a job's local copy when it opens the store.
 
 An object holds the reply as the store's row does (the packed request and response, and when
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from eagleflow.runtime.object_store import DIGEST, Bucket, ObjectStoreError, check_access, client
 
 if TYPE_CHECKING:
-    from eagleflow.runtime.store import ResponseStore
+    from eagleflow.runtime.response_store import ResponseStore
 
 HEADER = struct.Struct("<dI")  # created, length of the packed request
 PREFIX = "replies/"

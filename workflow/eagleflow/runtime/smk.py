@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from eagleflow.runtime.gpus import assign_job_gpus
 from eagleflow.runtime.logs import configure_logging
 from eagleflow.runtime.process import terminate_on_sigterm
-from eagleflow.runtime.store import BUCKET_ENV
+from eagleflow.runtime.response_store import BUCKET_ENV
 
 
 @contextlib.contextmanager

@@ -22,9 +22,9 @@ from eagleflow.common.requests import request_key
 from eagleflow.runtime.client import ChatClient, RetryPolicy
 from eagleflow.runtime.concurrency import Concurrency, parse_ceiling
 from eagleflow.runtime.generate_config import GenerateConfig
+from eagleflow.runtime.response_store import ResponseStore
 from eagleflow.runtime.serving import serve
 from eagleflow.runtime.spec import ServerConfig, ServerSpec
-from eagleflow.runtime.store import ResponseStore
 
 T = TypeVar("T")
 
@@ -46,7 +46,7 @@ class Client:
     """How requests are sent and their replies kept: these change speed and robustness, never
     a reply. `concurrency` is the ceiling of an adaptive limit (runtime.concurrency), or the
     fixed number of requests in flight without `adaptive`; `store_locking` how the response
-    store is opened (runtime.store)."""
+    store is opened (runtime.response_store)."""
 
     concurrency: int | str
     adaptive: bool
