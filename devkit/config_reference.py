@@ -39,9 +39,12 @@ README = ROOT / "config/README.md"
 RULES = ROOT / "workflow/rules"
 HEADER = ["| key | default | changes results | meaning |", "| --- | --- | --- | --- |"]
 HEADING = re.compile(r"^## `([a-z_]+)`$")
-# A rule's param that holds a whole config section (workflow/rules/common.smk's helpers), or
-# one less some of its subsections (section_without("hidden_states", "served")).
-WHOLE_SECTION = re.compile(r'\b(?:section|variant_section|draft_section|section_without)\("(\w+)"((?:,\s*"\w+")*)\)')
+# A rule's param that holds a whole config section, or one less some of its subsections:
+# rule_params.section_param(config, "hidden_states", ["served"]), and a variant's or a draft's
+# section (workflow/rules/common.smk: variant_section, draft_section).
+WHOLE_SECTION = re.compile(
+    r'\b(?:section_param\(config, |variant_section\(|draft_section\()"(\w+)"(?:, \[((?:"\w+"(?:, )?)*)\])?\)'
+)
 
 
 def resolved(prop: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:

@@ -94,12 +94,12 @@ rule parity:
         gpu=rule_params.gpus(config, "hidden_states"),
     params:
         # The verifier's states as the hidden_states stage computes them, with its backend.
-        hidden_states=section_without("hidden_states", "served"),
+        hidden_states=rule_params.section_param(config, "hidden_states", ["served"]),
         server=rule_params.hidden_states_server(config, VERIFIER_ARGV),
         trust_remote_code=config["verifier"]["trust_remote_code"],
         chat_template_kwargs=rule_params.chat_template_kwargs(config),
         synth_temperature=config["generate"]["temperature"],
-        parity=section("parity"),
+        parity=rule_params.section_param(config, "parity"),
         max_model_len=config["server"]["max_model_len"],
         max_seq_len=config["dataset"]["max_seq_len"],
         code=code("parity"),

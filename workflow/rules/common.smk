@@ -113,23 +113,6 @@ def code(script):
     return f"code {fingerprint} of entry/{script}.py and its imports"
 
 
-def section(name):
-    """A config section as a param, keys sorted at every level.
-
-    Snakemake compares params as text: sorting makes the comparison blind to key order, so
-    reordering a config file restales nothing while any changed value still does.
-    """
-    return sorted_keys(config[name])
-
-
-def section_without(name, *keys):
-    """A config section as a param, less the subsections `keys` whose settings the rule's jobs
-    never read (hidden_states.served: only the train job reads it), so that a change to them
-    restales none of the rule's jobs; each key under the name the stage's code reads it by
-    (rule_params.section_param)."""
-    return rule_params.section_param(config, name, keys)
-
-
 def variant_results(path):
     """Path of a variant's output: results/<run>/variants/{variant}/<path>."""
     return results(f"variants/{{variant}}/{path}")

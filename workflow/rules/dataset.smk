@@ -12,7 +12,7 @@ rule dataset:
     conda:
         "../envs/data.yaml"
     params:
-        dataset=section("dataset"),
+        dataset=rule_params.section_param(config, "dataset"),
         code=code("dataset"),
     script:
         "../eagleflow/entry/dataset.py"

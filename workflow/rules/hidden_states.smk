@@ -24,7 +24,7 @@ rule hidden_states:
     resources:
         gpu=rule_params.gpus(config, "hidden_states"),
     params:
-        hidden_states=section_without("hidden_states", "served"),
+        hidden_states=rule_params.section_param(config, "hidden_states", ["served"]),
         server=rule_params.hidden_states_server(config, VERIFIER_ARGV),
         trust_remote_code=config["verifier"]["trust_remote_code"],
         code=code("hidden_states"),
@@ -47,7 +47,7 @@ rule hidden_states_index:
     # the index, and with it a part whose manifest a killed job left missing (Snakemake does
     # not rebuild a missing input of an output it holds for current).
     params:
-        hidden_states=section_without("hidden_states", "served"),
+        hidden_states=rule_params.section_param(config, "hidden_states", ["served"]),
         server=rule_params.hidden_states_server(config, VERIFIER_ARGV),
         code=code("hidden_states_index"),
     script:

@@ -41,7 +41,7 @@ rule prompts:
     conda:
         "../envs/data.yaml"
     params:
-        prompts=section("prompts"),
+        prompts=rule_params.section_param(config, "prompts"),
         benchmark_sets=rule_params.overlap_sets(config),
         code=code("prompts"),
     script:
