@@ -169,10 +169,11 @@ def test_a_key_marked_as_changing_no_result_shows_so_and_the_rules_it_still_reru
 
 def test_the_rules_that_take_a_section_whole_are_read_from_the_rule_files(tmp_path):
     (tmp_path / "a.smk").write_text(
-        'rule one:\n    params:\n        x=section("dataset"),\n        y=draft_section("train"),\n'
+        'rule one:\n    params:\n        x=rule_params.section_param(config, "dataset"),\n'
+        '        y=draft_section("train"),\n'
         'rule two:\n    params:\n        z=variant_section("dataset"),\n        w=written_section(),\n'
-        'rule three:\n    params:\n        h=section_without("hidden_states", "served"),\n'
-        'rule four:\n    params:\n        h=section("hidden_states"),\n'
+        'rule three:\n    params:\n        h=rule_params.section_param(config, "hidden_states", ["served"]),\n'
+        'rule four:\n    params:\n        h=rule_params.section_param(config, "hidden_states"),\n'
     )
     assert ref.whole_section_rules(tmp_path) == {
         "dataset": ["one", "two"],
