@@ -87,7 +87,9 @@ def fresh_copy(workdir: Path, dst: Path, run: str) -> None:
     """The finished run's inputs to extraction and training (its results up to the vocabulary,
     the prepared verifier, Snakemake's records of them; mtimes kept) with this checkout's
     workflow: no stored state, no draft, no cache entry."""
-    keep = ("prompts", "generate", "synth", "dataset", "vocab", "logs", "benchmarks", "benchmark_sets.json")
+    # Not its logs and benchmark files: a rule this copy does not run (served mode's
+    # hidden_states) would be timed by the finished run's file.
+    keep = ("prompts", "generate", "synth", "dataset", "vocab", "benchmark_sets.json")
     for name in keep:
         src = workdir / f"results/{run}/{name}"
         if src.is_dir():

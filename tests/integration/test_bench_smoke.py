@@ -84,3 +84,19 @@ def test_parser_fix_cost_rebuilds_the_dataset_without_a_request(run_copy):
     quality = json.loads((run_copy / "results/small/synth/quality.json").read_text())
     assert cost["samples"] == quality["num_samples"] > 0
     assert "_PARSER_FIX_BENCHMARK" not in (run_copy / "workflow/eagleflow/synth/assemble.py").read_text()
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
+def test_served_states_trains_a_draft_from_the_servers_states_and_stores_none(run_copy, tmp_path):
+    # One epoch on the run's data, the states through hs-connectors' file transfer.
+    (tmp_path / "one-epoch.yaml").write_text("train: {epochs: 1}\n")
+    keep = tmp_path / "keep"
+    args = ["--workdir", run_copy, "--configfile", SMALL, tmp_path / "one-epoch.yaml", "--order", "served"]
+    run_bench("served_states.py", *args, "--transfer", "file", "--out", keep, timeout=900)
+    (result,) = json.loads((keep / "served_states.json").read_text())
+    assert result["mode"] == "served" and result["steps"] > 0 and set(result["rule_s"]) == {"train"}
+    served = result["served"]
+    # Every sample of the one epoch arrived exactly once.
+    assert served["transfer"] == "file" and list(served["samples_received_times"]) == ["1"], served
+    assert json.loads((Path(result["draft"]) / "config.json").read_text())["speculators_model_type"] == "eagle3"

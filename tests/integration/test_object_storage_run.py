@@ -95,3 +95,18 @@ def test_a_second_run_plans_nothing_and_an_edit_restales_what_it_does_on_a_files
         index_py.write_text(original)
     assert set(on_bucket) == set(on_disk) == {"hidden_states_index", "train"}
     assert "Params have changed" in on_bucket["hidden_states_index"]
+
+
+def test_a_wrong_or_missing_key_stops_snakemake_before_any_job(on_a_bucket):
+    wf, env = on_a_bucket["wf"], on_a_bucket["env"]
+    secret = env["SNAKEMAKE_STORAGE_S3_SECRET_KEY"]
+    for broken, said in (
+        ({**env, "SNAKEMAKE_STORAGE_S3_SECRET_KEY": "not-the-key"}, "refused the credentials"),
+        ({k: v for k, v in env.items() if not k.endswith(("_ACCESS_KEY", "_SECRET_KEY"))}, "no S3 credentials"),
+    ):
+        broken = {**broken, "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent", "AWS_CONFIG_FILE": "/nonexistent"}
+        cmd = [*SNAKEMAKE, *CONFIG, "--cores", "2", "--until", "train", "-R", "train", *STORAGE]
+        proc = subprocess.run(cmd, cwd=wf, env=broken, capture_output=True, text=True, timeout=600)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode != 0 and said in out, out[-3000:]
+        assert "Select jobs to execute" not in out and secret not in out and "not-the-key" not in out
