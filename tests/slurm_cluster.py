@@ -146,3 +146,19 @@ def two_node_partition(partition: str) -> str:
         said = START_CLUSTER_STDERR.read_text()[-1500:] if START_CLUSTER_STDERR.exists() else ""
         pytest.skip(f"the test cluster has no two-node partition {two}: {sizes}; start_cluster.sh said:\n{said}")
     return two
+
+
+def rules_on_two_nodes(profile_dir: Path, rules: list[str], nodelist: str | None = None) -> str:
+    """Send the jobs of `rules` to the test cluster's two-node partition, to the node
+    `nodelist` alone where given, in the profile at `profile_dir`. Returns the partition (the
+    test skips where the cluster has none: two_node_partition)."""
+    path = profile_dir / "config.yaml"
+    profile = yaml.safe_load(path.read_text())
+    two = two_node_partition(profile["default-resources"]["slurm_partition"])
+    for rule in rules:
+        resources = profile["set-resources"].setdefault(rule, {})
+        resources["slurm_partition"] = two
+        if nodelist:
+            resources["slurm_extra"] = f"'--nodelist={nodelist}'"
+    path.write_text(yaml.safe_dump(profile, sort_keys=False))
+    return two

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from tests.helpers import SNAKEMAKE, vllm_processes
-from tests.slurm_cluster import SMALL, copy_for_cluster, job_processes, two_node_partition
+from tests.slurm_cluster import SMALL, copy_for_cluster, job_processes, rules_on_two_nodes
 
 RUN = "results/small"
 ON_NODES = {
@@ -33,11 +33,7 @@ ON_NODES = {
 @pytest.fixture(scope="module")
 def on_two_nodes(finished_run, module_tmp):
     wf, profile_dir, env = copy_for_cluster(finished_run, module_tmp)
-    profile_path = profile_dir / "config.yaml"
-    profile = yaml.safe_load(profile_path.read_text())
-    two = two_node_partition(profile["default-resources"]["slurm_partition"])
-    profile["set-resources"]["train"]["slurm_partition"] = two
-    profile_path.write_text(yaml.safe_dump(profile, sort_keys=False))
+    rules_on_two_nodes(profile_dir, ["train"])
     (wf / "on-nodes.yaml").write_text(yaml.safe_dump(ON_NODES))
     marker = f"EAGLEFLOW_TEST_SERVED_SLURM={uuid.uuid4().hex}"
     env = {**env, marker.split("=")[0]: marker.split("=")[1]}

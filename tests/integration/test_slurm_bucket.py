@@ -14,12 +14,11 @@ import re
 import subprocess
 
 import pytest
-import yaml
 
 from devkit.seaweedfs import SeaweedFS
 from tests.helpers import SNAKEMAKE
 from tests.object_storage import PREFIX, STORAGE, client, objects, put_run
-from tests.slurm_cluster import SMALL, copy_for_cluster, two_node_partition
+from tests.slurm_cluster import SMALL, copy_for_cluster, rules_on_two_nodes
 
 HOST_ADDR = "10.77.0.1"  # the first node's end of the link to the second (start_cluster.sh)
 NODE2 = "eagleflow-n2"
@@ -29,14 +28,7 @@ SHARED = ["software-deployment", "sources", "source-cache"]
 @pytest.fixture(scope="module")
 def on_the_second_node(finished_run, module_tmp):
     wf, profile_dir, env = copy_for_cluster(finished_run, module_tmp)
-    profile_path = profile_dir / "config.yaml"
-    profile = yaml.safe_load(profile_path.read_text())
-    two = two_node_partition(profile["default-resources"]["slurm_partition"])
-    for rule in ("hidden_states", "hidden_states_index"):
-        resources = profile["set-resources"].setdefault(rule, {})
-        resources["slurm_partition"] = two
-        resources["slurm_extra"] = f"'--nodelist={NODE2}'"
-    profile_path.write_text(yaml.safe_dump(profile, sort_keys=False))
+    rules_on_two_nodes(profile_dir, ["hidden_states", "hidden_states_index"], nodelist=NODE2)
     server = SeaweedFS(module_tmp / "s3", ip=HOST_ADDR).start()
     try:
         s3 = client(server)
