@@ -17,7 +17,7 @@ SAME_BYTES: dict[str, dict[str, str]] = {
         # picks its store and asks it for the digests. On a filesystem the manifests and files
         # are byte for byte those of before; in a bucket the files are the filesystem's, digest
         # for digest (tests/integration/test_object_store.py).
-        "b95ea774424fd081": "b30754698717abae",
+        "9ad5a3b42719474e": "b30754698717abae",
     },
     # The response store's modules renamed for what they hold (runtime/store.py ->
     # runtime/response_store.py, runtime/store_or_server.py -> runtime/answers.py): run-only

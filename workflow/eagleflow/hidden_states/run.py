@@ -4,7 +4,6 @@ sample; then the part's manifest, which names every sample of the part by its ke
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import time
@@ -140,97 +139,92 @@ def run_part(
         verifier_fingerprint(verifier_dir),
     )
     store = sample_store(Path(out).parent / STORE_DIR, store_location)
-    with contextlib.closing(store):
-        return fill_part(
-            store,
-            samples,
-            made_by,
-            out,
+    try:
+        for s in samples:
+            s["key"] = sample_key(made_by, s["input_ids"], s["loss_mask"])
+        # One extraction per key: the same tokens under two ids are one sample of the store.
+        todo = list({s["key"]: s for s in samples if force or not store.has(s["key"])}.values())
+        tokens = sum(len(s["input_ids"]) for s in samples)
+        extracted = sum(len(s["input_ids"]) for s in todo)
+        log.info(
+            "part %d/%d: %d samples; %d to extract (%d tokens), %d found stored%s",
             part,
-            force,
-            (verifier_dir, layer_ids, geometry, settings, server, trust_remote_code, log_path, threads, gpus),
+            num_parts,
+            len(samples),
+            len(todo),
+            extracted,
+            len(samples) - len(todo),
+            " (forced: every sample again)" if force else "",
         )
-
-
-def fill_part(
-    store: SampleStore | BucketSampleStore,
-    samples: list[dict[str, Any]],
-    made_by: str,
-    out: str,
-    part: int,
-    force: bool,
-    extraction: tuple,
-) -> dict[str, Any]:
-    """run_part's work once its store is open: extract what the store lacks (`extraction`:
-    extract_into's arguments after the samples), write the manifest."""
-    _, layer_ids, geometry, settings, *_ = extraction
-    num_parts = settings.num_shards
-    for s in samples:
-        s["key"] = sample_key(made_by, s["input_ids"], s["loss_mask"])
-    # One extraction per key: the same tokens under two ids are one sample of the store.
-    todo = list({s["key"]: s for s in samples if force or not store.has(s["key"])}.values())
-    tokens = sum(len(s["input_ids"]) for s in samples)
-    extracted = sum(len(s["input_ids"]) for s in todo)
-    log.info(
-        "part %d/%d: %d samples; %d to extract (%d tokens), %d found stored%s",
-        part,
-        num_parts,
-        len(samples),
-        len(todo),
-        extracted,
-        len(samples) - len(todo),
-        " (forced: every sample again)" if force else "",
-    )
-    started = time.monotonic()
-    extract_s = 0.0
-    # What this job is extracting, named beside the store until its manifest is written:
-    # prune keeps those samples, so a killed job's rerun finds what it stored.
-    pending = Path(out).with_suffix(".pending.json")
-    if todo:
-        write_json(pending, {"samples": [{"key": s["key"]} for s in todo]})
-        extract_s = extract_into(store, todo, *extraction, force)
-    digests = store.digests([s["key"] for s in samples], shard_content_digest)
-    manifest = {
-        "part": part,
-        "num_parts": num_parts,
-        "settings_key": made_by,
-        "aux_layer_ids": layer_ids,
-        "num_layers": geometry.num_layers,
-        "hidden_size": geometry.hidden_size,
-        "dtype": settings.dtype,
-        "target_topk": settings.target_topk,
-        "backend": settings.backend,
-        # A bucket's store is named; the default lies beside the manifest.
-        **({"store": store.location} if store.location else {}),
-        "samples": [
-            {
-                "id": s["id"],
-                "split": s["split"],
-                "key": s["key"],
-                "num_tokens": len(s["input_ids"]),
-                "digest": digests[s["key"]],
-            }
-            for s in samples
-        ],
-        "stats": {
-            "samples": len(samples),
-            "tokens": tokens,
-            "extracted_samples": len(todo),
-            "extracted_tokens": extracted,
-            "stored_samples": len(samples) - len(todo),
-            "stored_tokens": tokens - extracted,
-            "verifier_loads": 1 if todo else 0,
-            "wall_s": round(time.monotonic() - started, 3),
-            # From the server's first answer to the last sample stored: the extraction's rate
-            # (plan.hours), without the start a planned load already counts.
-            "extract_s": round(extract_s, 3),
-            **({"uploaded_samples": store.uploaded, "uploaded_bytes": store.uploaded_bytes} if store.location else {}),
-        },
-    }
-    write_json(out, manifest)
-    pending.unlink(missing_ok=True)
-    clear_mark([out])
-    return manifest
+        started = time.monotonic()
+        extract_s = 0.0
+        # What this job is extracting, named beside the store until its manifest is written:
+        # prune keeps those samples, so a killed job's rerun finds what it stored.
+        pending = Path(out).with_suffix(".pending.json")
+        if todo:
+            write_json(pending, {"samples": [{"key": s["key"]} for s in todo]})
+            extract_s = extract_into(
+                store,
+                todo,
+                verifier_dir,
+                layer_ids,
+                geometry,
+                settings,
+                server,
+                trust_remote_code,
+                log_path,
+                threads,
+                gpus,
+                force,
+            )
+        digests = store.digests([s["key"] for s in samples], shard_content_digest)
+        manifest = {
+            "part": part,
+            "num_parts": num_parts,
+            "settings_key": made_by,
+            "aux_layer_ids": layer_ids,
+            "num_layers": geometry.num_layers,
+            "hidden_size": geometry.hidden_size,
+            "dtype": settings.dtype,
+            "target_topk": settings.target_topk,
+            "backend": settings.backend,
+            # A bucket's store is named; the default lies beside the manifest.
+            **({"store": store.location} if store.location else {}),
+            "samples": [
+                {
+                    "id": s["id"],
+                    "split": s["split"],
+                    "key": s["key"],
+                    "num_tokens": len(s["input_ids"]),
+                    "digest": digests[s["key"]],
+                }
+                for s in samples
+            ],
+            "stats": {
+                "samples": len(samples),
+                "tokens": tokens,
+                "extracted_samples": len(todo),
+                "extracted_tokens": extracted,
+                "stored_samples": len(samples) - len(todo),
+                "stored_tokens": tokens - extracted,
+                "verifier_loads": 1 if todo else 0,
+                "wall_s": round(time.monotonic() - started, 3),
+                # From the server's first answer to the last sample stored: the extraction's rate
+                # (plan.hours), without the start a planned load already counts.
+                "extract_s": round(extract_s, 3),
+                **(
+                    {"uploaded_samples": store.uploaded, "uploaded_bytes": store.uploaded_bytes}
+                    if store.location
+                    else {}
+                ),
+            },
+        }
+        write_json(out, manifest)
+        pending.unlink(missing_ok=True)
+        clear_mark([out])
+        return manifest
+    finally:
+        store.close()  # a bucket's staging directory
 
 
 def extract_into(
