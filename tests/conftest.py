@@ -47,6 +47,18 @@ SLURM_MODULES = frozenset(
 )
 # Integration modules that run a whole DAG of their own: started first, beside the run.
 LONGEST_FIRST = ("test_mla_verifier.py",)
+# The modules that copy the finished run, the longest first (by `make test`'s --durations):
+# the last to start are short, and the unit tests fill the other worker meanwhile. (A CI run
+# with the served-states module last in this tier ran it on one worker while the other ran
+# out of work.)
+COPYING_LONGEST_FIRST = (
+    "test_served_states.py",
+    "test_vllm_extraction.py",
+    "test_draft_methods.py",
+    "test_bench_smoke.py",
+    "test_object_storage_run.py",
+    "test_output_cache_run.py",
+)
 
 
 def module_name(nodeid: str) -> str:
@@ -75,7 +87,7 @@ def schedule_tier(item) -> tuple[int, int]:
     if "unit" in item.path.parts:
         return 4, 0
     if name in COPYING_MODULES:
-        return 3, 0
+        return 3, COPYING_LONGEST_FIRST.index(name) if name in COPYING_LONGEST_FIRST else len(COPYING_LONGEST_FIRST)
     return (1, LONGEST_FIRST.index(name)) if name in LONGEST_FIRST else (2, 0)
 
 
