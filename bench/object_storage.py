@@ -148,7 +148,7 @@ def main() -> int:
             for key in listing:
                 if "/logs/train." in key and key.endswith(".log"):
                     local = args.out / "train-logs" / Path(key).name
-                    Bucket("s3://eagleflow").fetch(key, local, "", lambda _p: "")
+                    Bucket("s3://eagleflow").download(key, local)
                     logs[Path(key).stem] = local.read_text()
             again = subprocess.run(
                 [SNAKEMAKE, "-n", "--cores", "all", *config, *flags], cwd=wf, env=s3_env, capture_output=True, text=True

@@ -202,22 +202,32 @@ class Bucket:
         )
         return True
 
-    def fetch(self, relative: str, dest: Path, expect: str, digest_of: Callable[[Path], str]) -> None:
-        """Download `relative` to `dest` (atomically: a temporary renamed once checked) and check
-        that `digest_of(file)` is `expect`, the digest the run recorded."""
+    def download(self, relative: str, dest: Path, check: Callable[[Path], None] | None = None) -> None:
+        """Download `relative` to `dest` atomically: into a temporary beside it, which `check`
+        (where given) may refuse by raising, renamed into place once complete."""
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(f".{dest.name}.{os.getpid()}.{threading.get_ident()}.part")
         try:
             self._call(lambda: client().download_file(self.where.bucket, self.where.key(relative), str(tmp)), relative)
+            if check is not None:
+                check(tmp)
+            os.replace(tmp, dest)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def fetch(self, relative: str, dest: Path, expect: str, digest_of: Callable[[Path], str]) -> None:
+        """Download `relative` to `dest` as `download` does, refused unless `digest_of(file)` is
+        `expect`, the digest the run recorded."""
+
+        def recorded(tmp: Path) -> None:
             found = digest_of(tmp)
             if found != expect:
                 raise ObjectStoreError(
                     f"{self.where.url(relative)}: its content digest is {found}, the run recorded {expect}: the "
                     "object changed after it was written. Delete it and rerun its hidden_states job"
                 )
-            os.replace(tmp, dest)
-        finally:
-            tmp.unlink(missing_ok=True)
+
+        self.download(relative, dest, recorded)
 
     def delete(self, relatives: Iterable[str]) -> int:
         """Delete the objects `relatives` name, a thousand per request. Returns how many."""
