@@ -4,23 +4,32 @@ real S3 server on loopback (SeaweedFS, devkit/seaweedfs.py).
 A copy of the finished test run's outputs up to the dataset and the draft vocabulary is put in
 the bucket as a run there would have left them; then the extraction and the training run with
 every input, output and store in the bucket: the samples uploaded once and fetched back through
-training's cache, nothing left beside the local copies, the draft a directory of objects. A
-second dry run plans nothing, and an edit of the index's code restales on the bucket exactly
-what it restales on the filesystem."""
+training's cache, nothing left beside the local copies, the draft a directory of objects. The
+S3 server crashes once training has copied a checkpoint to the bucket; the node's own
+checkpoints are deleted (a job resubmitted to another node finds none), and the rerun resumes
+from the bucket's. A second dry run plans nothing, and an edit of the index's code restales on
+the bucket exactly what it restales on the filesystem."""
 
 import json
 import os
+import shutil
 import subprocess
 import time
 
 import pytest
+import torch
+import yaml
+from safetensors.torch import load
 
 from devkit.runs import copy_finished_run, planned_jobs
 from devkit.seaweedfs import SeaweedFS
 from tests.helpers import REPO, SNAKEMAKE
 from tests.object_storage import PREFIX, STORAGE, client, objects, put_run
 
-CONFIG = ["--configfile", str(REPO / "tests/config/small.yaml")]
+# A checkpoint every two of the run's 20 steps (no result changes with it): the S3 server is
+# killed after the first is copied to the bucket. Written into the run's copy by the fixture.
+CONFIG = ["--configfile", str(REPO / "tests/config/small.yaml"), "checkpoints.yaml"]
+MIRROR = "run/results/small/drafts/default/train/checkpoints/"
 
 
 def snakemake(wf, env, *args) -> str:
@@ -35,23 +44,37 @@ def on_a_bucket(finished_run, module_tmp):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SNAKEMAKE", "AWS_"))} | server.env()
     s3 = client(server)
     wf = copy_finished_run(finished_run, module_tmp / "wf")
+    (wf / "checkpoints.yaml").write_text(yaml.safe_dump({"train": {"checkpoint_every": 2}}))
     put_run(wf, s3)
     out = snakemake(wf, env, "--cores", "2", "--until", "hidden_states_index", *STORAGE)
-    # The S3 server crashes while the train job reads its states: the job fails, naming the
-    # endpoint, and nothing of it is taken as finished; started again, the rerun completes.
+    # The S3 server crashes while the train job reads its states, once it has copied a
+    # checkpoint to the bucket: the job fails, naming the endpoint, and nothing of it is taken
+    # as finished. Its checkpoints on this node are deleted, as a job resubmitted to another
+    # node finds none; started again, the rerun resumes from the bucket's and completes.
     cmd = [*SNAKEMAKE, *CONFIG, "--cores", "2", "--until", "train", *STORAGE]
     crashed = subprocess.Popen(cmd, cwd=wf, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     train_log = wf / ".snakemake/storage/s3/eagleflow/run/results/small/logs/train.default.log"
     deadline = time.monotonic() + 600
-    while not train_log.exists() and crashed.poll() is None:
-        assert time.monotonic() < deadline, "the train job never started"
-        time.sleep(0.2)
+    while "copied to s3://" not in (train_log.read_text() if train_log.exists() else ""):
+        assert crashed.poll() is None and time.monotonic() < deadline, "the train job copied no checkpoint"
+        time.sleep(0.05)
     server.kill()
     failed = crashed.communicate(timeout=600)[0]
-    failed_log = train_log.read_text() if train_log.exists() else ""
+    failed_log = train_log.read_text()
+    local = wf / "results/small/drafts/default/train/checkpoints"
+    on_the_node = sorted(p.name for p in local.glob("*/step-*"))
+    shutil.rmtree(local)
     server.start()
+    in_the_bucket = sorted(key.split("/")[-2] for key in objects(s3, MIRROR) if key.endswith("/state.json"))
     out += snakemake(wf, env, "--cores", "2", "--until", "train", *STORAGE)
-    yield {"wf": wf, "env": env, "s3": s3, "out": out, "crash": (crashed.returncode, failed, failed_log)}
+    crash = {
+        "code": crashed.returncode,
+        "out": failed,
+        "log": failed_log,
+        "on_the_node": on_the_node,
+        "in_the_bucket": in_the_bucket,
+    }
+    yield {"wf": wf, "env": env, "s3": s3, "out": out, "crash": crash, "finished": finished_run}
     server.stop()
 
 
@@ -73,9 +96,26 @@ def test_extraction_and_training_keep_everything_in_the_bucket(on_a_bucket):
 
 
 def test_a_crashed_s3_server_fails_the_job_that_needs_it_and_the_rerun_completes(on_a_bucket):
-    code, out, log = on_a_bucket["crash"]
-    assert code != 0 and "Error in rule train" in out, out[-3000:]
-    assert "the S3 endpoint cannot be reached" in log, log[-3000:]
+    crash = on_a_bucket["crash"]
+    assert crash["code"] != 0 and "Error in rule train" in crash["out"], crash["out"][-3000:]
+    assert "the S3 endpoint cannot be reached" in crash["log"], crash["log"][-3000:]
+
+
+def test_the_rerun_elsewhere_resumes_from_the_buckets_checkpoint_and_trains_the_same_draft(on_a_bucket):
+    crash, s3 = on_a_bucket["crash"], on_a_bucket["s3"]
+    # The bucket held whole checkpoints, none newer than the node's own before the crash.
+    assert crash["in_the_bucket"] and crash["in_the_bucket"][-1] <= crash["on_the_node"][-1], crash
+    log = s3.get_object(Bucket="eagleflow", Key="run/results/small/logs/train.default.log")["Body"].read().decode()
+    newest = crash["in_the_bucket"][-1]
+    assert f"checkpoint {newest} fetched from s3://eagleflow/{MIRROR}" in log, log[-3000:]
+    assert f"resuming from step {int(newest.removeprefix('step-'))} of 20" in log, log[-3000:]
+    # The draft is the one the finished run trained on the filesystem, uninterrupted, from the
+    # same states; the bucket's copies are gone with the training that needed them.
+    key = "run/results/small/drafts/default/draft/model.safetensors"
+    got = load(s3.get_object(Bucket="eagleflow", Key=key)["Body"].read())
+    want = load((on_a_bucket["finished"] / "results/small/drafts/default/draft/model.safetensors").read_bytes())
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert objects(s3, MIRROR) == {}
 
 
 def test_a_second_run_plans_nothing_and_an_edit_restales_what_it_does_on_a_filesystem(on_a_bucket):

@@ -5,8 +5,10 @@ response store (`storage.responses`), credentials, and a server killed in the mi
 upload."""
 
 import json
+import os
 import threading
 import time
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -19,6 +21,7 @@ from eagleflow.runtime import object_store
 from eagleflow.runtime.object_store import Bucket, ObjectStoreError, check_access
 from eagleflow.runtime.response_store import BUCKET_ENV, ResponseStore
 from eagleflow.runtime.state_store import prune_unreferenced
+from eagleflow.train.checkpoint import BucketCheckpoints
 from eagleflow.train.data import ShardSamples
 from tests.helpers import write_dataset
 from tests.unit.test_hidden_states import run_hf_part
@@ -205,3 +208,32 @@ def test_replies_reach_the_bucket_as_they_are_stored_and_a_job_elsewhere_asks_no
     object_store.client().put_object(Bucket="replies", Key=key, Body=b"\0" * 16, Metadata={"digest": "x"})
     with pytest.raises(ObjectStoreError, match="does not match the digest"):
         ResponseStore(tmp_path / "node-e/store.sqlite")
+
+
+def test_checkpoints_copied_to_the_bucket_bring_a_job_elsewhere_to_the_newest_whole_one(s3_env, tmp_path):
+    check_access("s3://eagleflow/ckpt")
+    directory = Path("results/r/drafts/d/train/checkpoints/0123abcd")
+    mirror = BucketCheckpoints.for_job({"checkpoints": "s3://eagleflow/ckpt"}, directory)
+    assert mirror.bucket.url == f"s3://eagleflow/ckpt/{directory}"
+    assert BucketCheckpoints.for_job({"checkpoints": None}, directory) is None
+    node = tmp_path / "node" / directory
+    for step in (2, 4, 6):
+        path = node / f"step-{step:08d}"
+        path.mkdir(parents=True)
+        (path / "model.safetensors").write_bytes(os.urandom(4096))
+        (path / "state.json").write_text(json.dumps({"step": step}))
+        mirror.publish(path, keep=2)
+    assert mirror.whole() == ["step-00000004", "step-00000006"]
+    assert not [rel for rel in objects(mirror.bucket.url) if rel.startswith("step-00000002/")]
+    # A copy cut short (its state.json never uploaded) is not whole: never fetched.
+    Bucket(mirror.bucket.url).put("step-00000008/model.safetensors", node / "step-00000006/model.safetensors")
+    assert mirror.whole()[-1] == "step-00000006"
+    # A job on another node: the newest whole checkpoint, file for file; then nothing to fetch.
+    elsewhere = tmp_path / "elsewhere" / directory
+    assert mirror.fetch_newest(elsewhere) == elsewhere / "step-00000006"
+    for name in ("model.safetensors", "state.json"):
+        assert (elsewhere / "step-00000006" / name).read_bytes() == (node / "step-00000006" / name).read_bytes()
+    assert [p.name for p in elsewhere.iterdir()] == ["step-00000006"]
+    assert mirror.fetch_newest(elsewhere) is None and mirror.fetch_newest(node) is None
+    mirror.drop()
+    assert objects(mirror.bucket.url) == {}

@@ -7,6 +7,8 @@ ours). What eagleflow keeps beside the outputs follows them into the bucket:
   samples are never left in a job's local copy of `results/` (runtime/state_store.py);
 - the response store: `storage.responses` defaults to `<prefix>/responses/<run>`, each job's
   SQLite file a local copy of it (runtime/response_store.py, runtime/reply_bucket.py);
+- training's checkpoints: `storage.checkpoints` defaults to the prefix, so that a train job
+  resubmitted to another node resumes from the newest (train.checkpoint.BucketCheckpoints);
 - the output cache is off: its entries are hard links beside the outputs on one filesystem,
   and under storage an output is a bucket's object that a link cannot keep
   (docs/operations.md, "Without a shared filesystem").
@@ -44,10 +46,13 @@ def setup_object_storage(config: dict[str, Any], provider: str | None, prefix: s
         storage["states"] = f"{prefix.rstrip('/')}/states"
     if not storage.get("responses"):
         storage["responses"] = f"{prefix.rstrip('/')}/responses/{config['run']}"
-    for url in dict.fromkeys([prefix, storage["states"], storage["responses"]]):
+    if not storage.get("checkpoints"):
+        storage["checkpoints"] = prefix.rstrip("/")
+    for url in dict.fromkeys([prefix, storage["states"], storage["responses"], storage["checkpoints"]]):
         check_access(url)
     os.environ[SWITCH] = "off"
     return (
         f"Object storage: outputs under {prefix}, the hidden-state store under {storage['states']}/<run>, "
-        f"the replies under {storage['responses']}; output cache off (its entries are links on one filesystem)"
+        f"the replies under {storage['responses']}, training's checkpoints under {storage['checkpoints']}; "
+        "output cache off (its entries are links on one filesystem)"
     )

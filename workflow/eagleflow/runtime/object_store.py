@@ -189,17 +189,21 @@ class Bucket:
             raise explain(e, self.where.url(relative)) from None
         return head.get("Metadata", {}).get(DIGEST, "")
 
+    def put(self, relative: str, local: Path, digest: str | None = None) -> None:
+        """Upload `local` as `relative` (with `digest` recorded where given), replacing any
+        object there: for what is written again under its name, a checkpoint's files."""
+        extra = {"Metadata": {DIGEST: digest}} if digest is not None else None
+        self._call(
+            lambda: client().upload_file(str(local), self.where.bucket, self.where.key(relative), ExtraArgs=extra),
+            relative,
+        )
+
     def put_once(self, relative: str, local: Path, digest: str) -> bool:
         """Upload `local` as `relative` with its digest, unless an object is there already (the
         first writer's object stands: objects are never overwritten). True when uploaded."""
         if self.recorded_digest(relative) is not None:
             return False
-        self._call(
-            lambda: client().upload_file(
-                str(local), self.where.bucket, self.where.key(relative), ExtraArgs={"Metadata": {DIGEST: digest}}
-            ),
-            relative,
-        )
+        self.put(relative, local, digest)
         return True
 
     def download(self, relative: str, dest: Path, check: Callable[[Path], None] | None = None) -> None:

@@ -71,5 +71,6 @@ class TrainJob:
     # "key"} (train.launch): kept by rank 0 before it drops the checkpoints, so that no
     # failure after training can cost the steps.
     keep_as: dict[str, str] | None = None
-    # The `storage` section: the local cache of states read from a bucket (runtime.object_store).
+    # The `storage` section: the local cache of states read from a bucket (runtime.object_store),
+    # and where checkpoints are copied (storage.checkpoints: train.checkpoint.BucketCheckpoints).
     storage: dict[str, Any] | None = None

@@ -33,7 +33,14 @@ from safetensors.torch import load_file
 from tqdm import tqdm
 
 from eagleflow.common.config import typed
-from eagleflow.train.checkpoint import TrainState, latest_checkpoint, restore, save_checkpoint, trainable_state
+from eagleflow.train.checkpoint import (
+    BucketCheckpoints,
+    TrainState,
+    latest_checkpoint,
+    restore,
+    save_checkpoint,
+    trainable_state,
+)
 from eagleflow.train.config import TrainConfig, TrainJob
 from eagleflow.train.data import Sample, ShardRef, ShardSamples, read_ahead
 from eagleflow.train.device import Runtime, init_runtime
@@ -121,6 +128,7 @@ class Trainer:
     keys: list[str]
     fingerprint: str
     checkpoint_dir: Path
+    mirror: BucketCheckpoints | None  # the checkpoints' copies in a bucket (storage.checkpoints)
     state: TrainState = dataclasses.field(default_factory=TrainState)
     best: dict[str, torch.Tensor] | None = None  # trainable weights of the best validation (rank 0)
 
@@ -175,6 +183,7 @@ class Trainer:
             keys=method.metric_keys(cfg),
             fingerprint=fingerprint,
             checkpoint_dir=Path(job.checkpoint_dir) / fingerprint,
+            mirror=BucketCheckpoints.for_job(job.storage, Path(job.checkpoint_dir) / fingerprint),
         )
         if rt.is_main:
             trainer.log_setup()
@@ -206,6 +215,11 @@ class Trainer:
     def resume(self) -> None:
         """Continue from the newest checkpoint of this fingerprint, if there is one."""
         rt = self.rt
+        if self.mirror is not None:  # a job on a node without them: the bucket's newest first
+            if rt.is_main:
+                self.mirror.fetch_newest(self.checkpoint_dir)
+            if rt.world_size > 1:
+                dist.barrier()
         ckpt = latest_checkpoint(self.checkpoint_dir, self.fingerprint)
         if ckpt is not None:
             restore(ckpt, self.model, self.optimizer)
@@ -380,6 +394,8 @@ class Trainer:
             self.cfg.keep_checkpoints,
         )
         log.info("checkpoint at step %d of %d: %s", self.state.step, self.total_steps, path)
+        if self.mirror is not None:
+            self.mirror.publish(path, self.cfg.keep_checkpoints)
 
     def export(self) -> None:
         """Rank 0 writes the best draft and the metrics rows, then drops this run's checkpoints
@@ -389,5 +405,7 @@ class Trainer:
             if self.best is None:
                 raise RuntimeError("no validation ran, so there is no best draft to export")
             write_outputs(self.job, self.model, self.best, self.state, self.state.rows + served, self.checkpoint_dir)
+            if self.mirror is not None:
+                self.mirror.drop()
         if self.rt.world_size > 1:
             dist.barrier()
