@@ -31,3 +31,13 @@ def test_the_note_says_whether_the_link_keeps_up_with_training():
     fast = bucket_rows(config(1), 0, 4500 * GB, draft(epochs=1), {"": 0}, {"": 2.0}, 10)[1]
     assert "waits on the link, 0.5 h at least" in slow["note"] and "storage.cache_gb 562" in slow["note"]
     assert "the link keeps up" in fast["note"]
+
+
+def test_each_checkpoint_is_uploaded_beside_the_draft():
+    plain, checkpointed = (
+        bucket_rows(config(1), 0, 800 * GB, draft(), {"": GB}, {"": 1.0}, 10, ckpt)[1]
+        for ckpt in (None, {"": (4, 3 * GB)})
+    )
+    assert plain["up"] == GB and "checkpoints" not in plain["what"]
+    assert checkpointed["up"] == 13 * GB and "4 checkpoints of 3.0 GB copied" in checkpointed["what"]
+    assert checkpointed["hours"] == pytest.approx(link_hours(13 * GB + 2400 * GB, 10))

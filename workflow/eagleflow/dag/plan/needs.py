@@ -151,10 +151,12 @@ def make_plan(
             }
         )
     drafts = distinct_drafts(config)
+    checkpoint_bytes = {}
     for label, (draft_train, draft_vocab) in drafts.items():
         trainable, _ = draft_params(g, draft_train, draft_vocab, num_aux)
         # the weights, the best weights so far, the optimizer's state
         floats = 2 * trainable + optimizer_state_floats(g, draft_train, draft_vocab, num_aux)
+        checkpoint_bytes[label] = floats * 4
         kept, optimizer = draft_train["keep_checkpoints"], draft_train["optimizer"]
         plan.disk.append(
             {
@@ -243,7 +245,9 @@ def make_plan(
             else shard_bytes(tokens.tokens, tokens.samples, num_states, g.hidden_size, hs["dtype"], topk)
         )
         exports = {label: draft_export_bytes(g, d.train, d.vocab, num_aux) for label, d in drafts.items()}
-        plan.bucket = bucket_section(config, shard_total, every, drafts, exports, work, rates, link_gbps or 10.0)
+        plan.bucket = bucket_section(
+            config, shard_total, every, drafts, exports, work, rates, link_gbps or 10.0, checkpoint_bytes
+        )
     return plan
 
 
