@@ -257,11 +257,12 @@ class BucketCheckpoints:
         where = (storage or {}).get("checkpoints")
         return cls(f"{where.rstrip('/')}/{directory.as_posix().lstrip('/')}") if where else None
 
-    def whole(self) -> list[str]:
-        """The checkpoints the bucket holds whole, oldest first."""
+    def whole(self, listing: list[tuple[str, int]] | None = None) -> list[str]:
+        """The checkpoints the bucket holds whole, oldest first (from `listing`, the bucket's
+        where given)."""
         return sorted(
             rel.split("/", 1)[0]
-            for rel, _size in self.bucket.listing()
+            for rel, _size in (self.bucket.listing() if listing is None else listing)
             if rel.startswith(PREFIX) and rel.endswith("/" + self.STATE) and rel.count("/") == 1
         )
 
@@ -269,8 +270,9 @@ class BucketCheckpoints:
         """Copy checkpoint `path` to the bucket, then drop all there but the newest `keep`."""
         for f in sorted(path.iterdir(), key=lambda f: f.name == self.STATE):
             self.bucket.put(f"{path.name}/{f.name}", f)
-        kept = set(self.whole()[-keep:])
-        self.bucket.delete(rel for rel, _size in list(self.bucket.listing()) if rel.split("/", 1)[0] not in kept)
+        listing = list(self.bucket.listing())
+        kept = set(self.whole(listing)[-keep:])
+        self.bucket.delete(rel for rel, _size in listing if rel.split("/", 1)[0] not in kept)
         log.info("checkpoint %s copied to %s", path.name, self.bucket.url)
 
     def fetch_newest(self, directory: Path) -> Path | None:

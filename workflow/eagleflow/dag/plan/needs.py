@@ -162,7 +162,7 @@ def make_plan(
             {
                 "stage": "train",
                 "what": f"{label}checkpoints: {kept} kept, weights and {optimizer} state in fp32",
-                "bytes": kept * floats * 4 if draft_train["checkpoint_every"] else 0,
+                "bytes": kept * checkpoint_bytes[label] if draft_train["checkpoint_every"] else 0,
                 "where": root / f"results/{run}/drafts",
             }
         )
