@@ -18,10 +18,10 @@ import torch
 from devkit.seaweedfs import SeaweedFS
 from eagleflow.hidden_states.index import write_index_of_parts
 from eagleflow.runtime import object_store
+from eagleflow.runtime.checkpoint_mirror import BucketCheckpoints
 from eagleflow.runtime.object_store import Bucket, ObjectStoreError, check_access
 from eagleflow.runtime.response_store import BUCKET_ENV, ResponseStore
 from eagleflow.runtime.state_store import prune_unreferenced
-from eagleflow.train.checkpoint import BucketCheckpoints
 from eagleflow.train.data import ShardSamples
 from tests.helpers import write_dataset
 from tests.unit.test_hidden_states import run_hf_part
@@ -230,10 +230,11 @@ def test_checkpoints_copied_to_the_bucket_bring_a_job_elsewhere_to_the_newest_wh
     assert mirror.whole()[-1] == "step-00000006"
     # A job on another node: the newest whole checkpoint, file for file; then nothing to fetch.
     elsewhere = tmp_path / "elsewhere" / directory
-    assert mirror.fetch_newest(elsewhere) == elsewhere / "step-00000006"
+    assert mirror.fetch_newest(elsewhere, []) == elsewhere / "step-00000006"
     for name in ("model.safetensors", "state.json"):
         assert (elsewhere / "step-00000006" / name).read_bytes() == (node / "step-00000006" / name).read_bytes()
     assert [p.name for p in elsewhere.iterdir()] == ["step-00000006"]
-    assert mirror.fetch_newest(elsewhere) is None and mirror.fetch_newest(node) is None
+    assert mirror.fetch_newest(elsewhere, ["step-00000006"]) is None
+    assert mirror.fetch_newest(node, ["step-00000004", "step-00000006"]) is None
     mirror.drop()
     assert objects(mirror.bucket.url) == {}

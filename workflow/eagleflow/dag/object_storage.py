@@ -8,7 +8,7 @@ ours). What eagleflow keeps beside the outputs follows them into the bucket:
 - the response store: `storage.responses` defaults to `<prefix>/responses/<run>`, each job's
   SQLite file a local copy of it (runtime/response_store.py, runtime/reply_bucket.py);
 - training's checkpoints: `storage.checkpoints` defaults to the prefix, so that a train job
-  resubmitted to another node resumes from the newest (train.checkpoint.BucketCheckpoints);
+  resubmitted to another node resumes from the newest (runtime/checkpoint_mirror.py);
 - the output cache is off: its entries are hard links beside the outputs on one filesystem,
   and under storage an output is a bucket's object that a link cannot keep
   (docs/operations.md, "Without a shared filesystem").

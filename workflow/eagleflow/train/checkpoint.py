@@ -21,7 +21,7 @@ stale checkpoint.
 With `storage.checkpoints` (a bucket; under `--default-storage-provider s3` the run's prefix),
 each checkpoint is also copied to `<bucket>/<checkpoint directory>/<fingerprint>/` as it is
 written, `state.json` last, so that a job resubmitted to a node without the checkpoints resumes
-from the newest the bucket holds whole (BucketCheckpoints).
+from the newest the bucket holds whole (runtime/checkpoint_mirror.py, run-only).
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from eagleflow.common.atomic import atomic_path
-from eagleflow.runtime.object_store import Bucket
 
 log = logging.getLogger(__name__)
 
@@ -238,58 +237,3 @@ def restore(ckpt: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Opt
             params[name].copy_(value)
     load_optimizer_state(model, optimizer, *ckpt.optimizer)
     set_rng_state(*ckpt.rng)
-
-
-class BucketCheckpoints:
-    """A fingerprint directory's checkpoints mirrored in a bucket: each copied there once
-    written, its `state.json` last (a checkpoint in the bucket is whole once that object is);
-    the newest fetched back where the job's own directory lacks it."""
-
-    STATE = "state.json"
-
-    def __init__(self, url: str):
-        self.bucket = Bucket(url)
-
-    @classmethod
-    def for_job(cls, storage: dict[str, Any] | None, directory: Path) -> BucketCheckpoints | None:
-        """The mirror of `directory` (relative to the run's working directory, as the rule
-        names it) under `storage.checkpoints`, or None where that is not set."""
-        where = (storage or {}).get("checkpoints")
-        return cls(f"{where.rstrip('/')}/{directory.as_posix().lstrip('/')}") if where else None
-
-    def whole(self, listing: list[tuple[str, int]] | None = None) -> list[str]:
-        """The checkpoints the bucket holds whole, oldest first (from `listing`, the bucket's
-        where given)."""
-        return sorted(
-            rel.split("/", 1)[0]
-            for rel, _size in (self.bucket.listing() if listing is None else listing)
-            if rel.startswith(PREFIX) and rel.endswith("/" + self.STATE) and rel.count("/") == 1
-        )
-
-    def publish(self, path: Path, keep: int) -> None:
-        """Copy checkpoint `path` to the bucket, then drop all there but the newest `keep`."""
-        for f in sorted(path.iterdir(), key=lambda f: f.name == self.STATE):
-            self.bucket.put(f"{path.name}/{f.name}", f)
-        listing = list(self.bucket.listing())
-        kept = set(self.whole(listing)[-keep:])
-        self.bucket.delete(rel for rel, _size in listing if rel.split("/", 1)[0] not in kept)
-        log.info("checkpoint %s copied to %s", path.name, self.bucket.url)
-
-    def fetch_newest(self, directory: Path) -> Path | None:
-        """The newest whole checkpoint of the bucket, downloaded into `directory` (atomically)
-        unless `directory` holds one as new; its path, or None."""
-        found = self.whole()
-        if not found or any(p.name >= found[-1] for p in checkpoints(directory)):
-            return None
-        newest = found[-1]
-        directory.mkdir(parents=True, exist_ok=True)
-        with atomic_path(directory / newest) as tmp:
-            tmp.mkdir()
-            for rel, _size in list(self.bucket.listing(newest + "/")):
-                self.bucket.download(rel, tmp / rel.split("/", 1)[1])
-        log.info("checkpoint %s fetched from %s", newest, self.bucket.url)
-        return directory / newest
-
-    def drop(self) -> None:
-        """Delete every object of the mirror: training is complete, its outputs written."""
-        self.bucket.delete(rel for rel, _size in list(self.bucket.listing()))

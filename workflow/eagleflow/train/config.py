@@ -72,5 +72,5 @@ class TrainJob:
     # failure after training can cost the steps.
     keep_as: dict[str, str] | None = None
     # The `storage` section: the local cache of states read from a bucket (runtime.object_store),
-    # and where checkpoints are copied (storage.checkpoints: train.checkpoint.BucketCheckpoints).
+    # and where checkpoints are copied (storage.checkpoints: runtime/checkpoint_mirror.py).
     storage: dict[str, Any] | None = None

@@ -33,9 +33,10 @@ from safetensors.torch import load_file
 from tqdm import tqdm
 
 from eagleflow.common.config import typed
+from eagleflow.runtime.checkpoint_mirror import BucketCheckpoints
 from eagleflow.train.checkpoint import (
-    BucketCheckpoints,
     TrainState,
+    checkpoints,
     latest_checkpoint,
     restore,
     save_checkpoint,
@@ -217,7 +218,7 @@ class Trainer:
         rt = self.rt
         if self.mirror is not None:  # a job on a node without them: the bucket's newest first
             if rt.is_main:
-                self.mirror.fetch_newest(self.checkpoint_dir)
+                self.mirror.fetch_newest(self.checkpoint_dir, [p.name for p in checkpoints(self.checkpoint_dir)])
             if rt.world_size > 1:
                 dist.barrier()
         ckpt = latest_checkpoint(self.checkpoint_dir, self.fingerprint)
