@@ -12,7 +12,10 @@ Requests count one per object moved, a multipart upload's parts each (8 MB, boto
 plus the listings. Then a second `snakemake -n` on the bucket: the jobs it plans (none is right);
 and with `--edit MODULE` (a module of workflow/eagleflow, e.g. synth.py: a corrected generator)
 that module edited in both copies, and what `snakemake -n` plans in each, with its reasons.
-Writes DIR/object_storage.json.
+Writes DIR/object_storage.json. Each mode alone (on a quiet machine: the two at once share
+the cores), one call after another into the same DIR: a call keeps the modes of an earlier
+one's DIR/object_storage.json that it does not run, and the edit and the ratio come once both
+are there (`--order fs`, then `--order s3 --edit MODULE`).
 """
 
 from __future__ import annotations
@@ -111,7 +114,12 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     config = ["--configfile", str(Path(args.configfile).resolve())] if args.configfile else []
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
-    result: dict[str, dict] = {}
+    earlier = args.out / "object_storage.json"
+    result: dict[str, dict] = {
+        mode: found
+        for mode, found in (json.loads(earlier.read_text()) if earlier.exists() else {}).items()
+        if mode in ("fs", "s3") and mode not in args.order
+    }
     server = None
     flags = ["--default-storage-provider", "s3", "--default-storage-prefix", "s3://eagleflow/run"]
     try:
@@ -161,6 +169,8 @@ def main() -> int:
                 "second_run_plans": sorted(planned_jobs(again.stdout)),
             }
         if args.edit and "fs" in result and "s3" in result:
+            if server is None:
+                raise SystemExit("--edit plans the bucket's copy against its server: run it with the s3 mode")
             result["edit"] = edited_plans(args.out, args.edit, config, s3_env, flags)
     finally:
         if server is not None:
