@@ -16,7 +16,8 @@ os.environ.setdefault("EAGLEFLOW_DIGEST_CACHE", str(Path(tempfile.mkdtemp(prefix
 
 # The finished run (tests/integration/conftest.py) is built once per session. The modules
 # that use it in place (test_pipeline edits files inside it and restores them) run on one
-# worker; the modules that take a copy of it go to any worker.
+# worker; the modules that take a copy of it (or read vllm_store, a copy built once) go to
+# any worker.
 IN_PLACE_MODULES = frozenset({"test_pipeline.py", "test_parity.py"})
 COPYING_MODULES = frozenset(
     {
@@ -27,6 +28,7 @@ COPYING_MODULES = frozenset(
         "test_output_cache_run.py",
         "test_draft_methods.py",
         "test_served_states.py",
+        "test_served_mooncake.py",
         "test_served_slurm.py",
         "test_bench_smoke.py",
         "test_object_storage_run.py",
@@ -47,13 +49,17 @@ SLURM_MODULES = frozenset(
 )
 # Integration modules that run a whole DAG of their own: started first, beside the run.
 LONGEST_FIRST = ("test_mla_verifier.py",)
-# The modules that copy the finished run, the longest first (by `make test`'s --durations):
-# the last to start are short, and the unit tests fill the other worker meanwhile. (A CI run
-# with the served-states module last in this tier ran it on one worker while the other ran
-# out of work.)
+# The units that copy the finished run, the longest first (by `make test`'s --durations): the
+# last to start are short, and the unit tests fill the other worker meanwhile. (A CI run with
+# the served-states module last in this tier ran it on one worker while the other ran out of
+# work.) `slurm` is the SLURM modules' one unit: queued here, not where its first module
+# (test_slurm_cancel, which reads no run) would put it, among the modules with runs of their
+# own, where a worker that reached it before the run was built waited for it.
 COPYING_LONGEST_FIRST = (
     "test_served_states.py",
+    "slurm",
     "test_vllm_extraction.py",
+    "test_served_mooncake.py",
     "test_draft_methods.py",
     "test_bench_smoke.py",
     "test_object_storage_run.py",
@@ -86,6 +92,8 @@ def schedule_tier(item) -> tuple[int, int]:
         return 0, 0
     if "unit" in item.path.parts:
         return 4, 0
+    if name in SLURM_MODULES:
+        return 3, COPYING_LONGEST_FIRST.index("slurm")
     if name in COPYING_MODULES:
         return 3, COPYING_LONGEST_FIRST.index(name) if name in COPYING_LONGEST_FIRST else len(COPYING_LONGEST_FIRST)
     return (1, LONGEST_FIRST.index(name)) if name in LONGEST_FIRST else (2, 0)

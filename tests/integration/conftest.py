@@ -1,4 +1,5 @@
-"""The finished run that the slow integration tests share (one DAG run with a real vLLM)."""
+"""What the slow integration tests share: the finished run (one DAG run with a real vLLM), and a
+copy of it with the vllm hidden-state backend's store."""
 
 import fcntl
 import json
@@ -7,7 +8,9 @@ import shutil
 import signal
 import subprocess
 import time
+import traceback
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,7 @@ from devkit.runs import copy_finished_run, copy_workflow
 from eagleflow.runtime.process import group_members, parent_pid
 from eagleflow.runtime.spec import ServerSpec
 from tests.helpers import REPO, SNAKEMAKE, run_start_cluster, stored_replies, vllm_available
+from tests.vllm_store import build_vllm_store
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -49,21 +53,37 @@ def finished_run(tmp_path_factory, worker_id):
     in `hard_kill.json`. Then `--unlock` and the same command, as docs/operations.md says;
     during that rerun, generate's vLLM is SIGKILLed once (`server_kill.json`).
 
-    Built once per pytest session: under pytest-xdist the first worker to ask builds it in the
-    session's shared temporary directory while the others wait on a lock, and a failed build
-    fails every worker's tests with its message. Tests use it in place only in
+    Built once per pytest session (built_once). Tests use it in place only in
     tests/conftest.py's IN_PLACE_MODULES (one worker); elsewhere they take a copy
     (tests.helpers.copy_finished_run)."""
     if not vllm_available():
         pytest.skip("vLLM is not installed")
+    return built_once(tmp_path_factory, worker_id, "finished-run", build_finished_run)
+
+
+@pytest.fixture(scope="session")
+def vllm_store(finished_run, tmp_path_factory, worker_id):
+    """A copy of the finished run with the vllm backend's store, built through a server kill
+    and a job kill, and the draft trained on it (tests/vllm_store.py). Built once per pytest
+    session, as finished_run is; read in place, never changed."""
+    return built_once(tmp_path_factory, worker_id, "vllm-store", lambda wf: build_vllm_store(finished_run, wf))
+
+
+def built_once(tmp_path_factory, worker_id: str, name: str, build: Callable[[Path], str | None]) -> Path:
+    """`build(wf)` once per pytest session: under pytest-xdist the first worker to ask runs it
+    in the session's shared temporary directory while the others wait on a lock, and a failed
+    build (its message, or what it raised) fails every worker's tests with its message."""
     base = tmp_path_factory.getbasetemp()
-    home = (base if worker_id == "master" else base.parent) / "finished-run"
+    home = (base if worker_id == "master" else base.parent) / name
     home.mkdir(exist_ok=True)
     wf, done, failed = home / "wf", home / "done", home / "failed.txt"
     with open(home / "lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not done.exists() and not failed.exists():
-            error = build_finished_run(wf)
+            try:
+                error = build(wf)
+            except Exception:
+                error = traceback.format_exc()
             (failed if error else done).write_text(error or "")
     if failed.exists():
         pytest.fail(failed.read_text())

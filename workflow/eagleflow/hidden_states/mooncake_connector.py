@@ -25,7 +25,7 @@ import torch
 from hs_connectors.mooncake_hidden_states_connector import MooncakeHiddenStatesConnector
 
 # hs-connectors releases whose connector this stand-in was read against and run with
-# (tests/integration/test_served_states.py): `register_kv_caches` calls `self._device().Stream()`,
+# (tests/integration/test_served_mooncake.py): `register_kv_caches` calls `self._device().Stream()`,
 # `get_finished` records `self._device().Event()`, `_write_sample` runs `copy_stream.wait_event`
 # and `with self._device().stream(copy_stream)`.
 CHECKED_HS_CONNECTORS_VERSIONS = ("0.9.0",)
