@@ -80,7 +80,7 @@ def extracting(wf: Path) -> bool:
 
 
 def lease(wf: Path) -> dict | None:
-    """The lease of the part job's server (runtime.leases): its process group and its owner."""
+    """The lease of the run's one vLLM server (runtime.leases): its process group and its owner."""
     for path in (wf / f"{RUN}/logs/servers").glob("vllm-*.json"):
         try:
             return json.loads(path.read_text())

@@ -27,7 +27,7 @@ from devkit.runs import copy_finished_run
 from eagleflow.runtime.ledger import read_loads
 from eagleflow.runtime.process import group_members, parent_pid
 from tests.helpers import REPO, SNAKEMAKE, vllm_processes
-from tests.vllm_store import DTYPE, REFERENCE_TRAINING, RUN, SMALL, serve_path
+from tests.vllm_store import DTYPE, REFERENCE_TRAINING, RUN, SMALL, lease, serve_path
 
 # The offline reference's seeds and checkpoints, and its stored dtype: served mode rounds the
 # states it receives to hidden_states.dtype as extraction stores them.
@@ -42,15 +42,6 @@ def snakemake(wf: Path, overrides: dict, *args: str) -> list[str]:
 def train_log(wf: Path) -> Path | None:
     logs = sorted((wf / f"{RUN}/logs").glob("train.*.log"))
     return logs[0] if logs else None
-
-
-def server_lease(wf: Path) -> dict | None:
-    for path in (wf / f"{RUN}/logs/servers").glob("vllm-*.json"):
-        try:
-            return json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-    return None
 
 
 def train_job_pid(wf: Path) -> int | None:
@@ -95,7 +86,7 @@ def runs(finished_run, module_tmp, request):
     while job_killed is None and first.poll() is None and time.monotonic() < deadline:
         log = train_log(served)
         text = log.read_text() if log else ""
-        if server_killed is None and "served hidden states:" in text and (held := server_lease(served)):
+        if server_killed is None and "served hidden states:" in text and (held := lease(served)):
             server_killed = next((p for p in group_members(held["pgid"]) if parent_pid(p) == held["pgid"]), None)
             if server_killed:
                 os.kill(server_killed, signal.SIGKILL)
