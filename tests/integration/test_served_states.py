@@ -25,9 +25,8 @@ from safetensors.torch import load_file
 from devkit.configs import merged
 from devkit.runs import copy_finished_run
 from eagleflow.runtime.ledger import read_loads
-from eagleflow.runtime.process import group_members, parent_pid
 from tests.helpers import REPO, SNAKEMAKE, vllm_processes
-from tests.vllm_store import DTYPE, REFERENCE_TRAINING, RUN, SMALL, lease, serve_path
+from tests.vllm_store import DTYPE, REFERENCE_TRAINING, RUN, SMALL, kill_vllm, serve_path
 
 # The offline reference's seeds and checkpoints, and its stored dtype: served mode rounds the
 # states it receives to hidden_states.dtype as extraction stores them.
@@ -86,10 +85,8 @@ def runs(finished_run, module_tmp, request):
     while job_killed is None and first.poll() is None and time.monotonic() < deadline:
         log = train_log(served)
         text = log.read_text() if log else ""
-        if server_killed is None and "served hidden states:" in text and (held := lease(served)):
-            server_killed = next((p for p in group_members(held["pgid"]) if parent_pid(p) == held["pgid"]), None)
-            if server_killed:
-                os.kill(server_killed, signal.SIGKILL)
+        if server_killed is None and "served hidden states:" in text:
+            server_killed = kill_vllm(served)
         elif server_killed and checkpoints(served) and (job := train_job_pid(served)):
             os.kill(job, signal.SIGKILL)  # the train job, as the OOM killer would
             job_killed = job

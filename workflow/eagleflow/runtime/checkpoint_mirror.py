@@ -22,6 +22,9 @@ class BucketCheckpoints:
     job's own directory lacks it."""
 
     STATE = "state.json"
+    # train/checkpoint.py's PREFIX, by value: runtime imports no stage module
+    # (tests/unit/test_runtime_boundary.py; tests/unit/test_checkpoint_mirror.py checks the two agree).
+    STEP = "step-"
 
     def __init__(self, url: str):
         self.bucket = Bucket(url)
@@ -39,7 +42,7 @@ class BucketCheckpoints:
         return sorted(
             rel.split("/", 1)[0]
             for rel, _size in (self.bucket.listing() if listing is None else listing)
-            if rel.endswith("/" + self.STATE) and rel.count("/") == 1
+            if rel.startswith(self.STEP) and rel.endswith("/" + self.STATE) and rel.count("/") == 1
         )
 
     def publish(self, path: Path, keep: int) -> None:
