@@ -1,6 +1,7 @@
 """The plan before a run: token counts, the verifier's and the draft's sizes against real
 models, and the settings it names when a run does not fit."""
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -98,6 +99,42 @@ def test_draft_params_and_export_size_match_the_draft_eagleflow_builds(tiny_llam
         export_draft(draft, draft.state_dict(), out, str(tiny_llama_dir))
         size = (out / "model.safetensors").stat().st_size
         assert 0 <= size - draft_export_bytes(g, train, vocab, 3) < 4096  # the safetensors header
+
+
+def test_draft_sizes_are_remembered_across_processes_keyed_by_what_decides_them(tiny_llama_dir, monkeypatch, caplog):
+    """Counting builds the draft (seconds, in every `snakemake` call that plans training): a
+    count is remembered beside the file digests, read back by a later process (here: the
+    in-process cache cleared), and counted again for other arguments or a corrupt file."""
+    from eagleflow.dag.plan import sizes
+
+    monkeypatch.setenv("EAGLEFLOW_DIGEST_CACHE", str(tiny_llama_dir.parent / "digests" / "d.json"))
+    g = Geometry.from_config(json.loads((tiny_llama_dir / "config.json").read_text()))
+    train = {**DEFAULT["train"], "num_layers": 1}
+    sizes._counted.cache_clear()
+    counted = sizes.draft_sizes(g, train, 64, 3)
+    remembered = json.loads(sizes.remembered_sizes_path().read_text())
+    assert list(remembered.values()) == [dataclasses.asdict(counted)]
+
+    def no_count(*args):
+        raise AssertionError("counted again")
+
+    monkeypatch.setattr(sizes, "_count", no_count)
+    sizes._counted.cache_clear()
+    assert sizes.draft_sizes(g, train, 64, 3) == counted
+    for changed in ((g, train, 32, 3), (g, train, 64, 2), (g, {**train, "num_layers": 2}, 64, 3)):
+        sizes._counted.cache_clear()
+        with pytest.raises(AssertionError, match="counted again"):
+            sizes.draft_sizes(*changed)
+
+    monkeypatch.undo()
+    monkeypatch.setenv("EAGLEFLOW_DIGEST_CACHE", str(tiny_llama_dir.parent / "digests" / "d.json"))
+    sizes.remembered_sizes_path().write_text("{not json")
+    sizes._counted.cache_clear()
+    with caplog.at_level(logging.WARNING):
+        assert sizes.draft_sizes(g, train, 64, 3) == counted
+    assert "cannot read the remembered draft sizes" in caplog.text
+    assert list(json.loads(sizes.remembered_sizes_path().read_text()).values()) == [dataclasses.asdict(counted)]
+    sizes._counted.cache_clear()
 
 
 def test_a_run_of_several_methods_plans_each_drafts_training():

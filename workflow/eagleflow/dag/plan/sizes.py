@@ -3,15 +3,24 @@ and its training memory, free disk and GPU memory on this machine."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import importlib.metadata
 import json
+import logging
 import shutil
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import Any
 
+from eagleflow.common.atomic import write_json
 from eagleflow.common.cache_keys import nvidia_smi
+from eagleflow.common.fingerprint import code_fingerprint
+from eagleflow.common.identity import digest_cache_path
 from eagleflow.common.verifier_config import draft_attention_geometry, text_config
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -119,6 +128,73 @@ def draft_sizes(g: Geometry, train: dict[str, Any], draft_vocab: int, num_aux: i
 
 @cache
 def _counted(verifier: str, train: str, draft_vocab: int, num_aux: int) -> DraftSizes:
+    """DraftSizes as remembered beside the file digests (remembered_sizes_path), else
+    counted (_count) and remembered. Counting imports speculators and builds the draft: about
+    10 s, in every `snakemake` call that plans a train job; what it counts follows from the
+    arguments, the draft methods' code and the installed libraries, and all of them key it."""
+    key = _sizes_key(verifier, train, draft_vocab, num_aux)
+    # A method registered from outside the package (a test's toy) is in no fingerprint: counted.
+    path = remembered_sizes_path() if _shipped(json.loads(train)) else None
+    remembered = _read_remembered(path) if path else {}
+    entry = remembered.get(key)
+    if isinstance(entry, dict) and set(entry) == {f.name for f in dataclasses.fields(DraftSizes)}:
+        return DraftSizes(**entry)
+    sizes = _count(verifier, train, draft_vocab, num_aux)
+    if path:
+        _remember(path, key, sizes)
+    return sizes
+
+
+def remembered_sizes_path() -> Path | None:
+    """`draft-sizes.json` beside the remembered file digests (common.identity:
+    digest_cache_path; None where nothing is remembered)."""
+    digests = digest_cache_path()
+    return digests.with_name("draft-sizes.json") if digests else None
+
+
+def _shipped(train: dict[str, Any]) -> bool:
+    from eagleflow.train.methods import draft_method
+
+    return type(draft_method(train["method"])).__module__.startswith("eagleflow.")
+
+
+def _sizes_key(verifier: str, train: str, draft_vocab: int, num_aux: int) -> str:
+    libraries = {name: _version(name) for name in ("torch", "transformers", "speculators")}
+    code = code_fingerprint("eagleflow.train.methods")
+    return hashlib.sha256(json.dumps([verifier, train, draft_vocab, num_aux, code, libraries]).encode()).hexdigest()
+
+
+def _version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _read_remembered(path: Path) -> dict[str, Any]:
+    """The remembered sizes; empty, with a warning, where the file is unreadable or corrupt
+    (it is rewritten): remembering saves time, it never stops a plan."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        log.warning("%s: cannot read the remembered draft sizes (%s): counting again", path, exc)
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _remember(path: Path, key: str, sizes: DraftSizes) -> None:
+    """Add one entry, read again just before the atomic write: plans writing at once lose at
+    most each other's newest entry, never the file. A file that cannot be written is a warning."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, {**_read_remembered(path), key: dataclasses.asdict(sizes)})
+    except OSError as exc:
+        log.warning("%s: cannot remember the draft sizes (%s): the next plan counts again", path, exc)
+
+
+def _count(verifier: str, train: str, draft_vocab: int, num_aux: int) -> DraftSizes:
     from eagleflow.common.config import typed
     from eagleflow.train.config import TrainConfig
     from eagleflow.train.methods import draft_method
