@@ -160,7 +160,7 @@ def _shipped(train: dict[str, Any]) -> bool:
 
 def _sizes_key(verifier: str, train: str, draft_vocab: int, num_aux: int) -> str:
     libraries = {name: _version(name) for name in ("torch", "transformers", "speculators")}
-    code = code_fingerprint("eagleflow.train.methods")
+    code = code_fingerprint(__name__)  # this module and what it imports: the methods, their drafts
     return hashlib.sha256(json.dumps([verifier, train, draft_vocab, num_aux, code, libraries]).encode()).hexdigest()
 
 
