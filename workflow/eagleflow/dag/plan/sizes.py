@@ -130,18 +130,18 @@ def draft_sizes(g: Geometry, train: dict[str, Any], draft_vocab: int, num_aux: i
 def _counted(verifier: str, train: str, draft_vocab: int, num_aux: int) -> DraftSizes:
     """DraftSizes as remembered beside the file digests (remembered_sizes_path), else
     counted (_count) and remembered. Counting imports speculators and builds the draft: about
-    10 s, in every `snakemake` call that plans a train job; what it counts follows from the
-    arguments, the draft methods' code and the installed libraries, and all of them key it."""
-    key = _sizes_key(verifier, train, draft_vocab, num_aux)
+    13 s of CPU, in every `snakemake` call that plans a train job; what it counts follows from
+    the arguments, the draft methods' code and the installed libraries, and all of them key it."""
     # A method registered from outside the package (a test's toy) is in no fingerprint: counted.
     path = remembered_sizes_path() if _shipped(json.loads(train)) else None
-    remembered = _read_remembered(path) if path else {}
-    entry = remembered.get(key)
+    if path is None:
+        return _count(verifier, train, draft_vocab, num_aux)
+    key = _sizes_key(verifier, train, draft_vocab, num_aux)
+    entry = _read_remembered(path).get(key)
     if isinstance(entry, dict) and set(entry) == {f.name for f in dataclasses.fields(DraftSizes)}:
         return DraftSizes(**entry)
     sizes = _count(verifier, train, draft_vocab, num_aux)
-    if path:
-        _remember(path, key, sizes)
+    _remember(path, key, sizes)
     return sizes
 
 
