@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.metadata
 import json
 import logging
 import shutil
@@ -15,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from eagleflow.common.atomic import write_json
-from eagleflow.common.cache_keys import nvidia_smi
+from eagleflow.common.cache_keys import nvidia_smi, software
 from eagleflow.common.fingerprint import code_fingerprint
 from eagleflow.common.identity import digest_cache_path
 from eagleflow.common.verifier_config import draft_attention_geometry, text_config
@@ -159,16 +158,9 @@ def _shipped(train: dict[str, Any]) -> bool:
 
 
 def _sizes_key(verifier: str, train: str, draft_vocab: int, num_aux: int) -> str:
-    libraries = {name: _version(name) for name in ("torch", "transformers", "speculators")}
+    libraries = software(("torch", "transformers", "speculators"))
     code = code_fingerprint(__name__)  # this module and what it imports: the methods, their drafts
     return hashlib.sha256(json.dumps([verifier, train, draft_vocab, num_aux, code, libraries]).encode()).hexdigest()
-
-
-def _version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def _read_remembered(path: Path) -> dict[str, Any]:
