@@ -118,16 +118,15 @@ def test_draft_sizes_are_remembered_across_processes_keyed_by_what_decides_them(
     def no_count(*args):
         raise AssertionError("counted again")
 
-    monkeypatch.setattr(sizes, "_count", no_count)
-    sizes._counted.cache_clear()
-    assert sizes.draft_sizes(g, train, 64, 3) == counted
-    for changed in ((g, train, 32, 3), (g, train, 64, 2), (g, {**train, "num_layers": 2}, 64, 3)):
+    with monkeypatch.context() as m:
+        m.setattr(sizes, "_count", no_count)
         sizes._counted.cache_clear()
-        with pytest.raises(AssertionError, match="counted again"):
-            sizes.draft_sizes(*changed)
+        assert sizes.draft_sizes(g, train, 64, 3) == counted
+        for changed in ((g, train, 32, 3), (g, train, 64, 2), (g, {**train, "num_layers": 2}, 64, 3)):
+            sizes._counted.cache_clear()
+            with pytest.raises(AssertionError, match="counted again"):
+                sizes.draft_sizes(*changed)
 
-    monkeypatch.undo()
-    monkeypatch.setenv("EAGLEFLOW_DIGEST_CACHE", str(tiny_llama_dir.parent / "digests" / "d.json"))
     sizes.remembered_sizes_path().write_text("{not json")
     sizes._counted.cache_clear()
     with caplog.at_level(logging.WARNING):
