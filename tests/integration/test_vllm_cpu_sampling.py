@@ -4,13 +4,15 @@ launch it with chunked prefill off (runtime.vllm_cpu.seeded_sampling_args)."""
 
 import asyncio
 import logging
+from pathlib import Path
 
 import httpx2
 import pytest
 
-from devkit.configs import lean_server_config, server_config
+from devkit.configs import server_config
 from eagleflow.common.requests import samples_with_seed
 from eagleflow.runtime import spec as spec_module
+from eagleflow.runtime.process import group_members
 from eagleflow.runtime.server_args import result_args
 from eagleflow.runtime.spec import ServerSpec
 from eagleflow.runtime.vllm_cpu import seeded_sampling_args
@@ -55,9 +57,12 @@ def test_seeded_sampled_requests_whose_prefills_vllm_would_split_are_served(tiny
     """A step budget of 256 tokens and six 180-token prompts at once: with chunked prefill on,
     vLLM splits all but the first prefill and every request fails with the engine (seen:
     six 500s and a dead server). Launched as generate launches for `temperature > 0`, all
-    six are answered and the server lives."""
+    six are answered and the server lives.
+
+    In vLLM's own process layout (not the test DAG's lean one): an engine core and a worker,
+    which vllm-cpu would spawn and eagleflow forks (runtime/vllm_cpu_entry.py)."""
     capacity = ["--max-num-batched-tokens", "256", "--max-num-seqs", "8"]
-    server = lean_server_config(max_model_len=256, extra_args=["--distributed-executor-backend", "uni", *capacity])
+    server = server_config(max_model_len=256, extra_args=capacity, env={"VLLM_CPU_KVCACHE_SPACE": "1"})
     spec = ServerSpec.from_config(server, str(tiny_llama_dir), seeded_sampling=True)
 
     async def ask(url: str) -> list[int]:
@@ -73,5 +78,9 @@ def test_seeded_sampled_requests_whose_prefills_vllm_would_split_are_served(tiny
     with caplog.at_level(logging.INFO), VllmServer(spec, tmp_path / "vllm.log") as srv:
         assert asyncio.run(ask(srv.base_url)) == [200] * 6
         assert srv.proc.poll() is None and httpx2.get(f"{srv.base_url}/health").status_code == 200
+        titles = {Path(f"/proc/{pid}/comm").read_text().strip() for pid in group_members(srv.proc.pid)}
+    assert {"VLLM::EngineCor", "VLLM::Worker"} <= titles  # /proc's comm: 15 characters
     assert f"launched with {OFF}" in caplog.text
-    assert "does not use offset" not in (tmp_path / "vllm.log").read_text()
+    log = (tmp_path / "vllm.log").read_text()
+    assert "does not use offset" not in log
+    assert "the engine core is forked, not spawned" in log

@@ -21,12 +21,14 @@ from eagleflow.common.verifier_config import (
     safetensors_weight_map,
     vllm_serving_problems,
 )
+from eagleflow.runtime import vllm_cpu_entry
 from eagleflow.runtime.vllm_cpu import (
     cpu_has_amx,
     draft_backend_problem,
     seeded_sampling_args,
     vllm_cpu_installed,
 )
+from eagleflow.runtime.vllm_cpu_entry import SERVER_MODULE
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +83,9 @@ class ServerSpec:
     startup_timeout_s: float
     launcher: Sequence[str] | None = None  # server.command: argv before vLLM's flags
     # Without a launcher: the module this interpreter runs (`python -m`), vLLM's OpenAI server
-    # or a stage's wrapper of it (the benchmark's, benchmark/vllm_serve.py).
-    entry_module: str = "vllm.entrypoints.openai.api_server"
+    # (on vllm-cpu through runtime/vllm_cpu_entry.py) or a stage's wrapper of it (the
+    # benchmark's, benchmark/vllm_serve.py).
+    entry_module: str = SERVER_MODULE
     port: int | None = None  # None: pick a free port
     speculative_config: dict | None = None  # set by the benchmark
     stop_grace_s: float = 20.0  # SIGTERM first; SIGKILL whatever is left after this long
@@ -118,7 +121,7 @@ class ServerSpec:
     def command(self, port: int) -> list[str]:
         # `python -m` because the `vllm` console script fails under the vllm-cpu
         # distribution (it looks up metadata of a distribution named `vllm`).
-        launcher = list(self.launcher or [sys.executable, "-m", self.entry_module])
+        launcher = list(self.launcher or [sys.executable, "-m", self.launched_module()])
         cmd = [
             *self.wrapper,
             *launcher,
@@ -146,6 +149,13 @@ class ServerSpec:
             cmd += ["--speculative-config", json.dumps(self.speculative_config)]
         cmd += list(self.launch_extra_args())
         return cmd
+
+    def launched_module(self) -> str:
+        """The module `python -m` runs: vLLM's server through vllm_cpu_entry on vllm-cpu (its
+        engine core forked: less than half the start), else entry_module as it is."""
+        if self.entry_module == SERVER_MODULE and vllm_cpu_installed():
+            return vllm_cpu_entry.__name__
+        return self.entry_module
 
     def launch_extra_args(self) -> tuple[str, ...]:
         """`extra_args` as launched: with vllm-cpu's seeded-sampling workaround where it applies."""
