@@ -30,6 +30,9 @@ from unittest import mock
 
 import httpx2
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))  # the eagleflow package
+
 from devkit.configs import lean_server_config, server_config
 from devkit.verifiers import save_tiny_llama
 from eagleflow.runtime import spec as spec_module
