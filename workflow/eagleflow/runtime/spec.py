@@ -28,7 +28,6 @@ from eagleflow.runtime.vllm_cpu import (
     seeded_sampling_args,
     vllm_cpu_installed,
 )
-from eagleflow.runtime.vllm_cpu_entry import SERVER_MODULE
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +84,7 @@ class ServerSpec:
     # Without a launcher: the module this interpreter runs (`python -m`), vLLM's OpenAI server
     # (on vllm-cpu through runtime/vllm_cpu_entry.py) or a stage's wrapper of it (the
     # benchmark's, benchmark/vllm_serve.py).
-    entry_module: str = SERVER_MODULE
+    entry_module: str = vllm_cpu_entry.SERVER_MODULE
     port: int | None = None  # None: pick a free port
     speculative_config: dict | None = None  # set by the benchmark
     stop_grace_s: float = 20.0  # SIGTERM first; SIGKILL whatever is left after this long
@@ -153,7 +152,7 @@ class ServerSpec:
     def launched_module(self) -> str:
         """The module `python -m` runs: vLLM's server through vllm_cpu_entry on vllm-cpu (its
         engine core forked: less than half the start), else entry_module as it is."""
-        if self.entry_module == SERVER_MODULE and vllm_cpu_installed():
+        if self.entry_module == vllm_cpu_entry.SERVER_MODULE and vllm_cpu_installed():
             return vllm_cpu_entry.__name__
         return self.entry_module
 

